@@ -1,0 +1,35 @@
+# `make test` is what CI runs (.ci/run); it needs nothing but Python 3.11 on the machine.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test lint typecheck pytest serve demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+test: lint typecheck pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/pytest
+
+# Until the demo lands, the main job is the gateway serving the example configuration on the embedded Postgres.
+serve: $(STAMP)
+	$(BIN)/effect-gateway serve --config examples/gateway.toml
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.gateway_overhead
+
+clean:
+	rm -rf $(VENV) .effect-gateway .pytest_cache .mypy_cache .ruff_cache

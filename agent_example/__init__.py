@@ -1,0 +1,1 @@
+"""The grocery agent, its demo upstreams and the crash matrix (issue 4; not built yet)."""

@@ -1,0 +1,231 @@
+"""The admin surface: health, metrics, the effects audit, and operator resolution."""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from aiohttp import web
+
+from gateway import problems
+from gateway.decision import resolution
+from gateway.record import EffectRecord, StoredResponse
+from gateway.runtime import RUNTIME, Runtime, is_admin, tenant_of
+from gateway.settings import parse_duration
+from gateway.states import State
+from gateway.store import EffectFilter
+
+# A page of the audit: enough to scan by eye, small enough to render at once.
+DEFAULT_PAGE = 50
+MAX_PAGE = 500
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/_gateway/health", health)
+    app.router.add_get("/_gateway/metrics", metrics)
+    app.router.add_get("/_gateway/effects", list_effects)
+    app.router.add_get("/_gateway/effects/{id}", get_effect)
+    app.router.add_post("/_gateway/effects/{id}/resolve", resolve_effect)
+
+
+def _runtime(request: web.Request) -> Runtime:
+    return request.app[RUNTIME]
+
+
+def _viewer(request: web.Request, runtime: Runtime) -> str | None:
+    """The tenant whose effects this caller may read; None for all (the admin)."""
+    if is_admin(request, runtime.settings):
+        return None
+    if runtime.settings.tenants and "Effect-Gateway-Token" in request.headers:
+        return tenant_of(request, runtime.settings)
+    raise problems.AdminTokenRequired("send the admin token as Authorization: Bearer <token>")
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, text=json.dumps(data, indent=1), content_type="application/json")
+
+
+async def health(request: web.Request) -> web.Response:
+    runtime = _runtime(request)
+    counts = await runtime.store.state_counts()
+    return _json(
+        {
+            "status": "ok",
+            "effects": counts,
+            "needs_review": counts[State.NEEDS_REVIEW.value],
+            "upstreams": sorted(runtime.policies),
+        }
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    runtime = _runtime(request)
+    _viewer(request, runtime)
+    counts = await runtime.store.state_counts()
+    lines = [
+        "# HELP effect_gateway_effects Effect records by state.",
+        "# TYPE effect_gateway_effects gauge",
+        *(f'effect_gateway_effects{{state="{state}"}} {n}' for state, n in sorted(counts.items())),
+    ]
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+
+
+def _body_fields(prefix: str, body: bytes | None) -> dict[str, Any]:
+    if body is None:
+        return {prefix: None}
+    try:
+        return {prefix: body.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {prefix + "_base64": base64.b64encode(body).decode()}
+
+
+def _when(value: datetime | None) -> str | None:
+    return value.isoformat() if value else None
+
+
+def effect_json(record: EffectRecord, *, full: bool) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "id": record.id,
+        "tenant": record.tenant,
+        "upstream": record.upstream,
+        "key": record.key,
+        "method": record.method,
+        "path": record.path,
+        "query": record.query,
+        "state": record.state.value,
+        "attempt": record.attempt,
+        "response_status": record.response.status if record.response else None,
+        "recovered_by": record.recovered_by,
+        "run_id": record.run_id,
+        "step": record.step,
+        "created_at": _when(record.created_at),
+        "first_sent_at": _when(record.first_sent_at),
+        "last_sent_at": _when(record.last_sent_at),
+        "completed_at": _when(record.completed_at),
+        "replays": record.replays,
+        "purged_at": _when(record.purged_at),
+    }
+    if full:
+        doc["derived_key"] = record.derived_key
+        doc["fingerprint"] = record.fingerprint
+        doc["may_have_sent"] = record.may_have_sent
+        doc["lease_expires_at"] = _when(record.lease_expires_at)
+        doc["request_headers"] = record.request_headers
+        doc.update(_body_fields("request_body", record.request_body))
+        doc["response_headers"] = [list(h) for h in record.response.headers] if record.response else None
+        doc.update(_body_fields("response_body", record.response.body if record.response else None))
+        doc["history"] = record.history
+    return doc
+
+
+def _since(value: str) -> datetime:
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        pass
+    try:
+        return datetime.now(UTC) - parse_duration(value)
+    except ValueError:
+        raise problems.BadRequest(f"since={value!r} is neither an ISO time nor a duration like 1h") from None
+
+
+def _int(value: str, name: str, low: int, high: int) -> int:
+    if not value.isdigit() or not low <= int(value) <= high:
+        raise problems.BadRequest(f"{name} must be a whole number from {low} to {high}")
+    return int(value)
+
+
+def parse_filter(query: dict[str, str], tenant: str | None) -> EffectFilter:
+    state = query.get("state")
+    if state is not None and state not in State.__members__.values():
+        raise problems.BadRequest(f"state must be one of {', '.join(s.value for s in State)}")
+    return EffectFilter(
+        tenant=tenant,
+        state=State(state) if state else None,
+        upstream=query.get("upstream"),
+        run_id=query.get("run"),
+        since=_since(query["since"]) if "since" in query else None,
+        before_id=_int(query["before"], "before", 1, 2**62) if "before" in query else None,
+        limit=_int(query["limit"], "limit", 1, MAX_PAGE) if "limit" in query else DEFAULT_PAGE,
+    )
+
+
+async def list_effects(request: web.Request) -> web.Response:
+    runtime = _runtime(request)
+    where = parse_filter(dict(request.query), _viewer(request, runtime))
+    records = await runtime.store.find(where)
+    page: dict[str, Any] = {"effects": [effect_json(r, full=False) for r in records], "next": None}
+    if len(records) == where.limit:
+        nxt = request.rel_url.update_query(before=str(records[-1].id))
+        page["next"] = str(nxt)
+    return _json(page)
+
+
+async def _load(request: web.Request, tenant: str | None) -> EffectRecord:
+    runtime = _runtime(request)
+    raw = request.match_info["id"]
+    if not raw.isdigit():
+        raise problems.NotFound(f"no effect {raw!r}")
+    record = await runtime.store.get(int(raw), tenant)
+    if record is None:
+        raise problems.NotFound(f"no effect {raw}")
+    return record
+
+
+async def get_effect(request: web.Request) -> web.Response:
+    record = await _load(request, _viewer(request, _runtime(request)))
+    return _json(effect_json(record, full=True))
+
+
+def parse_resolution(doc: Any) -> tuple[bool, StoredResponse | None]:
+    """``{"happened": false}`` or ``{"happened": true, "response": {"status", "headers", "body"|"json"}}``."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("happened"), bool):
+        raise problems.BadRequest('send {"happened": true, "response": {...}} or {"happened": false}')
+    if not doc["happened"]:
+        return False, None
+    response = doc.get("response")
+    if not isinstance(response, dict) or not isinstance(response.get("status"), int):
+        raise problems.BadRequest('"happened": true needs "response": {"status": 201, ...} to replay')
+    status = response["status"]
+    if not 100 <= status <= 599:
+        raise problems.BadRequest("response.status must be an HTTP status")
+    headers_in = response.get("headers", {})
+    if isinstance(headers_in, dict):
+        headers = [(str(k), str(v)) for k, v in headers_in.items()]
+    elif isinstance(headers_in, list) and all(isinstance(h, list) and len(h) == 2 for h in headers_in):
+        headers = [(str(k), str(v)) for k, v in headers_in]
+    else:
+        raise problems.BadRequest("response.headers must be an object or a list of [name, value]")
+    if "json" in response:
+        body = json.dumps(response["json"]).encode()
+        if not any(k.lower() == "content-type" for k, _ in headers):
+            headers.append(("Content-Type", "application/json"))
+    else:
+        body_text = response.get("body", "")
+        if not isinstance(body_text, str):
+            raise problems.BadRequest("response.body must be a string (or give response.json)")
+        body = body_text.encode()
+    return True, StoredResponse(status, tuple(headers), body)
+
+
+async def resolve_effect(request: web.Request) -> web.Response:
+    runtime = _runtime(request)
+    if not is_admin(request, runtime.settings):
+        raise problems.AdminTokenRequired("resolving an effect needs the admin token")
+    record = await _load(request, None)
+    try:
+        doc = await request.json()
+    except ValueError:
+        raise problems.BadRequest("the body must be JSON") from None
+    happened, response = parse_resolution(doc)
+    try:
+        target = resolution(record.state, happened=happened)
+    except ValueError as exc:
+        raise problems.NotResolvable(str(exc), effect_id=record.id) from None
+    by = request.headers.get("Effect-Gateway-Operator")
+    resolved = await runtime.store.resolve(record.id, target, response, by)
+    if resolved is None:
+        raise problems.NotResolvable("the effect changed state meanwhile; read it again", effect_id=record.id)
+    return _json(effect_json(resolved, full=True))

@@ -1,0 +1,17 @@
+"""The gateway's own exceptions; third-party ones are mapped to these at the store and upstream seams."""
+
+
+class GatewayError(Exception):
+    """Base of every error the gateway raises on purpose."""
+
+
+class ConfigError(GatewayError):
+    """The configuration cannot be used; the message is one line naming the setting."""
+
+
+class StoreUnavailable(GatewayError):
+    """Postgres could not be reached or answered with an error we cannot act on."""
+
+
+class ProbeFailed(GatewayError):
+    """A probe could not say whether the effect exists (timeout, bad status, garbage answer)."""

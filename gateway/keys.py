@@ -1,0 +1,77 @@
+"""Idempotency keys: their syntax, their scope, and the key the gateway derives for the upstream."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+# 255: Stripe's limit, and what the IETF draft's examples fit in; longer keys are a sign of misuse.
+MAX_KEY_LENGTH = 255
+
+
+class KeySyntaxError(ValueError):
+    """The header value is not a key."""
+
+
+def parse_key(value: str) -> str:
+    """Accept the IETF sf-string form (``"abc"``) and Stripe's bare form (``abc``).
+
+    A key is 1 to 255 visible ASCII characters (0x21-0x7e); inside the quoted form only
+    ``\\"`` and ``\\\\`` are escapes, as RFC 8941 says.
+    """
+    value = value.strip(" \t")
+    if value.startswith('"'):
+        value = _unquote(value)
+    if not value:
+        raise KeySyntaxError("the key is empty")
+    if len(value) > MAX_KEY_LENGTH:
+        raise KeySyntaxError(f"the key is {len(value)} characters long; at most {MAX_KEY_LENGTH} are allowed")
+    bad = next((ch for ch in value if not "\x21" <= ch <= "\x7e"), None)
+    if bad is not None:
+        raise KeySyntaxError(f"the key may hold only visible ASCII characters, not {bad!r}")
+    return value
+
+
+def _unquote(value: str) -> str:
+    if len(value) < 2 or not value.endswith('"'):
+        raise KeySyntaxError("a quoted key must end with a double quote")
+    out: list[str] = []
+    inner = value[1:-1]
+    i = 0
+    while i < len(inner):
+        ch = inner[i]
+        if ch == "\\":
+            if i + 1 >= len(inner) or inner[i + 1] not in '"\\':
+                raise KeySyntaxError('in a quoted key, a backslash may only escape " or \\')
+            out.append(inner[i + 1])
+            i += 2
+            continue
+        if ch == '"':
+            raise KeySyntaxError('a quoted key must escape an inner " as \\"')
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+@dataclass(frozen=True, slots=True)
+class ScopedKey:
+    """A key as the gateway stores it: one tenant can never see another's."""
+
+    tenant: str
+    upstream: str
+    key: str
+
+    def derived(self) -> str:
+        """The key the upstream receives: stable across retries, unique per tenant and upstream.
+
+        The agent's own key never reaches the upstream, so two tenants that pick the same key (or an
+        agent that reuses one across upstreams) cannot collide in the upstream's key space.
+        """
+        digest = hashlib.sha256()
+        for part in (self.tenant, self.upstream, self.key):
+            # Length-prefixed so ("a", "bc") and ("ab", "c") differ.
+            raw = part.encode()
+            digest.update(len(raw).to_bytes(4, "big"))
+            digest.update(raw)
+        # 32 hex digits (128 bits): collision-free for any number of effects a gateway will see.
+        return "eg_" + digest.hexdigest()[:32]

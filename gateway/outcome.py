@@ -1,0 +1,32 @@
+"""What one attempt at the upstream came to, as the upstream seam reports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """The upstream answered with a status (which may still leave the effect in doubt)."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class NotSent:
+    """The request never left the gateway (connection refused, DNS failure): nothing happened."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class NoAnswer:
+    """The request left, but no usable answer came back (timeout, reset, an answer too large to keep)."""
+
+    reason: str
+    timed_out: bool = False
+
+
+Outcome = Answered | NotSent | NoAnswer

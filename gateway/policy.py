@@ -1,0 +1,103 @@
+"""Each upstream's policy as plain values, built once from the settings at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Literal
+
+from gateway import decision
+from gateway.settings import Settings, UpstreamSettings
+
+StampKind = Literal["json_field", "form_field", "query_param", "header"]
+
+
+@dataclass(frozen=True, slots=True)
+class HttpProbe:
+    method: str
+    path: str
+    found: str | None
+    status: int
+
+
+@dataclass(frozen=True, slots=True)
+class PythonProbe:
+    entry_point: str
+    status: int
+
+
+@dataclass(frozen=True, slots=True)
+class Secrets:
+    """Header values injected upstream; kept out of every repr so they never reach a log."""
+
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"Secrets({sorted(self.headers)!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamPolicy:
+    name: str
+    base_url: str
+    timeout: timedelta
+    lease: timedelta
+    native_header: str | None
+    native_ttl: timedelta | None
+    stamp: tuple[StampKind, str] | None
+    probe: HttpProbe | PythonProbe | None
+    repeat_harmless: bool
+    inject: Secrets
+    secret_headers: frozenset[str]
+    fingerprint_headers: tuple[str, ...]
+
+    @property
+    def decision(self) -> decision.Policy:
+        return decision.Policy(
+            lease=self.lease,
+            native_key_ttl=self.native_ttl,
+            has_probe=self.probe is not None,
+            repeat_harmless=self.repeat_harmless,
+        )
+
+    @property
+    def never_stored(self) -> frozenset[str]:
+        """Request headers that must never reach the database."""
+        return self.secret_headers | {name.lower() for name in self.inject.headers}
+
+
+def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) -> UpstreamPolicy:
+    stamp: tuple[StampKind, str] | None = None
+    if cfg.stamp is not None:
+        for kind in ("json_field", "form_field", "query_param", "header"):
+            value = getattr(cfg.stamp, kind)
+            if value:
+                stamp = (kind, value)
+    probe: HttpProbe | PythonProbe | None = None
+    if cfg.probe is not None:
+        if cfg.probe.entry_point:
+            probe = PythonProbe(cfg.probe.entry_point, cfg.probe.status)
+        else:
+            assert cfg.probe.path is not None  # checked by the settings
+            probe = HttpProbe(cfg.probe.method, cfg.probe.path, cfg.probe.found, cfg.probe.status)
+    return UpstreamPolicy(
+        name=name,
+        base_url=cfg.base_url.rstrip("/"),
+        timeout=cfg.timeout,
+        # The upstream finishes or abandons a request within its timeout; the grace covers our own write.
+        lease=cfg.timeout + lease_grace,
+        native_header=cfg.native_key.header if cfg.native_key else None,
+        native_ttl=cfg.native_key.ttl if cfg.native_key else None,
+        stamp=stamp,
+        probe=probe,
+        repeat_harmless=cfg.repeat_harmless,
+        inject=Secrets({k: v.get_secret_value() for k, v in cfg.inject_headers.items()}),
+        secret_headers=frozenset(h.lower() for h in cfg.secret_headers),
+        fingerprint_headers=tuple(cfg.fingerprint_headers),
+    )
+
+
+def upstream_policies(settings: Settings) -> dict[str, UpstreamPolicy]:
+    return {
+        name: upstream_policy(name, cfg, settings.lease_grace) for name, cfg in settings.upstreams.items()
+    }

@@ -1,0 +1,143 @@
+"""Probes: ask the upstream whether an effect exists, by the key stamped into it.
+
+Two kinds: the built-in HTTP probe configured per upstream, and Python callables registered under the
+entry-point group ``effect_gateway.probes``. Anything short of a clear answer raises ProbeFailed, and
+the caller leaves the record as it was.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+from yarl import URL
+
+from gateway.errors import ConfigError, ProbeFailed
+from gateway.policy import HttpProbe, PythonProbe, UpstreamPolicy
+from gateway.record import StoredResponse
+
+ENTRY_POINT_GROUP = "effect_gateway.probes"
+JSON = ("Content-Type", "application/json")
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeContext:
+    """What a Python probe is given: the derived key it should look for and a way to reach the upstream."""
+
+    key: str
+    upstream: str
+    base_url: str
+    headers: dict[str, str]
+    session: aiohttp.ClientSession
+    timeout: float
+
+
+# A Python probe returns the effect as JSON when it exists, None when it does not, and raises otherwise.
+PythonProbeFn = Callable[[ProbeContext], Awaitable[Any | None]]
+
+
+def load_python_probe(name: str) -> PythonProbeFn:
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            fn: PythonProbeFn = ep.load()
+            return fn
+    raise ConfigError(f"bad setting probe.entry_point: no probe named {name!r} in group {ENTRY_POINT_GROUP}")
+
+
+def dig(doc: Any, path: str) -> Any | None:
+    """Follow ``items.0.id``-style paths into JSON; None where the path leads nowhere."""
+    for part in path.split(".") if path else ():
+        if isinstance(doc, list) and part.isdigit():
+            index = int(part)
+            doc = doc[index] if index < len(doc) else None
+        elif isinstance(doc, dict):
+            doc = doc.get(part)
+        else:
+            return None
+        if doc is None:
+            return None
+    return doc
+
+
+class Prober:
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+        self._python: dict[str, PythonProbeFn] = {}
+
+    def check(self, policy: UpstreamPolicy) -> None:
+        """Load Python probes at start-up, so a missing one stops the gateway instead of a recovery."""
+        if isinstance(policy.probe, PythonProbe):
+            self._python[policy.probe.entry_point] = load_python_probe(policy.probe.entry_point)
+
+    async def probe(self, policy: UpstreamPolicy, derived_key: str) -> StoredResponse | None:
+        """The effect as a response to replay, or None when the upstream says it does not exist."""
+        match policy.probe:
+            case HttpProbe() as http:
+                return await self._http(policy, http, derived_key)
+            case PythonProbe() as py:
+                return await self._call_python(policy, py, derived_key)
+            case None:
+                raise ProbeFailed(f"upstream {policy.name} has no probe")
+
+    async def _http(self, policy: UpstreamPolicy, http: HttpProbe, derived_key: str) -> StoredResponse | None:
+        url = URL(policy.base_url + http.path.replace("{key}", quote(derived_key, safe="")), encoded=True)
+        try:
+            async with self._session.request(
+                http.method,
+                url,
+                headers=policy.inject.headers,
+                timeout=aiohttp.ClientTimeout(total=policy.timeout.total_seconds()),
+                allow_redirects=False,
+            ) as resp:
+                body = await resp.read()
+                status = resp.status
+        except TimeoutError:
+            raise ProbeFailed(f"the probe of {policy.name} did not answer in time") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise ProbeFailed(f"the probe of {policy.name} failed: {type(exc).__name__}: {exc}") from None
+        if status == 404:
+            return None
+        if not 200 <= status < 300:
+            raise ProbeFailed(f"the probe of {policy.name} answered {status}")
+        if http.method == "HEAD" or http.found is None:
+            # No JSON to look into: a 2xx means the effect exists, and there is nothing more to replay.
+            return StoredResponse(http.status, (JSON,), b"{}")
+        try:
+            doc = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            raise ProbeFailed(f"the probe of {policy.name} answered something that is not JSON") from None
+        found = dig(doc, http.found)
+        if found is None:
+            return None
+        return StoredResponse(http.status, (JSON,), json.dumps(found).encode())
+
+    async def _call_python(
+        self, policy: UpstreamPolicy, py: PythonProbe, derived_key: str
+    ) -> StoredResponse | None:
+        fn = self._python.get(py.entry_point) or load_python_probe(py.entry_point)
+        ctx = ProbeContext(
+            key=derived_key,
+            upstream=policy.name,
+            base_url=policy.base_url,
+            headers=dict(policy.inject.headers),
+            session=self._session,
+            timeout=policy.timeout.total_seconds(),
+        )
+        try:
+            found = await fn(ctx)
+        except ProbeFailed:
+            raise
+        except Exception as exc:  # a plug-in's failure of any kind is a probe that could not tell
+            raise ProbeFailed(f"the probe {py.entry_point} failed: {type(exc).__name__}: {exc}") from None
+        if found is None:
+            return None
+        try:
+            body = json.dumps(found).encode()
+        except (TypeError, ValueError):
+            raise ProbeFailed(f"the probe {py.entry_point} returned something that is not JSON") from None
+        return StoredResponse(py.status, (JSON,), body)

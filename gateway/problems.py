@@ -1,0 +1,147 @@
+"""problem+json (RFC 9457): every error of the gateway's own, each with a stable ``type``.
+
+The ``type`` URIs are part of the contract: clients branch on them, so they never change.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+from aiohttp import web
+
+TYPE_BASE = "https://effect-gateway.dev/problems/"
+CONTENT_TYPE = "application/problem+json"
+
+
+class Problem(Exception):
+    """An error answered to the client; subclasses fix the status, type and title."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "internal"
+    title: ClassVar[str] = "Internal gateway error"
+
+    def __init__(self, detail: str, *, headers: dict[str, str] | None = None, **extra: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.headers = headers or {}
+        self.extra = extra
+
+    def body(self, instance: str | None = None) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "type": TYPE_BASE + self.type,
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+        }
+        if instance:
+            doc["instance"] = instance
+        doc.update(self.extra)
+        return doc
+
+
+def render(problem: Problem, instance: str | None = None) -> web.Response:
+    """The one place that turns a Problem into an HTTP response."""
+    return web.Response(
+        status=problem.status,
+        body=json.dumps(problem.body(instance)).encode(),
+        content_type=CONTENT_TYPE,
+        headers=problem.headers,
+    )
+
+
+class KeyMissing(Problem):
+    status, type, title = 400, "key-missing", "Idempotency-Key is required"
+
+
+class KeyMalformed(Problem):
+    status, type, title = 400, "key-malformed", "Idempotency-Key is malformed"
+
+
+class PathRefused(Problem):
+    status, type, title = 400, "path-refused", "Path refused"
+
+
+class BadRequest(Problem):
+    status, type, title = 400, "bad-request", "Bad request"
+
+
+class CannotStamp(Problem):
+    status, type, title = 400, "cannot-stamp", "The request has no place for the stamped key"
+
+
+class TokenRequired(Problem):
+    status, type, title = 401, "token-required", "Effect-Gateway-Token is missing or wrong"
+
+
+class AdminTokenRequired(Problem):
+    status, type, title = 401, "admin-token-required", "Admin token is missing or wrong"
+
+
+class UnknownUpstream(Problem):
+    status, type, title = 404, "unknown-upstream", "No such upstream"
+
+
+class NotFound(Problem):
+    status, type, title = 404, "not-found", "Not found"
+
+
+class MethodNotAllowed(Problem):
+    status, type, title = 405, "method-not-allowed", "Method not allowed"
+
+
+class InFlight(Problem):
+    status, type, title = 409, "in-flight", "A request with this key is still in flight"
+
+
+class OutcomeUnknown(Problem):
+    status, type, title = 409, "outcome-unknown", "The effect may have happened; an operator must resolve it"
+
+
+class Fenced(Problem):
+    status, type, title = 409, "fenced", "A newer attempt took over this key"
+
+
+class NotResolvable(Problem):
+    status, type, title = 409, "not-resolvable", "This effect is not waiting for an operator"
+
+
+class ResponsePurged(Problem):
+    status, type, title = 410, "response-purged", "The effect completed but its stored response was purged"
+
+
+class BodyTooLarge(Problem):
+    status, type, title = 413, "body-too-large", "Request body too large"
+
+
+class KeyReused(Problem):
+    status, type, title = 422, "key-reused", "This key was used with a different request"
+
+
+class UpstreamUnreachable(Problem):
+    status, type, title = 502, "upstream-unreachable", "The upstream refused the connection; nothing was sent"
+
+
+class UpstreamBroken(Problem):
+    status, type, title = 502, "upstream-broken", "The connection broke after the request was sent"
+
+
+class ResponseTooLarge(Problem):
+    status, type, title = 502, "response-too-large", "The upstream's response is too large to record"
+
+
+class ProbeUnavailable(Problem):
+    status, type, title = 503, "probe-failed", "Could not check whether the effect happened"
+
+
+class StoreDown(Problem):
+    status, type, title = 503, "store-unavailable", "The effect store is unavailable; nothing was sent"
+
+
+class UpstreamTimeout(Problem):
+    status, type, title = 504, "upstream-timeout", "The upstream did not answer in time"
+
+
+def problem_types() -> dict[str, type[Problem]]:
+    """Every problem type by its stable name (for the README and tests)."""
+    return {cls.type: cls for cls in Problem.__subclasses__()}

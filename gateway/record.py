@@ -1,0 +1,49 @@
+"""The effect record: one row of the ``effects`` table, as the core sees it (no I/O here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from gateway.states import State
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class EffectRecord:
+    id: int
+    tenant: str
+    upstream: str
+    key: str
+    derived_key: str
+    method: str
+    path: str
+    query: str
+    fingerprint: str
+    state: State
+    attempt: int
+    # Whether any attempt settled so far may have reached the upstream (doubt is sticky).
+    may_have_sent: bool
+    lease_expires_at: datetime | None
+    first_sent_at: datetime | None
+    last_sent_at: datetime | None
+    completed_at: datetime | None
+    created_at: datetime
+    response: StoredResponse | None
+    purged_at: datetime | None
+    recovered_by: str | None
+    replays: int
+    run_id: str | None
+    step: str | None
+    request_headers: dict[str, str] = field(default_factory=dict)
+    request_body: bytes | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    # The database's clock when this row was read: every time that decides anything comes from it.
+    read_at: datetime | None = None

@@ -1,0 +1,247 @@
+"""The gateway's configuration: one TOML file plus ``EFFECT_GATEWAY_*`` variables.
+
+This is the only module that knows about pydantic-settings. The core receives plain values
+(:class:`gateway.policy.UpstreamPolicy`), never this object.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import tomllib
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from gateway.errors import ConfigError
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: object) -> timedelta:
+    """Read ``"90s"``, ``"24h"``, ``"7d"`` (or a number of seconds) as a timedelta."""
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return timedelta(seconds=value)
+    if isinstance(value, str) and (match := _DURATION.match(value)):
+        return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    raise ValueError(f"{value!r} is not a duration like '500ms', '90s', '10m', '24h' or '7d'")
+
+
+Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
+
+
+def resolve_secret(value: object) -> SecretStr:
+    """``"env:NAME"`` reads the variable NAME at start-up; anything else is taken literally."""
+    if isinstance(value, SecretStr):
+        return value
+    if not isinstance(value, str):
+        raise ValueError("must be a string such as 'env:NAME'")
+    if value.startswith("env:"):
+        name = value[4:]
+        if name not in os.environ:
+            raise ValueError(f"environment variable {name} is not set")
+        value = os.environ[name]
+    if not value:
+        raise ValueError("must not be empty")
+    return SecretStr(value)
+
+
+Secret = Annotated[SecretStr, BeforeValidator(resolve_secret)]
+
+
+class _Section(BaseModel):
+    # A typo in a setting must stop start-up, not be ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NativeKeySettings(_Section):
+    header: str = "Idempotency-Key"
+    # Stripe prunes keys once they are 24 h old; most APIs that honour keys do the same or less.
+    ttl: Duration = timedelta(hours=24)
+
+
+class StampSettings(_Section):
+    json_field: str | None = None
+    form_field: str | None = None
+    query_param: str | None = None
+    header: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StampSettings:
+        chosen = [v for v in (self.json_field, self.form_field, self.query_param, self.header) if v]
+        if len(chosen) != 1:
+            raise ValueError("name exactly one of json_field, form_field, query_param, header")
+        return self
+
+
+class ProbeSettings(_Section):
+    """The built-in HTTP probe, or a Python probe registered under ``effect_gateway.probes``."""
+
+    method: Literal["GET", "POST", "HEAD"] = "GET"
+    path: str | None = None
+    found: str | None = None
+    status: int = Field(default=200, ge=100, le=599)
+    entry_point: str | None = None
+
+    @model_validator(mode="after")
+    def _http_or_python(self) -> ProbeSettings:
+        if self.entry_point:
+            if self.path:
+                raise ValueError("give either entry_point or path, not both")
+            return self
+        if not self.path or "{key}" not in self.path:
+            raise ValueError("path must be given and contain {key}")
+        if not self.path.startswith("/"):
+            raise ValueError("path must start with /")
+        return self
+
+
+class UpstreamSettings(_Section):
+    base_url: str
+    # Long enough for a slow payment API, short enough that an agent is not left hanging.
+    timeout: Duration = timedelta(seconds=30)
+    native_key: NativeKeySettings | None = None
+    stamp: StampSettings | None = None
+    probe: ProbeSettings | None = None
+    # Set only for upstreams whose duplicates do no harm (e.g. a PUT of the same document).
+    repeat_harmless: bool = False
+    inject_headers: dict[str, Secret] = Field(default_factory=dict)
+    # Headers an agent may send that carry secrets: forwarded, never stored or fingerprinted.
+    secret_headers: list[str] = Field(default_factory=list)
+    # Request headers that change what the upstream does, so a different value is a different request.
+    fingerprint_headers: list[str] = Field(default_factory=lambda: ["content-type"])
+
+    @model_validator(mode="after")
+    def _check(self) -> UpstreamSettings:
+        if not re.match(r"^https?://[^/?#\s]+(/[^?#\s]*)?$", self.base_url):
+            raise ValueError(f"base_url {self.base_url!r} must be an http:// or https:// URL without query")
+        if self.timeout <= timedelta(0):
+            raise ValueError("timeout must be positive")
+        return self
+
+
+class TenantSettings(_Section):
+    token: Secret
+
+
+class AdminSettings(_Section):
+    token: Secret | None = None
+
+
+_UPSTREAM_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="EFFECT_GATEWAY_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    listen: str = "127.0.0.1:8787"
+    database_url: SecretStr | None = None
+    data_dir: Path = Path(".effect-gateway")
+    retention: Duration = timedelta(days=7)
+    # How often serve drops bodies past the retention; an hour keeps the table small without busy work.
+    purge_interval: Duration = timedelta(hours=1)
+    # Added to each upstream's timeout to make its lease: time for the gateway to write down what it saw.
+    lease_grace: Duration = timedelta(seconds=5)
+    # 1 MiB: larger than any JSON or form API call an agent makes, small enough to hold many in memory.
+    max_body_bytes: int = Field(default=1024 * 1024, gt=0)
+    # 10 MiB: responses are stored for replay; a bigger one is a download, not an effect.
+    max_response_bytes: int = Field(default=10 * 1024 * 1024, gt=0)
+    # The upper bound for Prefer: wait=N; a longer hold ties up a connection for nothing.
+    max_wait: Duration = timedelta(seconds=60)
+    tenants: dict[str, TenantSettings] = Field(default_factory=dict)
+    admin: AdminSettings = Field(default_factory=AdminSettings)
+    upstreams: dict[str, UpstreamSettings] = Field(default_factory=dict)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The file's contents arrive as init arguments (see load_settings); variables override the file.
+        return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        listen_host(self.listen)  # raises with a clear message
+        for name in self.upstreams:
+            if not _UPSTREAM_NAME.match(name) or name.startswith("_"):
+                raise ValueError(f"upstream name {name!r} must be lower-case letters, digits, - or _")
+        for name in self.tenants:
+            if not _UPSTREAM_NAME.match(name):
+                raise ValueError(f"tenant name {name!r} must be lower-case letters, digits, - or _")
+        if not self.tenants and not is_loopback(listen_host(self.listen)):
+            raise ValueError(
+                f"listen {self.listen!r} is beyond loopback: configure [tenants] so agents present a token"
+            )
+        return self
+
+
+def listen_host(listen: str) -> str:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
+        raise ValueError(f"listen {listen!r} must be HOST:PORT")
+    return host.strip("[]")
+
+
+def listen_port(listen: str) -> int:
+    return int(listen.rpartition(":")[2])
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_settings(config: Path | str | None = None, **overrides: Any) -> Settings:
+    """Read the TOML file (``--config`` or ``EFFECT_GATEWAY_CONFIG``) and the environment.
+
+    Raises :class:`ConfigError` with one line naming the bad setting.
+    """
+    path = config or os.environ.get("EFFECT_GATEWAY_CONFIG")
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    data.update(overrides)
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(_one_line(exc)) from None
+
+
+def _one_line(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "configuration"
+    message = first["msg"].removeprefix("Value error, ")
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"bad setting {where}: {message}{more}"

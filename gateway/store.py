@@ -1,0 +1,480 @@
+"""The one Postgres seam: claim, re-claim, settle, read. asyncpg errors become StoreUnavailable here.
+
+Every phase is one statement (so one transaction) and every write that follows a claim is fenced by
+the attempt number: ``where id = $1 and attempt = $2``. Times that decide anything come from
+Postgres's clock so that several gateways agree.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from importlib import resources
+from typing import Any, TypeAlias, TypeVar
+
+import asyncpg
+import asyncpg.pool
+
+from gateway.errors import StoreUnavailable
+from gateway.record import EffectRecord, StoredResponse
+from gateway.states import State
+
+T = TypeVar("T")
+Conn: TypeAlias = "asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
+
+# Any constant will do, as long as no other application on the database uses it for another lock.
+MIGRATION_LOCK = 0x65666665637473  # "effects"
+
+_COLUMNS = """
+    id, tenant, upstream, key, derived_key, method, path, query, fingerprint, request_headers,
+    request_body, state, attempt, may_have_sent, lease_expires_at, response_status, response_headers,
+    response_body, recovered_by, run_id, step, created_at, first_sent_at, last_sent_at, completed_at,
+    replays, purged_at, history, clock_timestamp() as read_at
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class NewEffect:
+    tenant: str
+    upstream: str
+    key: str
+    derived_key: str
+    method: str
+    path: str
+    query: str
+    fingerprint: str
+    request_headers: dict[str, str]
+    request_body: bytes
+    run_id: str | None
+    step: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class EffectFilter:
+    tenant: str | None = None
+    state: State | None = None
+    upstream: str | None = None
+    run_id: str | None = None
+    since: datetime | None = None
+    before_id: int | None = None
+    limit: int = 50
+
+
+def _event(kind: str, **data: Any) -> str:
+    """One entry of a row's history, as a JSON array to append with ``history || $n::jsonb``."""
+    return json.dumps([{"event": kind, **{k: v for k, v in data.items() if v is not None}}])
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+
+_RETRYABLE_SQLSTATES = (asyncpg.exceptions.SerializationError, asyncpg.exceptions.DeadlockDetectedError)
+
+
+class Store:
+    """The effects table. One Postgres implementation; tests run it against a real server."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    @classmethod
+    async def connect(cls, dsn: str, *, min_size: int = 2, max_size: int = 20) -> Store:
+        try:
+            pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_connection)
+        except (OSError, asyncpg.PostgresError) as exc:
+            raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
+        return cls(pool)
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+    async def _run(self, op: Callable[[Conn], Awaitable[T]]) -> T:
+        """Run one phase; retry only what Postgres says is retryable, map the rest to our own error."""
+        for attempt in range(3):
+            try:
+                async with self._pool.acquire() as conn:
+                    return await op(conn)
+            except _RETRYABLE_SQLSTATES:
+                if attempt == 2:
+                    raise
+            except (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError) as exc:
+                raise StoreUnavailable(f"Postgres is unavailable: {exc}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # --- the idempotency phases -------------------------------------------------------------------
+
+    async def claim(self, new: NewEffect, lease: timedelta) -> tuple[EffectRecord, bool]:
+        """Insert a pending record holding attempt 1, or read the one that holds the key.
+
+        Returns the record and whether this call created it. The insert is committed before it returns:
+        the claim is durable before the request leaves.
+        """
+
+        async def op(conn: Conn) -> tuple[EffectRecord, bool]:
+            row = await conn.fetchrow(
+                f"""
+                insert into effects (tenant, upstream, key, derived_key, method, path, query, fingerprint,
+                    request_headers, request_body, state, lease_expires_at, first_sent_at, last_sent_at,
+                    run_id, step, history)
+                values ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'pending', now() + $11::interval,
+                    now(), now(), $12, $13, $14::jsonb)
+                on conflict (tenant, upstream, key) do nothing
+                returning {_COLUMNS}
+                """,
+                new.tenant,
+                new.upstream,
+                new.key,
+                new.derived_key,
+                new.method,
+                new.path,
+                new.query,
+                new.fingerprint,
+                new.request_headers,
+                new.request_body,
+                lease,
+                new.run_id,
+                new.step,
+                _event("claimed", attempt=1),
+            )
+            if row is not None:
+                return _record(row), True
+            # Someone else holds the key. (Read separately: the insert's snapshot may predate their row.)
+            existing = await conn.fetchrow(
+                f"select {_COLUMNS} from effects where tenant = $1 and upstream = $2 and key = $3",
+                new.tenant,
+                new.upstream,
+                new.key,
+            )
+            assert existing is not None, "a conflicting row cannot disappear: effects are never deleted"
+            return _record(existing), False
+
+        return await self._run(op)
+
+    async def reclaim(self, record: EffectRecord, lease: timedelta, reason: str) -> EffectRecord | None:
+        """Take the record over for a new attempt, if nobody has since ``record`` was read."""
+
+        async def op(conn: Conn) -> EffectRecord | None:
+            row = await conn.fetchrow(
+                f"""
+                update effects set
+                    attempt = attempt + 1,
+                    state = 'pending',
+                    -- a pending record whose lease ran out may have been sent by the gateway that held it
+                    may_have_sent = may_have_sent or state = 'pending',
+                    lease_expires_at = now() + $3::interval,
+                    last_sent_at = now(),
+                    first_sent_at = coalesce(first_sent_at, now()),
+                    history = history || $4::jsonb
+                where id = $1 and attempt = $2
+                returning {_COLUMNS}
+                """,
+                record.id,
+                record.attempt,
+                lease,
+                _event("reclaimed", attempt=record.attempt + 1, reason=reason, was=record.state.value),
+            )
+            return _record(row) if row is not None else None
+
+        return await self._run(op)
+
+    async def settle(
+        self,
+        record: EffectRecord,
+        state: State,
+        *,
+        may_have_sent: bool,
+        ends_lease: bool,
+        response: StoredResponse | None,
+        recovered_by: str | None,
+        note: str | None = None,
+    ) -> EffectRecord | None:
+        """Write what the current attempt saw; None when a newer attempt fenced this one out."""
+        completed = state is State.COMPLETED
+
+        async def op(conn: Conn) -> EffectRecord | None:
+            row = await conn.fetchrow(
+                f"""
+                update effects set
+                    state = $3,
+                    may_have_sent = $4,
+                    lease_expires_at = case when $5 then least(lease_expires_at, now())
+                                            else lease_expires_at end,
+                    response_status = coalesce($6, response_status),
+                    response_headers = coalesce($7, response_headers),
+                    response_body = coalesce($8, response_body),
+                    recovered_by = coalesce($9, recovered_by),
+                    completed_at = case when $10 then now() else completed_at end,
+                    purged_at = case when $10 then null else purged_at end,
+                    history = history || $11::jsonb
+                where id = $1 and attempt = $2
+                returning {_COLUMNS}
+                """,
+                record.id,
+                record.attempt,
+                state.value,
+                may_have_sent,
+                ends_lease,
+                response.status if response else None,
+                [list(pair) for pair in response.headers] if response else None,
+                response.body if response else None,
+                recovered_by,
+                completed,
+                _event(
+                    "settled",
+                    attempt=record.attempt,
+                    state=state.value,
+                    status=response.status if response else None,
+                    recovered_by=recovered_by,
+                    note=note,
+                ),
+            )
+            return _record(row) if row is not None else None
+
+        return await self._run(op)
+
+    async def note_fenced(self, record: EffectRecord, saw: str) -> None:
+        """A fenced-out holder adds what it saw to the history, and changes nothing else."""
+
+        async def op(conn: Conn) -> None:
+            await conn.execute(
+                "update effects set history = history || $2::jsonb where id = $1",
+                record.id,
+                _event("fenced", attempt=record.attempt, saw=saw),
+            )
+
+        await self._run(op)
+
+    async def send_to_review(self, record: EffectRecord, why: str) -> EffectRecord | None:
+        """Give up on recovery; fenced so that a record someone just re-claimed is left alone."""
+
+        async def op(conn: Conn) -> EffectRecord | None:
+            row = await conn.fetchrow(
+                f"""
+                -- A new attempt number: a stalled holder that wakes up now is fenced out, and what it
+                -- saw goes to the history for the operator instead of over their head.
+                update effects set state = 'needs_review', attempt = attempt + 1,
+                    history = history || $3::jsonb
+                where id = $1 and attempt = $2 and state in ('pending', 'in_doubt')
+                returning {_COLUMNS}
+                """,
+                record.id,
+                record.attempt,
+                _event("needs_review", attempt=record.attempt, why=why),
+            )
+            return _record(row) if row is not None else None
+
+        return await self._run(op)
+
+    async def count_replay(self, record: EffectRecord) -> None:
+        async def op(conn: Conn) -> None:
+            await conn.execute("update effects set replays = replays + 1 where id = $1", record.id)
+
+        await self._run(op)
+
+    async def resolve(
+        self, effect_id: int, state: State, response: StoredResponse | None, by: str | None
+    ) -> EffectRecord | None:
+        """An operator's verdict: completed with a response to replay, or retryable (it did not happen)."""
+        happened = state is State.COMPLETED
+
+        async def op(conn: Conn) -> EffectRecord | None:
+            row = await conn.fetchrow(
+                f"""
+                update effects set
+                    state = $2,
+                    -- "did not happen" is the operator's word that no attempt reached the upstream
+                    may_have_sent = $3,
+                    lease_expires_at = least(lease_expires_at, now()),
+                    response_status = $4, response_headers = $5, response_body = $6,
+                    recovered_by = 'operator',
+                    attempt = attempt + 1,
+                    completed_at = case when $3 then now() else null end,
+                    history = history || $7::jsonb
+                where id = $1 and state in ('needs_review', 'in_doubt')
+                returning {_COLUMNS}
+                """,
+                effect_id,
+                state.value,
+                happened,
+                response.status if response else None,
+                [list(p) for p in response.headers] if response else None,
+                response.body if response else None,
+                _event("resolved", happened=happened, by=by),
+            )
+            return _record(row) if row is not None else None
+
+        return await self._run(op)
+
+    # --- reading ----------------------------------------------------------------------------------
+
+    async def get(self, effect_id: int, tenant: str | None = None) -> EffectRecord | None:
+        async def op(conn: Conn) -> EffectRecord | None:
+            row = await conn.fetchrow(
+                f"select {_COLUMNS} from effects where id = $1 and ($2::text is null or tenant = $2)",
+                effect_id,
+                tenant,
+            )
+            return _record(row) if row is not None else None
+
+        return await self._run(op)
+
+    async def reread(self, record: EffectRecord) -> EffectRecord:
+        fresh = await self.get(record.id)
+        assert fresh is not None, "effects are never deleted"
+        return fresh
+
+    async def find(self, where: EffectFilter) -> list[EffectRecord]:
+        async def op(conn: Conn) -> list[EffectRecord]:
+            rows = await conn.fetch(
+                f"""
+                select {_COLUMNS} from effects
+                where ($1::text is null or tenant = $1)
+                  and ($2::text is null or state = $2)
+                  and ($3::text is null or upstream = $3)
+                  and ($4::text is null or run_id = $4)
+                  and ($5::timestamptz is null or created_at >= $5)
+                  and ($6::bigint is null or id < $6)
+                order by id desc
+                limit $7
+                """,
+                where.tenant,
+                where.state.value if where.state else None,
+                where.upstream,
+                where.run_id,
+                where.since,
+                where.before_id,
+                where.limit,
+            )
+            return [_record(row) for row in rows]
+
+        return await self._run(op)
+
+    async def state_counts(self) -> dict[str, int]:
+        async def op(conn: Conn) -> dict[str, int]:
+            rows = await conn.fetch("select state, count(*) as n from effects group by state")
+            counts = {state.value: 0 for state in State}
+            counts.update({row["state"]: row["n"] for row in rows})
+            return counts
+
+        return await self._run(op)
+
+    async def now(self) -> datetime:
+        async def op(conn: Conn) -> datetime:
+            value: datetime = await conn.fetchval("select clock_timestamp()")
+            return value
+
+        return await self._run(op)
+
+    async def purge(self, retention: timedelta) -> int:
+        """Drop the bodies of completed effects older than the retention; the audit row stays."""
+
+        async def op(conn: Conn) -> int:
+            status = await conn.execute(
+                """
+                update effects set request_body = null, response_headers = null, response_body = null,
+                    purged_at = now(), history = history || $2::jsonb
+                where state = 'completed' and purged_at is null and completed_at < now() - $1::interval
+                """,
+                retention,
+                _event("purged"),
+            )
+            return int(status.split()[-1])
+
+        return await self._run(op)
+
+
+def _record(row: asyncpg.Record) -> EffectRecord:
+    response = None
+    if row["response_status"] is not None and row["response_body"] is not None:
+        response = StoredResponse(
+            status=row["response_status"],
+            headers=tuple((name, value) for name, value in row["response_headers"] or ()),
+            body=bytes(row["response_body"]),
+        )
+    return EffectRecord(
+        id=row["id"],
+        tenant=row["tenant"],
+        upstream=row["upstream"],
+        key=row["key"],
+        derived_key=row["derived_key"],
+        method=row["method"],
+        path=row["path"],
+        query=row["query"],
+        fingerprint=row["fingerprint"],
+        state=State(row["state"]),
+        attempt=row["attempt"],
+        may_have_sent=row["may_have_sent"],
+        lease_expires_at=row["lease_expires_at"],
+        first_sent_at=row["first_sent_at"],
+        last_sent_at=row["last_sent_at"],
+        completed_at=row["completed_at"],
+        created_at=row["created_at"],
+        response=response,
+        purged_at=row["purged_at"],
+        recovered_by=row["recovered_by"],
+        replays=row["replays"],
+        run_id=row["run_id"],
+        step=row["step"],
+        request_headers=row["request_headers"],
+        request_body=bytes(row["request_body"]) if row["request_body"] is not None else None,
+        history=row["history"],
+        read_at=row["read_at"],
+    )
+
+
+# --- migrations ---------------------------------------------------------------------------------------
+
+
+def migration_files() -> list[tuple[int, str, str]]:
+    """(version, name, sql) for every file in gateway/migrations, in order."""
+    found = []
+    for entry in (resources.files("gateway") / "migrations").iterdir():
+        if entry.name.endswith(".sql"):
+            version = int(entry.name.split("_", 1)[0])
+            found.append((version, entry.name, entry.read_text()))
+    return sorted(found)
+
+
+async def migrate(dsn: str) -> list[str]:
+    """Apply pending migrations under an advisory lock (replicas may start at once); returns the applied."""
+    try:
+        conn = await asyncpg.connect(dsn)
+    except (OSError, asyncpg.PostgresError) as exc:
+        raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
+    applied: list[str] = []
+    try:
+        await conn.execute("select pg_advisory_lock($1)", MIGRATION_LOCK)
+        try:
+            await conn.execute(
+                """create table if not exists effect_gateway_migrations (
+                       version integer primary key, name text not null,
+                       applied_at timestamptz not null default now())"""
+            )
+            done = {r["version"] for r in await conn.fetch("select version from effect_gateway_migrations")}
+            for version, name, sql in migration_files():
+                if version in done:
+                    continue
+                async with conn.transaction():
+                    await conn.execute(sql)
+                    await conn.execute(
+                        "insert into effect_gateway_migrations (version, name) values ($1, $2)", version, name
+                    )
+                applied.append(name)
+        finally:
+            await conn.execute("select pg_advisory_unlock($1)", MIGRATION_LOCK)
+    finally:
+        await conn.close()
+    return applied
+
+
+@asynccontextmanager
+async def opened(dsn: str) -> AsyncIterator[Store]:
+    store = await Store.connect(dsn)
+    try:
+        yield store
+    finally:
+        await store.close()

@@ -1,0 +1,163 @@
+"""Real parts for tests: upstream HTTP servers on loopback (port 0) and gateways on the test Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from aiohttp import web
+
+from gateway.app import make_app
+from gateway.settings import load_settings
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Call:
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class Upstream:
+    """An HTTP server that records every request it receives and answers as a test scripts it.
+
+    By default it creates an "order" (201, JSON with a sequence number), so that a duplicate effect
+    is visible as a second call and a second id.
+    """
+
+    calls: list[Call] = field(default_factory=list)
+    routes: dict[str, Handler] = field(default_factory=dict)
+    url: str = ""
+    received: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def effects(self, path: str | None = None) -> list[Call]:
+        return [c for c in self.calls if c.method not in ("GET", "HEAD") and (path is None or c.path == path)]
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.calls.append(
+            Call(
+                request.method, request.path, request.raw_path.partition("?")[2], dict(request.headers), body
+            )
+        )
+        self.received.set()
+        handler = self.routes.get(request.path)
+        if handler is not None:
+            return await handler(request)
+        return web.json_response({"id": len(self.calls), "echo": body.decode(errors="replace")}, status=201)
+
+
+@asynccontextmanager
+async def upstream_server() -> AsyncIterator[Upstream]:
+    upstream = Upstream()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", upstream.handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    upstream.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        yield upstream
+    finally:
+        await runner.cleanup()
+
+
+@dataclass
+class Gateway:
+    url: str
+    app: web.Application
+
+
+@asynccontextmanager
+async def gateway_server(dsn: str, **settings: Any) -> AsyncIterator[Gateway]:
+    """The real gateway application on 127.0.0.1, port 0, against the test Postgres."""
+    configured = load_settings(None, listen="127.0.0.1:0", **settings)
+    app = make_app(configured, dsn)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield Gateway(f"http://127.0.0.1:{runner.addresses[0][1]}", app)
+    finally:
+        await runner.cleanup()
+
+
+async def effect_rows(dsn: str) -> list[dict[str, Any]]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("select * from effects order by id")
+        return [dict(row) for row in rows]
+    finally:
+        await conn.close()
+
+
+async def database_text(dsn: str) -> str:
+    """Everything the effects table holds, as one string to search for secrets."""
+    rows = await effect_rows(dsn)
+    return json.dumps(rows, default=lambda v: v.hex() if isinstance(v, bytes) else str(v))
+
+
+# --- gateways in their own processes, for crash tests ------------------------------------------------
+
+
+@dataclass
+class GatewayProcess:
+    proc: subprocess.Popen[str]
+    url: str
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_gateway_process(
+    config: Path, env: dict[str, str] | None = None, timeout: float = 30
+) -> GatewayProcess:
+    """``effect-gateway serve`` in a child process; returns once it prints the address it listens on."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "--config", str(config), "serve"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=ROOT,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("effect-gateway listening on "):
+            return GatewayProcess(proc, line.rsplit(" ", 1)[1].strip())
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    _, err = proc.communicate(timeout=5)
+    raise RuntimeError(f"the gateway did not start: {err[-2000:]}")

@@ -1,0 +1,465 @@
+"""The gateway's HTTP contract, end to end: a real gateway, real Postgres, real upstream servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.support import Gateway, Upstream, database_text, effect_rows, gateway_server
+
+PROBLEM = "application/problem+json"
+
+
+def shop(upstream: Upstream, **extra: Any) -> dict[str, Any]:
+    return {"shop": {"base_url": upstream.url, "timeout": "2s", **extra}}
+
+
+@pytest.fixture
+async def gateway(dsn: str, upstream: Upstream) -> AsyncIterator[Gateway]:
+    async with gateway_server(dsn, upstreams=shop(upstream), lease_grace="1s") as gw:
+        yield gw
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def post(
+    http: aiohttp.ClientSession, url: str, key: str | None = "k1", body: Any = None, **headers: str
+) -> tuple[int, dict[str, str], bytes]:
+    hdrs = {"Content-Type": "application/json", **{k.replace("_", "-"): v for k, v in headers.items()}}
+    if key is not None:
+        hdrs["Idempotency-Key"] = key
+    data = json.dumps(body if body is not None else {"items": ["atta"]}).encode()
+    async with http.post(url, data=data, headers=hdrs) as resp:
+        return resp.status, dict(resp.headers), await resp.read()
+
+
+def problem_type(body: bytes) -> str:
+    doc = json.loads(body)
+    return str(doc["type"]).rsplit("/", 1)[1]
+
+
+# --- keys ---------------------------------------------------------------------------------------------
+
+
+async def test_post_without_a_key_is_refused_and_nothing_is_sent(
+    gateway: Gateway, upstream: Upstream, http: aiohttp.ClientSession, dsn: str
+) -> None:
+    """POST and PATCH need an Idempotency-Key: 400 problem+json, the upstream sees nothing."""
+    for method in ("POST", "PATCH"):
+        async with http.request(method, f"{gateway.url}/shop/orders", data=b"{}") as resp:
+            assert resp.status == 400
+            assert resp.content_type == PROBLEM
+            assert problem_type(await resp.read()) == "key-missing"
+    assert upstream.calls == []
+    assert await effect_rows(dsn) == []
+
+
+@pytest.mark.parametrize(
+    "bad", ['"unterminated', '""', "has space", "caf\u00e9", "x" * 256, '"a"b"', '"\\n"']
+)
+async def test_malformed_keys_are_refused_and_nothing_is_sent(
+    gateway: Gateway, upstream: Upstream, http: aiohttp.ClientSession, bad: str
+) -> None:
+    """Keys that are empty, too long, not visible ASCII or badly quoted get 400 key-malformed."""
+    status, headers, body = await post(http, f"{gateway.url}/shop/orders", key=bad)
+    assert status == 400
+    assert headers["Content-Type"] == PROBLEM
+    assert problem_type(body) == "key-malformed"
+    assert upstream.calls == []
+
+
+async def test_quoted_and_bare_forms_name_the_same_key(
+    gateway: Gateway, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """The IETF sf-string form "abc" and Stripe's bare abc are one key: the second is a replay."""
+    first = await post(http, f"{gateway.url}/shop/orders", key='"order-1"')
+    second = await post(http, f"{gateway.url}/shop/orders", key="order-1")
+    assert first[0] == 201
+    assert second[1].get("Idempotent-Replayed") == "true"
+    assert len(upstream.effects()) == 1
+
+
+async def test_same_key_with_another_body_is_422_and_nothing_is_sent(
+    gateway: Gateway, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """Reusing a key for a different request is refused before anything reaches the upstream."""
+    assert (await post(http, f"{gateway.url}/shop/orders", body={"items": ["atta"]}))[0] == 201
+    status, _, body = await post(http, f"{gateway.url}/shop/orders", body={"items": ["paneer"]})
+    assert status == 422
+    assert problem_type(body) == "key-reused"
+    status, _, body = await post(http, f"{gateway.url}/shop/other", body={"items": ["atta"]})
+    assert status == 422
+    assert len(upstream.effects()) == 1
+
+
+async def test_reordered_json_is_the_same_request(
+    gateway: Gateway, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """An SDK that re-serialises the same parameters in another order is recognised, not refused."""
+    url = f"{gateway.url}/shop/orders"
+    async with http.post(
+        url, data=b'{"a":1,"b":2}', headers={"Idempotency-Key": "k", "Content-Type": "application/json"}
+    ) as r1:
+        assert r1.status == 201
+    async with http.post(
+        url, data=b'{ "b": 2, "a": 1 }', headers={"Idempotency-Key": "k", "Content-Type": "application/json"}
+    ) as r2:
+        assert r2.status == 201
+        assert r2.headers["Idempotent-Replayed"] == "true"
+    assert len(upstream.effects()) == 1
+
+
+# --- replay -------------------------------------------------------------------------------------------
+
+
+async def test_replay_is_identical_to_the_byte_with_the_replayed_header(
+    gateway: Gateway, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """A retry gets the stored status, headers and body byte for byte, plus Idempotent-Replayed."""
+
+    async def odd(_: web.Request) -> web.Response:
+        resp = web.Response(status=202, body=b"\x00\xffbinary\r\n", headers={"X-Order": "7", "ETag": '"v1"'})
+        resp.headers.add("X-Multi", "a")
+        resp.headers.add("X-Multi", "b")
+        resp.content_type = "application/octet-stream"
+        return resp
+
+    upstream.routes["/orders"] = odd
+    url = f"{gateway.url}/shop/orders"
+    async with http.post(url, data=b"{}", headers={"Idempotency-Key": "r"}) as first:
+        first_headers = [(k, v) for k, v in first.headers.items()]
+        first_body = await first.read()
+    async with http.post(url, data=b"{}", headers={"Idempotency-Key": "r"}) as second:
+        second_headers = [(k, v) for k, v in second.headers.items()]
+        second_body = await second.read()
+    assert first.status == second.status == 202
+    assert second_body == first_body == b"\x00\xffbinary\r\n"
+    assert ("Idempotent-Replayed", "true") in second_headers
+    assert [h for h in second_headers if h[0] != "Idempotent-Replayed"] == first_headers
+    assert ("X-Multi", "a") in first_headers
+    assert ("X-Multi", "b") in first_headers
+    assert "Idempotent-Replayed" not in dict(first_headers)
+    assert len(upstream.effects()) == 1
+
+
+async def test_fifty_concurrent_requests_with_one_key_make_one_upstream_call(
+    gateway: Gateway, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """50 at once with one key: one upstream call, and all 50 end with the same response."""
+
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.3)
+        return web.json_response({"order": len(upstream.calls)}, status=201)
+
+    upstream.routes["/orders"] = slow
+    results = await asyncio.gather(
+        *(post(http, f"{gateway.url}/shop/orders", key="same", Prefer="wait=10") for _ in range(50))
+    )
+    assert len(upstream.effects()) == 1
+    assert {status for status, _, _ in results} == {201}
+    assert {body for _, _, body in results} == {b'{"order": 1}'}
+    assert sum(1 for _, h, _ in results if h.get("Idempotent-Replayed") == "true") == 49
+
+
+async def test_a_twin_in_flight_gets_409_with_retry_after(
+    gateway: Gateway, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """Without Prefer: wait, a request whose twin is under way is told to retry, not sent."""
+    release = asyncio.Event()
+
+    async def held(_: web.Request) -> web.Response:
+        await release.wait()
+        return web.json_response({"ok": True}, status=201)
+
+    upstream.routes["/orders"] = held
+    first = asyncio.create_task(post(http, f"{gateway.url}/shop/orders", key="twin"))
+    await upstream.received.wait()
+    status, headers, body = await post(http, f"{gateway.url}/shop/orders", key="twin")
+    assert status == 409
+    assert problem_type(body) == "in-flight"
+    assert int(headers["Retry-After"]) >= 1
+    release.set()
+    assert (await first)[0] == 201
+    assert len(upstream.effects()) == 1
+
+
+async def test_a_client_that_disconnects_still_gets_its_result_recorded_and_replayed(
+    gateway: Gateway, upstream: Upstream, dsn: str
+) -> None:
+    """Hanging up mid-call does not cancel the upstream call; the retry replays its result."""
+
+    async def slow(_: web.Request) -> web.Response:
+        await asyncio.sleep(0.5)
+        return web.json_response({"order": "A-1"}, status=201)
+
+    upstream.routes["/orders"] = slow
+    async with aiohttp.ClientSession() as impatient:
+        with pytest.raises(TimeoutError):
+            await impatient.post(
+                f"{gateway.url}/shop/orders",
+                data=b"{}",
+                headers={"Idempotency-Key": "gone", "Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=0.1),
+            )
+    await asyncio.sleep(0.8)
+    rows = await effect_rows(dsn)
+    assert [(r["state"], r["response_status"]) for r in rows] == [("completed", 201)]
+    async with aiohttp.ClientSession() as http:
+        status, headers, body = await post(http, f"{gateway.url}/shop/orders", key="gone", body={})
+        # the first request sent b"{}" as raw bytes; json.dumps({}) is the same body
+    assert status == 201
+    assert headers["Idempotent-Replayed"] == "true"
+    assert json.loads(body) == {"order": "A-1"}
+    assert len(upstream.effects()) == 1
+
+
+# --- scoping and routing --------------------------------------------------------------------------------
+
+
+async def test_one_tenant_cannot_replay_another_tenants_key(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two tenants using the same key get two effects; neither sees the other's response."""
+    monkeypatch.setenv("TOKEN_A", "secret-a")
+    monkeypatch.setenv("TOKEN_B", "secret-b")
+    tenants = {"a": {"token": "env:TOKEN_A"}, "b": {"token": "env:TOKEN_B"}}
+    async with gateway_server(dsn, upstreams=shop(upstream), tenants=tenants) as gw:
+        url = f"{gw.url}/shop/orders"
+        a = await post(http, url, key="shared", Effect_Gateway_Token="secret-a")
+        b = await post(http, url, key="shared", Effect_Gateway_Token="secret-b")
+        nobody = await post(http, url, key="shared")
+        wrong = await post(http, url, key="shared", Effect_Gateway_Token="secret-c")
+    assert a[0] == b[0] == 201
+    assert "Idempotent-Replayed" not in b[1]
+    assert json.loads(a[2])["id"] != json.loads(b[2])["id"]
+    assert nobody[0] == wrong[0] == 401
+    effects = upstream.effects()
+    assert len(effects) == 2
+    # the derived keys differ, so the upstream's own key space cannot collide either
+    rows = await effect_rows(dsn)
+    assert {r["tenant"] for r in rows} == {"a", "b"}
+    assert len({r["derived_key"] for r in rows}) == 2
+
+
+async def test_unknown_upstream_is_404(
+    gateway: Gateway, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """Only configured upstreams are reachable: the gateway is no open proxy."""
+    status, headers, body = await post(http, f"{gateway.url}/elsewhere/orders")
+    assert status == 404
+    assert headers["Content-Type"] == PROBLEM
+    assert problem_type(body) == "unknown-upstream"
+    assert upstream.calls == []
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/shop/../admin",
+        "/shop/a/../../x",
+        "/shop/%2e%2e/admin",
+        "/shop/a%2fb",
+        "/shop/a%2Fb",
+        "/shop/a%5cb",
+        "/shop/a\\b",
+        "//evil.example/x",
+        "/shop/http://evil.example/x",
+        "http://evil.example/shop/x",
+    ],
+)
+async def test_paths_that_could_escape_the_upstream_are_refused(
+    gateway: Gateway, upstream: Upstream, target: str
+) -> None:
+    """'..', encoded slashes and dots, backslashes and absolute URLs never reach any upstream."""
+    host, port = gateway.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        f"POST {target} HTTP/1.1\r\nHost: x\r\nIdempotency-Key: p\r\nContent-Length: 2\r\n"
+        "Connection: close\r\n\r\n{}".encode()
+    )
+    await writer.drain()
+    raw = await reader.read()
+    writer.close()
+    assert raw.split(b" ", 2)[1] == b"400", raw
+    assert b"problems/path-refused" in raw
+    assert upstream.calls == []
+
+
+async def test_the_query_and_path_are_forwarded(
+    gateway: Gateway, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """METHOD /<upstream>/<path>?<query> reaches <base_url>/<path>?<query>."""
+    async with http.get(f"{gateway.url}/shop/orders/search?q=atta%20dal&n=2") as resp:
+        assert resp.status == 201
+    assert (upstream.calls[0].method, upstream.calls[0].path) == ("GET", "/orders/search")
+    assert upstream.calls[0].query == "q=atta%20dal&n=2"
+
+
+# --- credentials ------------------------------------------------------------------------------------------
+
+
+async def test_credentials_are_injected_and_never_stored(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Injected secrets reach the upstream; neither they nor the agent's Authorization reach Postgres."""
+    monkeypatch.setenv("SHOP_SECRET", "Bearer sk_live_injected_42")
+    cfg = shop(upstream, inject_headers={"Authorization": "env:SHOP_SECRET"}, secret_headers=["X-Api-Key"])
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        status, _, _ = await post(
+            http,
+            f"{gw.url}/shop/orders",
+            Authorization="Bearer agent_token_99",
+            Cookie="session=c00kie",
+            X_Api_Key="apikey-123",
+        )
+    assert status == 201
+    sent = upstream.calls[0].headers
+    assert sent["Authorization"] == "Bearer sk_live_injected_42"
+    assert sent["X-Api-Key"] == "apikey-123"
+    stored = await database_text(dsn)
+    for secret in ("sk_live_injected_42", "agent_token_99", "c00kie", "apikey-123"):
+        assert secret not in stored
+    assert "agent_token_99" not in json.dumps(upstream.calls[0].headers)
+
+
+async def test_the_upstream_receives_a_derived_key_and_stamp(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """The native header carries a key derived from the scoped key; the stamp carries the same key."""
+    cfg = shop(upstream, native_key={"header": "Idempotency-Key"}, stamp={"json_field": "client_reference"})
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        await post(http, f"{gw.url}/shop/orders", key="agent-key-1", body={"items": ["atta"]})
+    call = upstream.calls[0]
+    derived = call.headers["Idempotency-Key"]
+    assert derived.startswith("eg_")
+    assert "agent-key-1" not in derived
+    assert json.loads(call.body) == {"items": ["atta"], "client_reference": derived}
+    rows = await effect_rows(dsn)
+    assert rows[0]["derived_key"] == derived
+
+
+# --- outcomes ---------------------------------------------------------------------------------------------
+
+
+async def test_refused_connection_leaves_retryable_and_the_retry_is_sent(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """Nothing left the gateway, so nothing happened: the retry sends for real."""
+    url_of_live = upstream.url
+    # a port that refuses: bind one and close it
+    probe_sock = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = probe_sock.sockets[0].getsockname()[1]
+    probe_sock.close()
+    await probe_sock.wait_closed()
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": f"http://127.0.0.1:{port}"}}) as gw:
+        status, headers, body = await post(http, f"{gw.url}/shop/orders", key="refused")
+    assert status == 502
+    assert problem_type(body) == "upstream-unreachable"
+    assert (await effect_rows(dsn))[0]["state"] == "retryable"
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": url_of_live}}) as gw:
+        status, headers, _ = await post(http, f"{gw.url}/shop/orders", key="refused")
+    assert status == 201
+    assert "Idempotent-Replayed" not in headers
+    assert len(upstream.effects()) == 1
+    row = (await effect_rows(dsn))[0]
+    assert (row["state"], row["attempt"]) == ("completed", 2)
+
+
+@pytest.mark.parametrize("failure", ["timeout", "500", "reset"])
+async def test_a_call_that_may_have_happened_is_never_resent_blindly(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, failure: str
+) -> None:
+    """Timeout, 500 or reset with no native key nor probe: in_doubt, then needs_review, one upstream call."""
+
+    async def fail(request: web.Request) -> web.StreamResponse:
+        if failure == "timeout":
+            await asyncio.sleep(2)
+        if failure == "reset":
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.sleep(0.1)
+        return web.json_response({"error": "boom"}, status=500)
+
+    upstream.routes["/orders"] = fail
+    cfg = {"shop": {"base_url": upstream.url, "timeout": "300ms"}}
+    async with gateway_server(dsn, upstreams=cfg, lease_grace="100ms") as gw:
+        first = await post(http, f"{gw.url}/shop/orders", key="doubt")
+        expected_first = {"timeout": 504, "500": 500, "reset": 502}[failure]
+        assert first[0] == expected_first
+        assert (await effect_rows(dsn))[0]["state"] == "in_doubt"
+        await asyncio.sleep(0.5)  # past the lease: the first attempt can no longer be under way
+        for _ in range(3):
+            status, _, body = await post(http, f"{gw.url}/shop/orders", key="doubt")
+            assert status == 409
+            assert problem_type(body) == "outcome-unknown"
+    assert len(upstream.effects()) == 1
+    assert (await effect_rows(dsn))[0]["state"] == "needs_review"
+
+
+async def test_a_timed_out_call_is_not_recovered_while_its_lease_runs(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """Right after a timeout the upstream may still be working: a retry is told to wait, not re-sent."""
+
+    async def hang(_: web.Request) -> web.Response:
+        await asyncio.sleep(3)
+        return web.json_response({}, status=201)
+
+    upstream.routes["/orders"] = hang
+    cfg = {"shop": {"base_url": upstream.url, "timeout": "200ms", "repeat_harmless": True}}
+    async with gateway_server(dsn, upstreams=cfg, lease_grace="2s") as gw:
+        assert (await post(http, f"{gw.url}/shop/orders", key="slow"))[0] == 504
+        status, headers, body = await post(http, f"{gw.url}/shop/orders", key="slow")
+    assert status == 409
+    assert problem_type(body) == "in-flight"
+    assert int(headers["Retry-After"]) >= 1
+    assert len(upstream.effects()) == 1
+
+
+# --- bad input ----------------------------------------------------------------------------------------------
+
+
+async def test_an_oversized_body_is_413_and_the_server_keeps_serving(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """A body over max_body_bytes is refused with problem+json; nothing is recorded or sent."""
+    async with gateway_server(dsn, upstreams=shop(upstream), max_body_bytes=1024) as gw:
+        async with http.post(
+            f"{gw.url}/shop/orders", data=b"x" * 5000, headers={"Idempotency-Key": "big"}
+        ) as resp:
+            assert resp.status == 413
+            assert resp.content_type == PROBLEM
+            assert problem_type(await resp.read()) == "body-too-large"
+        assert (await post(http, f"{gw.url}/shop/orders", key="small"))[0] == 201
+    assert [r["key"] for r in await effect_rows(dsn)] == ["small"]
+    assert len(upstream.effects()) == 1
+
+
+async def test_non_utf8_headers_are_refused_without_crashing(
+    gateway: Gateway, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """Raw bytes that are not UTF-8 in a header get a 400, and the next request is served."""
+    host, port = gateway.url.removeprefix("http://").split(":")
+    for header in (b"Idempotency-Key: \xff\xfe", b"X-Note: caf\xe9"):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /shop/orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: u1\r\n"
+            + header
+            + b"\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+        )
+        await writer.drain()
+        raw = await reader.read()
+        writer.close()
+        assert raw.split(b" ", 2)[1] == b"400", raw
+    assert upstream.calls == []
+    assert (await post(http, f"{gateway.url}/shop/orders", key="after"))[0] == 201
