@@ -63,9 +63,14 @@ class EffectFilter:
     limit: int = 50
 
 
-def _event(kind: str, **data: Any) -> str:
-    """One entry of a row's history, as a JSON array to append with ``history || $n::jsonb``."""
-    return json.dumps([{"event": kind, **{k: v for k, v in data.items() if v is not None}}])
+def _event(kind: str, **data: Any) -> list[dict[str, Any]]:
+    """One entry of a row's history, as an array to append; the SQL stamps it with the database's time."""
+    return [{"event": kind, **{k: v for k, v in data.items() if v is not None}}]
+
+
+def _stamped(param: int) -> str:
+    """SQL for history entry ``$param`` with the database's time added (``at``)."""
+    return f"jsonb_set(${param}::jsonb, '{{0,at}}', to_jsonb(now()))"
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -121,7 +126,7 @@ class Store:
                     request_headers, request_body, state, lease_expires_at, first_sent_at, last_sent_at,
                     run_id, step, history)
                 values ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'pending', now() + $11::interval,
-                    now(), now(), $12, $13, $14::jsonb)
+                    now(), now(), $12, $13, {_stamped(14)})
                 on conflict (tenant, upstream, key) do nothing
                 returning {_COLUMNS}
                 """,
@@ -168,7 +173,7 @@ class Store:
                     lease_expires_at = now() + $3::interval,
                     last_sent_at = now(),
                     first_sent_at = coalesce(first_sent_at, now()),
-                    history = history || $4::jsonb
+                    history = history || {_stamped(4)}
                 where id = $1 and attempt = $2
                 returning {_COLUMNS}
                 """,
@@ -209,7 +214,7 @@ class Store:
                     recovered_by = coalesce($9, recovered_by),
                     completed_at = case when $10 then now() else completed_at end,
                     purged_at = case when $10 then null else purged_at end,
-                    history = history || $11::jsonb
+                    history = history || {_stamped(11)}
                 where id = $1 and attempt = $2
                 returning {_COLUMNS}
                 """,
@@ -241,7 +246,7 @@ class Store:
 
         async def op(conn: Conn) -> None:
             await conn.execute(
-                "update effects set history = history || $2::jsonb where id = $1",
+                f"update effects set history = history || {_stamped(2)} where id = $1",
                 record.id,
                 _event("fenced", attempt=record.attempt, saw=saw),
             )
@@ -257,7 +262,7 @@ class Store:
                 -- A new attempt number: a stalled holder that wakes up now is fenced out, and what it
                 -- saw goes to the history for the operator instead of over their head.
                 update effects set state = 'needs_review', attempt = attempt + 1,
-                    history = history || $3::jsonb
+                    history = history || {_stamped(3)}
                 where id = $1 and attempt = $2 and state in ('pending', 'in_doubt')
                 returning {_COLUMNS}
                 """,
@@ -293,7 +298,7 @@ class Store:
                     recovered_by = 'operator',
                     attempt = attempt + 1,
                     completed_at = case when $3 then now() else null end,
-                    history = history || $7::jsonb
+                    history = history || {_stamped(7)}
                 where id = $1 and state in ('needs_review', 'in_doubt')
                 returning {_COLUMNS}
                 """,
@@ -374,9 +379,9 @@ class Store:
 
         async def op(conn: Conn) -> int:
             status = await conn.execute(
-                """
+                f"""
                 update effects set request_body = null, response_headers = null, response_body = null,
-                    purged_at = now(), history = history || $2::jsonb
+                    purged_at = now(), history = history || {_stamped(2)}
                 where state = 'completed' and purged_at is null and completed_at < now() - $1::interval
                 """,
                 retention,

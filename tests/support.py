@@ -46,6 +46,9 @@ class Upstream:
     routes: dict[str, Handler] = field(default_factory=dict)
     url: str = ""
     received: asyncio.Event = field(default_factory=asyncio.Event)
+    # When set, behaves like an API that honours keys in this header: a repeat gets the first answer.
+    key_header: str | None = None
+    remembered: dict[str, web.Response] = field(default_factory=dict)
 
     def effects(self, path: str | None = None) -> list[Call]:
         return [c for c in self.calls if c.method not in ("GET", "HEAD") and (path is None or c.path == path)]
@@ -58,10 +61,33 @@ class Upstream:
             )
         )
         self.received.set()
+        key = request.headers.get(self.key_header) if self.key_header else None
+        if key is not None and key in self.remembered:
+            first = self.remembered[key]
+            assert first.body is not None
+            return web.Response(status=first.status, body=first.body, content_type=first.content_type)
         handler = self.routes.get(request.path)
         if handler is not None:
-            return await handler(request)
-        return web.json_response({"id": len(self.calls), "echo": body.decode(errors="replace")}, status=201)
+            resp = await handler(request)
+        else:
+            resp = web.json_response(
+                {"id": len(self.calls), "echo": body.decode(errors="replace")}, status=201
+            )
+        if key is not None and isinstance(resp, web.Response):
+            self.remembered[key] = resp
+        return resp
+
+    def effects_created(self) -> int:
+        """Effects that really happened: repeats of a remembered key are not new effects."""
+        seen: set[str] = set()
+        count = 0
+        for call in self.effects():
+            key = call.headers.get(self.key_header) if self.key_header else None
+            if key is None or key not in seen:
+                count += 1
+            if key is not None:
+                seen.add(key)
+        return count
 
 
 @asynccontextmanager
@@ -104,6 +130,7 @@ async def gateway_server(dsn: str, **settings: Any) -> AsyncIterator[Gateway]:
 async def effect_rows(dsn: str) -> list[dict[str, Any]]:
     conn = await asyncpg.connect(dsn)
     try:
+        await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
         rows = await conn.fetch("select * from effects order by id")
         return [dict(row) for row in rows]
     finally:

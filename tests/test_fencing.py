@@ -1,0 +1,115 @@
+"""The attempt fence: a stalled gateway can never overwrite a newer outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from datetime import timedelta
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from gateway.record import StoredResponse
+from gateway.states import State
+from gateway.store import NewEffect, opened
+from tests.support import Upstream, effect_rows, gateway_server, start_gateway_process
+
+NEW = NewEffect(
+    tenant="default",
+    upstream="shop",
+    key="k",
+    derived_key="eg_1",
+    method="POST",
+    path="/orders",
+    query="",
+    fingerprint="fp",
+    request_headers={},
+    request_body=b"{}",
+    run_id=None,
+    step=None,
+)
+
+
+async def test_only_the_current_attempt_may_settle(dsn: str) -> None:
+    """After a re-claim, the older attempt's write is refused and the newer one's stands."""
+    async with opened(dsn) as store:
+        first, created = await store.claim(NEW, timedelta(seconds=30))
+        assert created
+        second = await store.reclaim(first, timedelta(seconds=30), "test")
+        assert second is not None
+        assert second.attempt == 2
+        newer = StoredResponse(201, (), b"newer")
+        assert await store.settle(
+            second, State.COMPLETED, may_have_sent=True, ends_lease=True, response=newer, recovered_by=None
+        )
+        stale = await store.settle(
+            first,
+            State.COMPLETED,
+            may_have_sent=True,
+            ends_lease=True,
+            response=StoredResponse(201, (), b"stale"),
+            recovered_by=None,
+        )
+        assert stale is None
+        # a second re-claim from the same stale read loses too
+        assert await store.reclaim(first, timedelta(seconds=30), "test") is None
+        final = await store.reread(first)
+    assert final.response is not None
+    assert final.response.body == b"newer"
+
+
+async def test_a_stalled_gateway_process_is_fenced_out(dsn: str, upstream: Upstream, tmp_path: Path) -> None:
+    """Gateway A is frozen (SIGSTOP) mid-call past its lease; B takes over; A, resumed, cannot overwrite."""
+    upstream.key_header = "Idempotency-Key"
+    frozen: list[int] = []
+
+    async def order(request: web.Request) -> web.Response:
+        if not frozen:
+            os.kill(gateway_a.proc.pid, signal.SIGSTOP)  # A stalls with the answer on its socket
+            frozen.append(gateway_a.proc.pid)
+        return web.json_response({"order": "O-1"}, status=201)
+
+    upstream.routes["/orders"] = order
+    config = tmp_path / "a.toml"
+    config.write_text(
+        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nlease_grace = "500ms"\n'
+        f'[upstreams.shop]\nbase_url = "{upstream.url}"\ntimeout = "1s"\n'
+        'native_key = { header = "Idempotency-Key" }\n'
+    )
+    gateway_a = start_gateway_process(config)
+    try:
+        async with aiohttp.ClientSession() as http:
+            a_call = asyncio.create_task(
+                http.post(f"{gateway_a.url}/shop/orders", data=b"{}", headers={"Idempotency-Key": "stall"})
+            )
+            await upstream.received.wait()
+            await asyncio.sleep(1.8)  # A's lease (1 s timeout + 0.5 s grace) runs out while it is frozen
+            cfg = {
+                "shop": {
+                    "base_url": upstream.url,
+                    "timeout": "1s",
+                    "native_key": {"header": "Idempotency-Key"},
+                }
+            }
+            async with gateway_server(dsn, upstreams=cfg, lease_grace="500ms") as gateway_b:
+                resp = await http.post(
+                    f"{gateway_b.url}/shop/orders", data=b"{}", headers={"Idempotency-Key": "stall"}
+                )
+                assert resp.status == 201
+                assert json.loads(await resp.read()) == {"order": "O-1"}
+            os.kill(gateway_a.proc.pid, signal.SIGCONT)
+            a_resp = await asyncio.wait_for(a_call, 10)
+            assert a_resp.status == 409
+            assert "problems/fenced" in (await a_resp.json())["type"]
+    finally:
+        if gateway_a.proc.poll() is None:
+            os.kill(gateway_a.proc.pid, signal.SIGCONT)
+        gateway_a.stop()
+    (row,) = await effect_rows(dsn)
+    assert (row["state"], row["attempt"], row["recovered_by"]) == ("completed", 2, "native_key")
+    assert [e["event"] for e in row["history"]][-1] == "fenced"
+    assert row["history"][-1]["attempt"] == 1
+    assert upstream.effects_created() == 1

@@ -1,0 +1,111 @@
+"""Settings: the TOML file, EFFECT_GATEWAY_* variables, durations, and one clear line for a bad one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from gateway.errors import ConfigError
+from gateway.settings import load_settings, parse_duration
+
+GOOD = """
+listen = "127.0.0.1:8787"
+retention = "7d"
+[upstreams.shop]
+base_url = "http://127.0.0.1:9001"
+timeout = "10s"
+stamp = { json_field = "client_reference" }
+probe = { method = "GET", path = "/orders?client_reference={key}", found = "items.0", status = 201 }
+[upstreams.payments]
+base_url = "http://127.0.0.1:9003"
+native_key = { header = "Idempotency-Key", ttl = "24h" }
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90s", 90), ("24h", 86400), ("7d", 604800), ("500ms", 0.5), ("10m", 600), ("1.5s", 1.5), (3, 3)],
+)
+def test_durations(text: str | int, seconds: float) -> None:
+    """Durations read as "90s", "24h", "7d" (and friends)."""
+    assert parse_duration(text) == timedelta(seconds=seconds)
+
+
+def test_a_config_file_and_variables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file gives the upstreams; EFFECT_GATEWAY_* variables override it."""
+    config = tmp_path / "gw.toml"
+    config.write_text(GOOD)
+    monkeypatch.setenv("EFFECT_GATEWAY_RETENTION", "2d")
+    monkeypatch.setenv("EFFECT_GATEWAY_DATABASE_URL", "postgresql://db/x")
+    settings = load_settings(config)
+    assert settings.retention == timedelta(days=2)
+    assert settings.database_url is not None
+    assert settings.database_url.get_secret_value() == "postgresql://db/x"
+    assert settings.upstreams["shop"].timeout == timedelta(seconds=10)
+    assert settings.upstreams["payments"].native_key is not None
+    assert settings.upstreams["payments"].native_key.ttl == timedelta(hours=24)
+
+
+def test_the_config_variable_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EFFECT_GATEWAY_CONFIG is read when no --config is given."""
+    config = tmp_path / "gw.toml"
+    config.write_text(GOOD)
+    monkeypatch.setenv("EFFECT_GATEWAY_CONFIG", str(config))
+    assert set(load_settings().upstreams) == {"shop", "payments"}
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        ('retention = "seven days"', "retention"),
+        ('[upstreams.shop]\nbase_url = "ftp://x"', "upstreams.shop"),
+        ('[upstreams.shop]\nbase_url = "http://x"\ntimeout = "soon"', "upstreams.shop.timeout"),
+        ('[upstreams.shop]\nbase_url = "http://x"\nstamp = {}', "upstreams.shop.stamp"),
+        ('[upstreams.shop]\nbase_url = "http://x"\nprobe = { path = "/orders" }', "upstreams.shop.probe"),
+        ('[upstreams.shop]\nbase_url = "http://x"\nbogus = 1', "upstreams.shop.bogus"),
+        (
+            '[upstreams.shop]\nbase_url = "http://x"\ninject_headers = { A = "env:NOPE_NOT_SET" }',
+            "NOPE_NOT_SET",
+        ),
+        ('listen = "0.0.0.0:8787"', "beyond loopback"),
+        ('listen = "nonsense"', "HOST:PORT"),
+        ("this is = = not toml", "not valid TOML"),
+        ('[upstreams._gateway]\nbase_url = "http://x"', "_gateway"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_it(tmp_path: Path, text: str, names: str) -> None:
+    """Each kind of mistake stops start-up with one line that names the setting."""
+    config = tmp_path / "bad.toml"
+    config.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(config)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert names in message
+
+
+def test_listening_beyond_loopback_is_allowed_with_tenants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With tenants (each with a token) the gateway may listen on every interface."""
+    monkeypatch.setenv("T", "s3cr3t-grocer")
+    settings = load_settings(None, listen="0.0.0.0:8787", tenants={"grocer": {"token": "env:T"}})
+    assert settings.tenants["grocer"].token.get_secret_value() == "s3cr3t-grocer"
+    assert "s3cr3t-grocer" not in repr(settings)
+
+
+def test_the_cli_reports_a_bad_config_in_one_line_and_exit_2(tmp_path: Path) -> None:
+    """`effect-gateway serve` with a malformed file prints one line on stderr, no traceback."""
+    config = tmp_path / "bad.toml"
+    config.write_text('[upstreams.shop]\nbase_url = "http://x"\ntimeout = "later"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "--config", str(config), "serve"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0
+    assert done.stderr.startswith("effect-gateway: bad setting upstreams.shop.timeout:")
