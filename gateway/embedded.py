@@ -66,7 +66,7 @@ class EmbeddedPostgres:
         if not was_running or owner is None or not _alive(owner):
             self.owned = True
             self._owner_file.write_text(f"{os.getpid()}\n")
-        log.info("embedded Postgres pid %s (%s)", self.pid, "owned" if self.owned else "shared")
+        log.debug("embedded Postgres pid %s (%s)", self.pid, "owned" if self.owned else "shared")
         return self.dsn
 
     def stop(self) -> None:
