@@ -36,7 +36,7 @@ def _alive(pid: int) -> bool:
 
 
 async def test_serve_runs_on_the_embedded_postgres_and_stops_it(tmp_path: Path, upstream: Upstream) -> None:
-    """`effect-gateway serve --config FILE` with no database_url starts Postgres in data_dir, serves, stops it."""
+    """`serve --config FILE` without database_url starts Postgres in data_dir, serves, and stops it."""
     data_dir = tmp_path / "data"
     config = tmp_path / "gateway.toml"
     config.write_text(
