@@ -92,7 +92,9 @@ def storable_headers(headers: Mapping[str, str] | Any) -> tuple[tuple[str, str],
 
 
 def _headers_sent(_session: Any, ctx: SimpleNamespace, _params: Any) -> Any:
-    ctx.trace_request_ctx.sent = True
+    # Requests of our own that need no such flag (probes) pass no trace context.
+    if ctx.trace_request_ctx is not None:
+        ctx.trace_request_ctx.sent = True
     return _noop()
 
 

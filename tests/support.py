@@ -77,6 +77,26 @@ class Upstream:
             self.remembered[key] = resp
         return resp
 
+    def stamped(self, field_name: str, value: str) -> list[Any]:
+        """The orders created with ``field_name == value`` in their JSON body (what a probe searches)."""
+        found = []
+        for call in self.effects():
+            try:
+                doc = json.loads(call.body)
+            except ValueError:
+                continue
+            if isinstance(doc, dict) and doc.get(field_name) == value:
+                found.append({"order": call.body.decode(), "reference": value})
+        return found
+
+    def serve_search(self, path: str = "/orders/search", field_name: str = "client_reference") -> None:
+        """Answer ``GET path?ref=KEY`` with ``{"items": [...]}``, as a shop's order search would."""
+
+        async def search(request: web.Request) -> web.Response:
+            return web.json_response({"items": self.stamped(field_name, request.query.get("ref", ""))})
+
+        self.routes[path] = search
+
     def effects_created(self) -> int:
         """Effects that really happened: repeats of a remembered key are not new effects."""
         seen: set[str] = set()

@@ -1,0 +1,332 @@
+"""Recovery of records in doubt: native keys, probes (HTTP and Python), retention, operators."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.support import ROOT, Upstream, effect_rows, gateway_server
+
+SEARCH = {"method": "GET", "path": "/orders/search?ref={key}", "found": "items.0", "status": 201}
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def order(
+    http: aiohttp.ClientSession, url: str, key: str = "k", wait: int = 0
+) -> tuple[int, dict[str, str], Any]:
+    headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    if wait:
+        headers["Prefer"] = f"wait={wait}"
+    async with http.post(f"{url}/shop/orders", data=b'{"items":["atta"]}', headers=headers) as resp:
+        body = await resp.read()
+        return resp.status, dict(resp.headers), json.loads(body) if body else None
+
+
+def flaky_first(upstream: Upstream, status: int = 500) -> None:
+    """The first order is created and then answered with ``status``, as a crashing upstream might."""
+
+    async def create(request: web.Request) -> web.Response:
+        if len(upstream.effects("/orders")) == 1:
+            return web.json_response({"error": "lost"}, status=status)
+        return web.json_response({"order": len(upstream.effects("/orders"))}, status=201)
+
+    upstream.routes["/orders"] = create
+
+
+async def test_native_key_resend_completes_the_record(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """A timed-out call to a key-honouring upstream completes on retry with the upstream's replay."""
+    upstream.key_header = "Idempotency-Key"
+    slow_once: list[int] = []
+
+    async def create(request: web.Request) -> web.Response:
+        if not slow_once:
+            slow_once.append(1)
+            await asyncio.sleep(0.6)  # the gateway gives up at 300 ms; the order is still created
+        return web.json_response({"order": "N-1"}, status=201)
+
+    upstream.routes["/orders"] = create
+    cfg = {
+        "shop": {"base_url": upstream.url, "timeout": "300ms", "native_key": {"header": "Idempotency-Key"}}
+    }
+    async with gateway_server(dsn, upstreams=cfg, lease_grace="500ms") as gw:
+        assert (await order(http, gw.url))[0] == 504
+        status, _, body = await order(http, gw.url, wait=5)
+    assert (status, body) == (201, {"order": "N-1"})
+    (row,) = await effect_rows(dsn)
+    assert (row["state"], row["recovered_by"], row["attempt"]) == ("completed", "native_key", 2)
+    assert upstream.effects_created() == 1
+
+
+async def test_probe_found_completes_from_the_probes_answer(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """Rule 3, found: the effect exists upstream; the record completes from the probe, nothing re-sent."""
+    flaky_first(upstream)
+    upstream.serve_search()
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": SEARCH}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        assert (await order(http, gw.url))[0] == 500
+        status, headers, body = await order(http, gw.url)
+        again = await order(http, gw.url)
+    assert status == 201
+    assert headers["Idempotent-Replayed"] == "true"
+    assert body["reference"].startswith("eg_")
+    assert again[2] == body
+    (row,) = await effect_rows(dsn)
+    assert (row["state"], row["recovered_by"]) == ("completed", "probe")
+    assert len(upstream.effects()) == 1
+
+
+async def test_probe_not_found_sends(dsn: str, upstream: Upstream, http: aiohttp.ClientSession) -> None:
+    """Rule 3, not found: the effect does not exist upstream, so the retry sends it (once)."""
+    calls = 0
+
+    async def create(request: web.Request) -> web.Response:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # answered 503 without creating anything
+            return web.json_response({"error": "overloaded"}, status=503)
+        return web.json_response({"order": "P-2"}, status=201)
+
+    upstream.routes["/orders"] = create
+    upstream.routes["/orders/search"] = lambda request: _json({"items": []})
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": SEARCH}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        assert (await order(http, gw.url))[0] == 503
+        status, headers, body = await order(http, gw.url)
+    assert (status, body) == (201, {"order": "P-2"})
+    assert "Idempotent-Replayed" not in headers
+    (row,) = await effect_rows(dsn)
+    assert row["state"] == "completed"
+    assert row["recovered_by"] is None
+    assert any(e.get("reason") == "probe" for e in row["history"])
+
+
+async def _json(doc: Any, status: int = 200) -> web.Response:
+    return web.json_response(doc, status=status)
+
+
+@pytest.mark.parametrize("failure", ["timeout", "garbage", "status"])
+async def test_a_failed_probe_is_503_and_leaves_the_record_as_it_was(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, failure: str
+) -> None:
+    """A probe that times out, answers garbage or an error status gives 503; nothing is sent."""
+    flaky_first(upstream)
+
+    async def broken(request: web.Request) -> web.Response:
+        if failure == "timeout":
+            await asyncio.sleep(1)
+        if failure == "garbage":
+            return web.Response(text="<html>oops</html>", content_type="text/html")
+        return web.json_response({"error": "search down"}, status=500)
+
+    upstream.routes["/orders/search"] = broken
+    cfg = {
+        "shop": {
+            "base_url": upstream.url,
+            "timeout": "300ms",
+            "stamp": {"json_field": "client_reference"},
+            "probe": SEARCH,
+        }
+    }
+    async with gateway_server(dsn, upstreams=cfg, lease_grace="100ms") as gw:
+        assert (await order(http, gw.url))[0] == 500
+        (before,) = await effect_rows(dsn)
+        status, headers, body = await order(http, gw.url)
+        assert status == 503
+        assert body["type"].endswith("/probe-failed")
+        assert "Retry-After" in headers
+        (after,) = await effect_rows(dsn)
+        assert (after["state"], after["response_status"]) == (before["state"], before["response_status"])
+        assert after["state"] == "in_doubt"
+        # the probe mends: the next retry finds the order instead of placing a second one
+        upstream.serve_search()
+        status, _, body = await order(http, gw.url)
+    assert status == 201
+    assert len(upstream.effects("/orders")) == 1
+
+
+async def test_a_python_probe_registered_as_an_entry_point(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`probe = { entry_point = NAME }` loads a callable from the group effect_gateway.probes and uses it."""
+    (tmp_path / "shop_probe.py").write_text(
+        textwrap.dedent(
+            """
+            async def find_order(ctx):
+                async with ctx.session.get(ctx.base_url + "/orders/search", params={"ref": ctx.key}) as resp:
+                    items = (await resp.json())["items"]
+                return {"found_by": "python", **items[0]} if items else None
+            """
+        )
+    )
+    dist = tmp_path / "shop_probe-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: shop-probe\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[effect_gateway.probes]\nshop-orders = shop_probe:find_order\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    flaky_first(upstream)
+    upstream.serve_search()
+    probe = {"entry_point": "shop-orders", "status": 201}
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": probe}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        assert (await order(http, gw.url))[0] == 500
+        status, _, body = await order(http, gw.url)
+    assert status == 201
+    assert body["found_by"] == "python"
+    assert len(upstream.effects()) == 1
+    sys.modules.pop("shop_probe", None)
+
+
+async def test_a_missing_python_probe_stops_start_up(dsn: str, upstream: Upstream) -> None:
+    """A probe entry point that does not exist is a configuration error, found at start, not at recovery."""
+    from gateway.errors import ConfigError
+
+    cfg = {"shop": {"base_url": upstream.url, "probe": {"entry_point": "no-such-probe"}}}
+    with pytest.raises(ConfigError, match="no-such-probe"):
+        async with gateway_server(dsn, upstreams=cfg):
+            pass
+
+
+# --- retention ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["native", "probe", "neither"])
+async def test_after_the_retention_a_retry_recovers_by_native_key_or_probe(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, kind: str
+) -> None:
+    """Bodies are dropped after the retention (the audit row stays); a retry never duplicates the effect."""
+    cfg: dict[str, Any] = {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}}
+    if kind == "native":
+        upstream.key_header = "Idempotency-Key"
+        cfg["native_key"] = {"header": "Idempotency-Key"}
+    if kind == "probe":
+        upstream.serve_search()
+        cfg["probe"] = SEARCH
+    async with gateway_server(dsn, upstreams={"shop": cfg}, retention="0s", purge_interval="50ms") as gw:
+        first = await order(http, gw.url)
+        assert first[0] == 201
+        for _ in range(100):  # the periodic purge in serve drops the bodies
+            (row,) = await effect_rows(dsn)
+            if row["purged_at"] is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert row["response_body"] is None
+        assert row["request_body"] is None
+        assert row["state"] == "completed"
+        status, _, body = await order(http, gw.url)
+    if kind == "neither":
+        assert status == 410
+        assert body["type"].endswith("/response-purged")
+    else:
+        assert status == 201
+    assert upstream.effects_created() == 1
+
+
+# --- operators ----------------------------------------------------------------------------------------------
+
+
+async def _needs_review(http: aiohttp.ClientSession, url: str, dsn: str) -> int:
+    assert (await order(http, url))[0] == 500
+    status, _, body = await order(http, url)
+    assert status == 409
+    assert body["type"].endswith("/outcome-unknown")
+    (row,) = await effect_rows(dsn)
+    assert row["state"] == "needs_review"
+    return int(row["id"])
+
+
+async def test_resolve_happened_replays_the_operators_response(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """An operator who confirms the effect gives the response the agent's retry then receives."""
+    flaky_first(upstream)
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
+        effect = await _needs_review(http, gw.url, dsn)
+        async with http.get(f"{gw.url}/_gateway/health") as resp:
+            assert (await resp.json())["needs_review"] == 1
+        verdict = {"happened": True, "response": {"status": 201, "json": {"order": "found-by-hand"}}}
+        async with http.post(f"{gw.url}/_gateway/effects/{effect}/resolve", json=verdict) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["state"] == "completed"
+        status, headers, body = await order(http, gw.url)
+        async with http.post(f"{gw.url}/_gateway/effects/{effect}/resolve", json=verdict) as resp:
+            assert resp.status == 409  # nothing left to resolve
+    assert (status, body) == (201, {"order": "found-by-hand"})
+    assert headers["Idempotent-Replayed"] == "true"
+    assert len(upstream.effects()) == 1
+
+
+async def test_resolve_did_not_happen_lets_the_next_retry_send(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """An operator who finds no effect upstream releases the key: the next retry sends it."""
+    flaky_first(upstream)
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
+        effect = await _needs_review(http, gw.url, dsn)
+        async with http.post(
+            f"{gw.url}/_gateway/effects/{effect}/resolve", json={"happened": "maybe"}
+        ) as resp:
+            assert resp.status == 400
+        async with http.post(f"{gw.url}/_gateway/effects/{effect}/resolve", json={"happened": False}) as resp:
+            assert (await resp.json())["state"] == "retryable"
+        status, _, body = await order(http, gw.url)
+    assert (status, body) == (201, {"order": 2})
+    (row,) = await effect_rows(dsn)
+    assert (row["state"], row["recovered_by"]) == ("completed", "operator")
+
+
+async def test_resolve_from_the_command_line(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """`effect-gateway resolve ID --happened --status --body` does what the admin API does."""
+    flaky_first(upstream)
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
+        effect = await _needs_review(http, gw.url, dsn)
+        config = tmp_path / "gw.toml"
+        config.write_text(f'database_url = "{dsn}"\n')
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "gateway",
+            "--config",
+            str(config),
+            "resolve",
+            str(effect),
+            "--happened",
+            "--status",
+            "201",
+            "--header",
+            "Content-Type:application/json",
+            "--body",
+            '{"order":"cli"}',
+            "--operator",
+            "asha",
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await proc.communicate()
+        assert proc.returncode == 0, err
+        assert f"effect {effect} resolved as happened" in out.decode()
+        status, _, body = await order(http, gw.url)
+    assert (status, body) == (201, {"order": "cli"})
+    (row,) = await effect_rows(dsn)
+    assert row["history"][-1]["event"] == "resolved"
+    assert row["history"][-1]["by"] == "asha"
