@@ -11,7 +11,7 @@ import pytest
 
 from gateway.embedded import EmbeddedPostgres
 from gateway.store import migrate
-from tests.support import Upstream, upstream_server
+from tests.support import CRASH_MATRIX, Upstream, upstream_server
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +47,16 @@ async def dsn(postgres_dsn: str) -> str:
 async def upstream() -> AsyncIterator[Upstream]:
     async with upstream_server() as server:
         yield server
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print the crash matrix (scenario x upstream kind) when the crash tests ran."""
+    if not CRASH_MATRIX:
+        return
+    write = terminalreporter.write_line
+    write("")
+    write("crash matrix: gateway SIGKILLed at a fault point, restarted, agent retried with the same key")
+    header = f"{'fault point':<15} {'upstream kind':<28} {'effects':>7} {'agent got':>9}  {'record':<13}"
+    write(f"{header} recovered_by")
+    for point, kind, _, effects, status, state, how in sorted(CRASH_MATRIX):
+        write(f"{point:<15} {kind:<28} {effects:>7} {status:>9}  {state:<13} {how or '-'}")

@@ -22,6 +22,8 @@ from gateway.app import make_app
 from gateway.settings import load_settings
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Rows of the crash matrix, filled by tests/test_crash.py and printed at the end of the run.
+CRASH_MATRIX: list[tuple[str, str, int, int, int, str, str | None]] = []
 ROOT = Path(__file__).resolve().parent.parent
 
 

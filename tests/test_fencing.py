@@ -15,7 +15,7 @@ from aiohttp import web
 from gateway.record import StoredResponse
 from gateway.states import State
 from gateway.store import NewEffect, opened
-from tests.support import Upstream, effect_rows, gateway_server, start_gateway_process
+from tests.support import Upstream, effect_rows, start_gateway_process
 
 NEW = NewEffect(
     tenant="default",
@@ -87,19 +87,15 @@ async def test_a_stalled_gateway_process_is_fenced_out(dsn: str, upstream: Upstr
             )
             await upstream.received.wait()
             await asyncio.sleep(1.8)  # A's lease (1 s timeout + 0.5 s grace) runs out while it is frozen
-            cfg = {
-                "shop": {
-                    "base_url": upstream.url,
-                    "timeout": "1s",
-                    "native_key": {"header": "Idempotency-Key"},
-                }
-            }
-            async with gateway_server(dsn, upstreams=cfg, lease_grace="500ms") as gateway_b:
+            gateway_b = start_gateway_process(config)  # a second process on the same database
+            try:
                 resp = await http.post(
                     f"{gateway_b.url}/shop/orders", data=b"{}", headers={"Idempotency-Key": "stall"}
                 )
                 assert resp.status == 201
                 assert json.loads(await resp.read()) == {"order": "O-1"}
+            finally:
+                gateway_b.stop()
             os.kill(gateway_a.proc.pid, signal.SIGCONT)
             a_resp = await asyncio.wait_for(a_call, 10)
             assert a_resp.status == 409
