@@ -110,6 +110,22 @@ class Store:
                 raise StoreUnavailable(f"Postgres is unavailable: {exc}") from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
+    async def _one(self, sql: str, *args: Any) -> EffectRecord | None:
+        """One statement that returns at most one effect row (None: no row matched, e.g. fenced out)."""
+
+        async def op(conn: Conn) -> EffectRecord | None:
+            row = await conn.fetchrow(sql, *args)
+            return _record(row) if row is not None else None
+
+        return await self._run(op)
+
+    async def _execute(self, sql: str, *args: Any) -> str:
+        async def op(conn: Conn) -> str:
+            status: str = await conn.execute(sql, *args)
+            return status
+
+        return await self._run(op)
+
     # --- the idempotency phases -------------------------------------------------------------------
 
     async def claim(self, new: NewEffect, lease: timedelta) -> tuple[EffectRecord, bool]:
@@ -162,29 +178,25 @@ class Store:
     async def reclaim(self, record: EffectRecord, lease: timedelta, reason: str) -> EffectRecord | None:
         """Take the record over for a new attempt, if nobody has since ``record`` was read."""
 
-        async def op(conn: Conn) -> EffectRecord | None:
-            row = await conn.fetchrow(
-                f"""
-                update effects set
-                    attempt = attempt + 1,
-                    state = 'pending',
-                    -- a pending record whose lease ran out may have been sent by the gateway that held it
-                    may_have_sent = may_have_sent or state = 'pending',
-                    lease_expires_at = now() + $3::interval,
-                    last_sent_at = now(),
-                    first_sent_at = coalesce(first_sent_at, now()),
-                    history = history || {_stamped(4)}
-                where id = $1 and attempt = $2
-                returning {_COLUMNS}
-                """,
-                record.id,
-                record.attempt,
-                lease,
-                _event("reclaimed", attempt=record.attempt + 1, reason=reason, was=record.state.value),
-            )
-            return _record(row) if row is not None else None
-
-        return await self._run(op)
+        return await self._one(
+            f"""
+            update effects set
+                attempt = attempt + 1,
+                state = 'pending',
+                -- a pending record whose lease ran out may have been sent by the gateway that held it
+                may_have_sent = may_have_sent or state = 'pending',
+                lease_expires_at = now() + $3::interval,
+                last_sent_at = now(),
+                first_sent_at = coalesce(first_sent_at, now()),
+                history = history || {_stamped(4)}
+            where id = $1 and attempt = $2
+            returning {_COLUMNS}
+            """,
+            record.id,
+            record.attempt,
+            lease,
+            _event("reclaimed", attempt=record.attempt + 1, reason=reason, was=record.state.value),
+        )
 
     async def settle(
         self,
@@ -200,85 +212,71 @@ class Store:
         """Write what the current attempt saw; None when a newer attempt fenced this one out."""
         completed = state is State.COMPLETED
 
-        async def op(conn: Conn) -> EffectRecord | None:
-            row = await conn.fetchrow(
-                f"""
-                update effects set
-                    state = $3,
-                    may_have_sent = $4,
-                    lease_expires_at = case when $5 then least(lease_expires_at, now())
-                                            else lease_expires_at end,
-                    response_status = coalesce($6, response_status),
-                    response_headers = coalesce($7, response_headers),
-                    response_body = coalesce($8, response_body),
-                    recovered_by = coalesce($9, recovered_by),
-                    completed_at = case when $10 then now() else completed_at end,
-                    purged_at = case when $10 then null else purged_at end,
-                    history = history || {_stamped(11)}
-                where id = $1 and attempt = $2
-                returning {_COLUMNS}
-                """,
-                record.id,
-                record.attempt,
-                state.value,
-                may_have_sent,
-                ends_lease,
-                response.status if response else None,
-                [list(pair) for pair in response.headers] if response else None,
-                response.body if response else None,
-                recovered_by,
-                completed,
-                _event(
-                    "settled",
-                    attempt=record.attempt,
-                    state=state.value,
-                    status=response.status if response else None,
-                    recovered_by=recovered_by,
-                    note=note,
-                ),
-            )
-            return _record(row) if row is not None else None
-
-        return await self._run(op)
+        return await self._one(
+            f"""
+            update effects set
+                state = $3,
+                may_have_sent = $4,
+                lease_expires_at = case when $5 then least(lease_expires_at, now())
+                                        else lease_expires_at end,
+                response_status = coalesce($6, response_status),
+                response_headers = coalesce($7, response_headers),
+                response_body = coalesce($8, response_body),
+                recovered_by = coalesce($9, recovered_by),
+                completed_at = case when $10 then now() else completed_at end,
+                purged_at = case when $10 then null else purged_at end,
+                history = history || {_stamped(11)}
+            where id = $1 and attempt = $2
+            returning {_COLUMNS}
+            """,
+            record.id,
+            record.attempt,
+            state.value,
+            may_have_sent,
+            ends_lease,
+            response.status if response else None,
+            [list(pair) for pair in response.headers] if response else None,
+            response.body if response else None,
+            recovered_by,
+            completed,
+            _event(
+                "settled",
+                attempt=record.attempt,
+                state=state.value,
+                status=response.status if response else None,
+                recovered_by=recovered_by,
+                note=note,
+            ),
+        )
 
     async def note_fenced(self, record: EffectRecord, saw: str) -> None:
         """A fenced-out holder adds what it saw to the history, and changes nothing else."""
 
-        async def op(conn: Conn) -> None:
-            await conn.execute(
-                f"update effects set history = history || {_stamped(2)} where id = $1",
-                record.id,
-                _event("fenced", attempt=record.attempt, saw=saw),
-            )
-
-        await self._run(op)
+        await self._execute(
+            f"update effects set history = history || {_stamped(2)} where id = $1",
+            record.id,
+            _event("fenced", attempt=record.attempt, saw=saw),
+        )
 
     async def send_to_review(self, record: EffectRecord, why: str) -> EffectRecord | None:
         """Give up on recovery; fenced so that a record someone just re-claimed is left alone."""
 
-        async def op(conn: Conn) -> EffectRecord | None:
-            row = await conn.fetchrow(
-                f"""
-                -- A new attempt number: a stalled holder that wakes up now is fenced out, and what it
-                -- saw goes to the history for the operator instead of over their head.
-                update effects set state = 'needs_review', attempt = attempt + 1,
-                    history = history || {_stamped(3)}
-                where id = $1 and attempt = $2 and state in ('pending', 'in_doubt')
-                returning {_COLUMNS}
-                """,
-                record.id,
-                record.attempt,
-                _event("needs_review", attempt=record.attempt, why=why),
-            )
-            return _record(row) if row is not None else None
-
-        return await self._run(op)
+        return await self._one(
+            f"""
+            -- A new attempt number: a stalled holder that wakes up now is fenced out, and what it
+            -- saw goes to the history for the operator instead of over their head.
+            update effects set state = 'needs_review', attempt = attempt + 1,
+                history = history || {_stamped(3)}
+            where id = $1 and attempt = $2 and state in ('pending', 'in_doubt')
+            returning {_COLUMNS}
+            """,
+            record.id,
+            record.attempt,
+            _event("needs_review", attempt=record.attempt, why=why),
+        )
 
     async def count_replay(self, record: EffectRecord) -> None:
-        async def op(conn: Conn) -> None:
-            await conn.execute("update effects set replays = replays + 1 where id = $1", record.id)
-
-        await self._run(op)
+        await self._execute("update effects set replays = replays + 1 where id = $1", record.id)
 
     async def resolve(
         self, effect_id: int, state: State, response: StoredResponse | None, by: str | None
@@ -286,46 +284,38 @@ class Store:
         """An operator's verdict: completed with a response to replay, or retryable (it did not happen)."""
         happened = state is State.COMPLETED
 
-        async def op(conn: Conn) -> EffectRecord | None:
-            row = await conn.fetchrow(
-                f"""
-                update effects set
-                    state = $2,
-                    -- "did not happen" is the operator's word that no attempt reached the upstream
-                    may_have_sent = $3,
-                    lease_expires_at = least(lease_expires_at, now()),
-                    response_status = $4, response_headers = $5, response_body = $6,
-                    recovered_by = 'operator',
-                    attempt = attempt + 1,
-                    completed_at = case when $3 then now() else null end,
-                    history = history || {_stamped(7)}
-                where id = $1 and state in ('needs_review', 'in_doubt')
-                returning {_COLUMNS}
-                """,
-                effect_id,
-                state.value,
-                happened,
-                response.status if response else None,
-                [list(p) for p in response.headers] if response else None,
-                response.body if response else None,
-                _event("resolved", happened=happened, by=by),
-            )
-            return _record(row) if row is not None else None
-
-        return await self._run(op)
+        return await self._one(
+            f"""
+            update effects set
+                state = $2,
+                -- "did not happen" is the operator's word that no attempt reached the upstream
+                may_have_sent = $3,
+                lease_expires_at = least(lease_expires_at, now()),
+                response_status = $4, response_headers = $5, response_body = $6,
+                recovered_by = 'operator',
+                attempt = attempt + 1,
+                completed_at = case when $3 then now() else null end,
+                history = history || {_stamped(7)}
+            where id = $1 and state in ('needs_review', 'in_doubt')
+            returning {_COLUMNS}
+            """,
+            effect_id,
+            state.value,
+            happened,
+            response.status if response else None,
+            [list(p) for p in response.headers] if response else None,
+            response.body if response else None,
+            _event("resolved", happened=happened, by=by),
+        )
 
     # --- reading ----------------------------------------------------------------------------------
 
     async def get(self, effect_id: int, tenant: str | None = None) -> EffectRecord | None:
-        async def op(conn: Conn) -> EffectRecord | None:
-            row = await conn.fetchrow(
-                f"select {_COLUMNS} from effects where id = $1 and ($2::text is null or tenant = $2)",
-                effect_id,
-                tenant,
-            )
-            return _record(row) if row is not None else None
-
-        return await self._run(op)
+        return await self._one(
+            f"select {_COLUMNS} from effects where id = $1 and ($2::text is null or tenant = $2)",
+            effect_id,
+            tenant,
+        )
 
     async def reread(self, record: EffectRecord) -> EffectRecord:
         fresh = await self.get(record.id)
@@ -367,29 +357,19 @@ class Store:
 
         return await self._run(op)
 
-    async def now(self) -> datetime:
-        async def op(conn: Conn) -> datetime:
-            value: datetime = await conn.fetchval("select clock_timestamp()")
-            return value
-
-        return await self._run(op)
-
     async def purge(self, retention: timedelta) -> int:
         """Drop the bodies of completed effects older than the retention; the audit row stays."""
 
-        async def op(conn: Conn) -> int:
-            status = await conn.execute(
-                f"""
-                update effects set request_body = null, response_headers = null, response_body = null,
-                    purged_at = now(), history = history || {_stamped(2)}
-                where state = 'completed' and purged_at is null and completed_at < now() - $1::interval
-                """,
-                retention,
-                _event("purged"),
-            )
-            return int(status.split()[-1])
-
-        return await self._run(op)
+        status = await self._execute(
+            f"""
+            update effects set request_body = null, response_headers = null, response_body = null,
+                purged_at = now(), history = history || {_stamped(2)}
+            where state = 'completed' and purged_at is null and completed_at < now() - $1::interval
+            """,
+            retention,
+            _event("purged"),
+        )
+        return int(status.split()[-1])
 
 
 def _record(row: asyncpg.Record) -> EffectRecord:
