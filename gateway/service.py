@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, assert_never
+from typing import Any, TypeVar, assert_never
 
 from gateway import problems
 from gateway.decision import (
@@ -42,6 +42,8 @@ from gateway.store import NewEffect, Store
 from gateway.upstream import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP, Outbound, UpstreamClient, build_outbound
 
 log = logging.getLogger("effect_gateway")
+
+T = TypeVar("T")
 
 # Waiting for a twin: start fast (most upstream calls end in tens of ms), back off to spare Postgres.
 FIRST_POLL = 0.01
@@ -79,10 +81,14 @@ class EffectService:
 
     async def handle(self, inbound: Inbound) -> Reply:
         """Run the request to its end even if the client goes away: its result is recorded for the retry."""
-        task = asyncio.create_task(self._handle(inbound))
+        return await asyncio.shield(self._spawn(self._handle(inbound)))
+
+    def _spawn(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        # Held here until done: the event loop keeps only weak references to tasks.
+        task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return await asyncio.shield(task)
+        return task
 
     async def drain(self, timeout: float) -> None:
         """At shutdown: let calls under way finish and record, so none is left pending for nothing."""
@@ -156,7 +162,9 @@ class EffectService:
             match action:
                 case Replay():
                     assert record.response is not None
-                    await self._store.count_replay(record)
+                    # Off the agent's path: the counter is for the audit, and its commit is most of a
+                    # replay's time. drain() still waits for it at shutdown.
+                    self._spawn(self._store.count_replay(record))
                     return Reply(record.response, replayed=True, effect_id=record.id)
                 case Mismatch():
                     raise problems.KeyReused(

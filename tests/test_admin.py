@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -64,8 +65,12 @@ async def test_one_effect_in_full(dsn: str, upstream: Upstream, http: aiohttp.Cl
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
         await _order(http, gw.url, "one", **{"Effect-Gateway-Run": "r1", "Effect-Gateway-Step": "4"})
         await _order(http, gw.url, "one")
-        async with http.get(f"{gw.url}/_gateway/effects/1") as resp:
-            effect = await resp.json()
+        for _ in range(40):  # the replay counter is written just after the replay is answered
+            async with http.get(f"{gw.url}/_gateway/effects/1") as resp:
+                effect = await resp.json()
+            if effect["replays"]:
+                break
+            await asyncio.sleep(0.05)
         async with http.get(f"{gw.url}/_gateway/effects/999") as resp:
             assert resp.status == 404
         async with http.get(f"{gw.url}/_gateway/effects/abc") as resp:

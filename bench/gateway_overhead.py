@@ -1,0 +1,137 @@
+"""What the gateway costs an agent: the same POST sent straight to an upstream and through the gateway.
+
+Run: `make bench` (or `python -m bench.gateway_overhead --requests 500`). Everything runs on loopback:
+an aiohttp upstream, the gateway on the embedded Postgres (or $TEST_DATABASE_URL), and a client that
+sends one request at a time so each figure is a latency, not a throughput. Prints median and p99 in ms
+and the ratio to the direct baseline, measured side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from gateway.app import make_app
+from gateway.embedded import EmbeddedPostgres
+from gateway.settings import load_settings
+from gateway.store import migrate
+
+BODY = b'{"items":["atta","toor dal","paneer","spinach"]}'
+HEADERS = {"Content-Type": "application/json"}
+
+
+async def _upstream() -> tuple[web.AppRunner, str]:
+    async def create(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"order": "O-1", "status": "placed"}, status=201)
+
+    app = web.Application()
+    app.router.add_post("/orders", create)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def _gateway(dsn: str, upstream: str) -> tuple[web.AppRunner, str]:
+    settings = load_settings(
+        None,
+        listen="127.0.0.1:0",
+        database_url=dsn,
+        upstreams={"shop": {"base_url": upstream, "stamp": {"json_field": "client_reference"}}},
+    )
+    runner = web.AppRunner(make_app(settings, dsn), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def _interleaved(n: int, calls: list[Callable[[int], Awaitable[int]]]) -> list[list[float]]:
+    """Time the calls round-robin, so a slow moment of the disk or CPU falls on all of them alike."""
+    for i in range(min(50, n)):  # warm the connection pools and Postgres's caches
+        for call in calls:
+            await call(-i - 1)
+    samples: list[list[float]] = [[] for _ in calls]
+    for i in range(n):
+        for call, out in zip(calls, samples, strict=True):
+            start = time.perf_counter()
+            status = await call(i)
+            out.append((time.perf_counter() - start) * 1000)
+            assert status in (200, 201), status
+    return samples
+
+
+def _row(name: str, samples: list[float], base: list[float] | None) -> str:
+    median = statistics.median(samples)
+    p99 = statistics.quantiles(samples, n=100)[98]
+    ratio = "" if base is None else f"{median / statistics.median(base):>8.2f}x"
+    return f"| {name:<38} | {median:>8.3f} | {p99:>8.3f} | {ratio:>9} |"
+
+
+async def run(n: int, dsn: str) -> None:
+    await migrate(dsn)
+    up_runner, upstream = await _upstream()
+    gw_runner, gateway = await _gateway(dsn, upstream)
+    run_tag = str(time.time_ns())
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def direct(i: int) -> int:
+                async with http.post(f"{upstream}/orders", data=BODY, headers=HEADERS) as resp:
+                    await resp.read()
+                    return resp.status
+
+            async def new_effect(i: int) -> int:
+                headers = {**HEADERS, "Idempotency-Key": f"{run_tag}:new:{i}"}
+                async with http.post(f"{gateway}/shop/orders", data=BODY, headers=headers) as resp:
+                    await resp.read()
+                    return resp.status
+
+            async def replay(i: int) -> int:
+                headers = {**HEADERS, "Idempotency-Key": f"{run_tag}:new:{i}"}  # sent just before
+                async with http.post(f"{gateway}/shop/orders", data=BODY, headers=headers) as resp:
+                    await resp.read()
+                    return resp.status
+
+            base, fresh, replays = await _interleaved(n, [direct, new_effect, replay])
+    finally:
+        await gw_runner.cleanup()
+        await up_runner.cleanup()
+    where = "given" if "TEST_DATABASE_URL" in os.environ else "embedded"
+    print(f"\n{n} sequential POSTs each, loopback, Postgres {where}")
+    print(f"| {'path':<38} | {'p50 ms':>8} | {'p99 ms':>8} | {'vs direct':>9} |")
+    print(f"|{'-' * 40}|{'-' * 10}|{'-' * 10}|{'-' * 11}|")
+    print(_row("direct to the upstream (baseline)", base, None))
+    print(_row("through the gateway, new key", fresh, base))
+    print(_row("through the gateway, replay", replays, base))
+    extra = statistics.median(fresh) - statistics.median(base)
+    print(f"\nthe gateway adds {extra:.3f} ms at the median to a new effect (claim + settle in Postgres)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=1000)
+    args = parser.parse_args()
+    dsn = os.environ.get("TEST_DATABASE_URL")
+    if dsn:
+        asyncio.run(run(args.requests, dsn))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        embedded = EmbeddedPostgres(Path(tmp))
+        try:
+            asyncio.run(run(args.requests, embedded.start()))
+        finally:
+            embedded.stop()
+
+
+if __name__ == "__main__":
+    main()
