@@ -24,12 +24,17 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/pytest
 
-# Until the demo lands, the main job is the gateway serving the example configuration on the embedded Postgres.
+# The main job: the crash matrix of the reference article, on the embedded Postgres, with real SIGKILLs.
+demo: $(STAMP)
+	$(BIN)/effect-gateway demo
+
+# The gateway alone, serving the example configuration on the embedded Postgres.
 serve: $(STAMP)
 	$(BIN)/effect-gateway serve --config examples/gateway.toml
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.gateway_overhead
+	$(BIN)/python -m bench.journal_step
 
 clean:
 	rm -rf $(VENV) .effect-gateway .pytest_cache .mypy_cache .ruff_cache

@@ -171,6 +171,15 @@ def cmd_resolve(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(settings: Settings, _args: argparse.Namespace) -> int:
+    # The demo brings its own gateway configuration; database_url, when set, is used instead of an
+    # embedded Postgres of its own.
+    from agent_example.crash_matrix import main as crash_matrix
+
+    dsn = settings.database_url.get_secret_value() if settings.database_url else None
+    return crash_matrix(dsn)
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="effect-gateway", description="The idempotency sidecar for AI agents.")
     top.add_argument("--config", help="TOML file (default: $EFFECT_GATEWAY_CONFIG)")
@@ -179,6 +188,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="run the gateway")
     sub.add_parser("migrate", help="apply schema migrations and exit")
     sub.add_parser("purge", help="drop stored bodies older than the retention (audit rows stay)")
+    sub.add_parser("demo", help="run the grocery agent's crash matrix (embedded Postgres, real SIGKILLs)")
 
     eff = sub.add_parser("effects", help="list effect records, or show one")
     eff.add_argument("id", nargs="?", type=int, help="show this effect in full")
@@ -211,6 +221,7 @@ COMMANDS = {
     "purge": cmd_purge,
     "effects": cmd_effects,
     "resolve": cmd_resolve,
+    "demo": cmd_demo,
 }
 
 

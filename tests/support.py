@@ -4,11 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -18,6 +13,7 @@ from typing import Any
 import asyncpg
 from aiohttp import web
 
+from agent_example.processes import Service, start_service
 from gateway.app import make_app
 from gateway.settings import load_settings
 
@@ -168,45 +164,6 @@ async def database_text(dsn: str) -> str:
 # --- gateways in their own processes, for crash tests ------------------------------------------------
 
 
-@dataclass
-class GatewayProcess:
-    proc: subprocess.Popen[str]
-    url: str
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-def start_gateway_process(
-    config: Path, env: dict[str, str] | None = None, timeout: float = 30
-) -> GatewayProcess:
+def start_gateway_process(config: Path, env: dict[str, str] | None = None, timeout: float = 30) -> Service:
     """``effect-gateway serve`` in a child process; returns once it prints the address it listens on."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "--config", str(config), "serve"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **(env or {})},
-        cwd=ROOT,
-    )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith("effect-gateway listening on "):
-            return GatewayProcess(proc, line.rsplit(" ", 1)[1].strip())
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    _, err = proc.communicate(timeout=5)
-    raise RuntimeError(f"the gateway did not start: {err[-2000:]}")
+    return start_service(["-m", "gateway", "--config", str(config), "serve"], env, timeout, cwd=str(ROOT))
