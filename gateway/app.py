@@ -103,8 +103,9 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
     except web.HTTPNotFound:
         return problems.render(problems.NotFound(f"nothing at {request.path}"))
     except StoreUnavailable as exc:
+        # Raised before anything was sent: a failure after sending is answered by the service itself.
         log.error("store unavailable: %s", exc)
-        return problems.render(problems.StoreDown(str(exc)))
+        return problems.render(problems.StoreDown(f"{exc}; nothing was sent", headers={"Retry-After": "1"}))
     except web.HTTPException:
         raise
     except Exception:

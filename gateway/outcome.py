@@ -27,6 +27,7 @@ class NoAnswer:
 
     reason: str
     timed_out: bool = False
+    too_large: bool = False
 
 
 Outcome = Answered | NotSent | NoAnswer

@@ -135,7 +135,7 @@ class ProbeUnavailable(Problem):
 
 
 class StoreDown(Problem):
-    status, type, title = 503, "store-unavailable", "The effect store is unavailable; nothing was sent"
+    status, type, title = 503, "store-unavailable", "The effect store is unavailable"
 
 
 class UpstreamTimeout(Problem):

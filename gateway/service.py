@@ -28,7 +28,7 @@ from gateway.decision import (
     decide,
     settle,
 )
-from gateway.errors import ProbeFailed
+from gateway.errors import ProbeFailed, StoreUnavailable
 from gateway.faults import fault
 from gateway.fingerprint import NEVER_FINGERPRINTED, fingerprint
 from gateway.keys import ScopedKey
@@ -225,15 +225,26 @@ class EffectService:
         outcome = await self._client.send(outbound, policy.timeout.total_seconds())
         fault("after-upstream", policy.name)
         settled = settle(outcome, earlier_doubt=record.may_have_sent)
-        saved = await self._store.settle(
-            record,
-            settled.state,
-            may_have_sent=settled.may_have_sent,
-            ends_lease=settled.ends_lease,
-            response=_stored(outcome),
-            recovered_by=recovered_by if settled.state is State.COMPLETED else None,
-            note=_describe(outcome),
-        )
+        try:
+            saved = await self._store.settle(
+                record,
+                settled.state,
+                may_have_sent=settled.may_have_sent,
+                ends_lease=settled.ends_lease,
+                response=_stored(outcome),
+                recovered_by=recovered_by if settled.state is State.COMPLETED else None,
+                note=_describe(outcome),
+            )
+        except StoreUnavailable as exc:
+            # The request left, and what came of it could not be written: the record stays pending until
+            # its lease runs out, and the retry recovers it like a gateway crash at this very point.
+            log.error("effect %s: %s; could not record it: %s", record.id, _describe(outcome), exc)
+            raise problems.StoreDown(
+                f"the upstream was called but its outcome could not be recorded ({exc}); retry with the same "
+                "key to recover it",
+                headers={"Retry-After": str(max(1, math.ceil(policy.lease.total_seconds())))},
+                effect_id=record.id,
+            ) from None
         if saved is None:
             await self._store.note_fenced(record, _describe(outcome))
             raise problems.Fenced(
@@ -323,6 +334,11 @@ def _reply(outcome: Outcome, effect_id: int | None) -> Reply:
             raise problems.UpstreamUnreachable(
                 f"{reason}; nothing was sent, retry with the same key",
                 headers={"Retry-After": "1"},
+                effect_id=effect_id,
+            )
+        case NoAnswer(reason=reason, too_large=True):
+            raise problems.ResponseTooLarge(
+                f"{reason}; the effect may have happened, retry with the same key to recover it",
                 effect_id=effect_id,
             )
         case NoAnswer(reason=reason, timed_out=True):

@@ -111,13 +111,19 @@ class Store:
         """Run one phase; retry only what Postgres says is retryable, map the rest to our own error."""
         for attempt in range(3):
             try:
-                async with self._pool.acquire() as conn:
-                    return await op(conn)
+                conn = await self._pool.acquire()
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                # Whatever stops a new connection (server gone, refusing, out of slots) is an outage.
+                raise StoreUnavailable(f"Postgres is unavailable: {exc}") from exc
+            try:
+                return await op(conn)
             except _RETRYABLE_SQLSTATES:
                 if attempt == 2:
                     raise
             except (OSError, asyncpg.PostgresConnectionError, asyncpg.ConnectionDoesNotExistError) as exc:
                 raise StoreUnavailable(f"Postgres is unavailable: {exc}") from exc
+            finally:
+                await self._pool.release(conn)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _one(self, sql: str, *args: Any) -> EffectRecord | None:

@@ -141,7 +141,9 @@ class UpstreamClient:
             ) as resp:
                 body = await self._read_limited(resp)
                 if body is None:
-                    return NoAnswer(f"the response is larger than {self._max_response_bytes} bytes")
+                    return NoAnswer(
+                        f"the response is larger than {self._max_response_bytes} bytes", too_large=True
+                    )
                 return Answered(status=resp.status, headers=storable_headers(resp.headers), body=body)
         except TimeoutError:
             if not flag.sent:

@@ -8,9 +8,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import asyncpg
 import pytest
 from aiohttp import web
 
+from gateway.store import migrate
 from tests.support import Gateway, Upstream, database_text, effect_rows, gateway_server
 
 PROBLEM = "application/problem+json"
@@ -463,3 +465,58 @@ async def test_non_utf8_headers_are_refused_without_crashing(
         assert raw.split(b" ", 2)[1] == b"400", raw
     assert upstream.calls == []
     assert (await post(http, f"{gateway.url}/shop/orders", key="after"))[0] == 201
+
+
+async def test_a_response_too_large_to_record_is_in_doubt_not_lost(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """An answer over max_response_bytes cannot be replayed: 502 response-too-large, never re-sent blindly."""
+
+    async def huge(_: web.Request) -> web.Response:
+        return web.Response(body=b"x" * 5000, status=201)
+
+    upstream.routes["/orders"] = huge
+    cfg = shop(upstream, timeout="300ms")
+    async with gateway_server(dsn, upstreams=cfg, max_response_bytes=1000, lease_grace="100ms") as gw:
+        status, _, body = await post(http, f"{gw.url}/shop/orders", key="huge")
+        assert status == 502
+        assert problem_type(body) == "response-too-large"
+        await asyncio.sleep(0.5)  # past the lease: the first attempt can no longer be under way
+        status, _, body = await post(http, f"{gw.url}/shop/orders", key="huge")
+    assert status == 409
+    assert problem_type(body) == "outcome-unknown"
+    assert len(upstream.effects()) == 1
+
+
+async def test_with_postgres_down_nothing_is_sent_and_service_resumes(
+    postgres_dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """No claim, no call: 503 store-unavailable, the upstream untouched; once Postgres is back, it serves."""
+    admin = await asyncpg.connect(postgres_dsn)
+    await admin.execute("drop database if exists outage")
+    await admin.execute("create database outage")
+    dsn = postgres_dsn.replace("/postgres?", "/outage?")
+    await migrate(dsn)
+    try:
+        async with gateway_server(dsn, upstreams=shop(upstream)) as gw:
+            # The database goes away for the gateway: its sessions are cut and new ones refused.
+            await admin.execute("alter database outage allow_connections false")
+            await admin.execute(
+                "select pg_terminate_backend(pid) from pg_stat_activity where datname = 'outage'"
+            )
+            status, headers, body = await post(http, f"{gw.url}/shop/orders", key="down")
+            assert status == 503
+            assert problem_type(body) == "store-unavailable"
+            assert "Retry-After" in headers
+            assert upstream.calls == []
+            await admin.execute("alter database outage allow_connections true")
+            for _ in range(5):  # the pool replaces the connections that were cut
+                status, _, _ = await post(http, f"{gw.url}/shop/orders", key="down")
+                if status == 201:
+                    break
+            assert status == 201
+    finally:
+        await admin.execute("alter database outage allow_connections true")
+        await admin.execute("drop database outage with (force)")
+        await admin.close()
+    assert len(upstream.effects()) == 1
