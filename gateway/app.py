@@ -81,6 +81,8 @@ async def _purge_periodically(store: Store, settings: Settings) -> None:
                 log.info("purged the bodies of %d effects older than %s", dropped, settings.retention)
         except StoreUnavailable as exc:
             log.warning("purge skipped: %s", exc)
+        except Exception:  # a periodic job must outlive any one failure; the next round tries again
+            log.exception("purge failed")
         await asyncio.sleep(settings.purge_interval.total_seconds())
 
 

@@ -85,6 +85,15 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     """
 
 
+# The server went away under a statement: lost connection, or shut down or restarted by an operator (57P).
+_OUTAGE = (
+    OSError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.ConnectionDoesNotExistError,
+    asyncpg.exceptions.OperatorInterventionError,
+    # what asyncpg raises when the server cuts a session in the middle of a message exchange
+    asyncpg.exceptions.InternalClientError,
+)
 _RETRYABLE_SQLSTATES = (asyncpg.exceptions.SerializationError, asyncpg.exceptions.DeadlockDetectedError)
 
 
@@ -120,7 +129,7 @@ class Store:
             except _RETRYABLE_SQLSTATES:
                 if attempt == 2:
                     raise
-            except (OSError, asyncpg.PostgresConnectionError, asyncpg.ConnectionDoesNotExistError) as exc:
+            except _OUTAGE as exc:
                 raise StoreUnavailable(f"Postgres is unavailable: {exc}") from exc
             finally:
                 await self._pool.release(conn)
