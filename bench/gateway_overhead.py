@@ -9,19 +9,15 @@ and the ratio to the direct baseline, measured side by side in one run.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
+from bench.common import on_postgres, p50_p99, where
 from gateway.app import make_app
-from gateway.embedded import EmbeddedPostgres
 from gateway.settings import load_settings
 from gateway.store import migrate
 
@@ -71,8 +67,7 @@ async def _interleaved(n: int, calls: list[Callable[[int], Awaitable[int]]]) -> 
 
 
 def _row(name: str, samples: list[float], base: list[float] | None) -> str:
-    median = statistics.median(samples)
-    p99 = statistics.quantiles(samples, n=100)[98]
+    median, p99 = p50_p99(samples)
     ratio = "" if base is None else f"{median / statistics.median(base):>8.2f}x"
     return f"| {name:<38} | {median:>8.3f} | {p99:>8.3f} | {ratio:>9} |"
 
@@ -106,8 +101,7 @@ async def run(n: int, dsn: str) -> None:
     finally:
         await gw_runner.cleanup()
         await up_runner.cleanup()
-    where = "given" if "TEST_DATABASE_URL" in os.environ else "embedded"
-    print(f"\n{n} sequential POSTs each, loopback, Postgres {where}")
+    print(f"\n{n} sequential POSTs each, loopback, Postgres {where()}")
     print(f"| {'path':<38} | {'p50 ms':>8} | {'p99 ms':>8} | {'vs direct':>9} |")
     print(f"|{'-' * 40}|{'-' * 10}|{'-' * 10}|{'-' * 11}|")
     print(_row("direct to the upstream (baseline)", base, None))
@@ -121,16 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000)
     args = parser.parse_args()
-    dsn = os.environ.get("TEST_DATABASE_URL")
-    if dsn:
-        asyncio.run(run(args.requests, dsn))
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        embedded = EmbeddedPostgres(Path(tmp))
-        try:
-            asyncio.run(run(args.requests, embedded.start()))
-        finally:
-            embedded.stop()
+    on_postgres(lambda dsn: run(args.requests, dsn))
 
 
 if __name__ == "__main__":

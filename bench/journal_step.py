@@ -11,17 +11,13 @@ step and 0.24 ms per replay on Node 20 and Postgres 14.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import asyncpg
 
-from gateway.embedded import EmbeddedPostgres
+from bench.common import on_postgres, p50_p99, where
 from journal import Journal
 
 OUTPUT = {"low": ["atta", "toor dal", "paneer", "spinach"]}
@@ -40,10 +36,6 @@ async def article_step(conn: asyncpg.Connection, run_id: str, n: int) -> object:
         json.dumps(OUTPUT),
     )
     return OUTPUT
-
-
-def _stats(samples: list[float]) -> tuple[float, float]:
-    return statistics.median(samples), statistics.quantiles(samples, n=100)[98]
 
 
 async def run(steps: int, dsn: str) -> None:
@@ -84,8 +76,7 @@ async def run(steps: int, dsn: str) -> None:
         await conn.close()
         await journal.close()
 
-    where = "given" if "TEST_DATABASE_URL" in os.environ else "embedded"
-    print(f"\n{runs * per_run} steps each ({runs} runs of {per_run}), Postgres {where}, interleaved")
+    print(f"\n{runs * per_run} steps each ({runs} runs of {per_run}), Postgres {where()}, interleaved")
     print(f"| {'operation':<44} | {'p50 ms':>8} | {'p99 ms':>8} | {'vs article':>10} |")
     print(f"|{'-' * 46}|{'-' * 10}|{'-' * 10}|{'-' * 12}|")
     base_new, base_replay = statistics.median(article_new), statistics.median(article_replay)
@@ -96,7 +87,7 @@ async def run(steps: int, dsn: str) -> None:
         ("replayed step, journal (loaded at resume)", ours_replay, base_replay),
         ("resuming a run of 10 steps, journal", ours_resume, None),
     ):
-        p50, p99 = _stats(samples)
+        p50, p99 = p50_p99(samples)
         ratio = "" if base is None else f"{p50 / base:.2f}x"
         print(f"| {name:<44} | {p50:>8.3f} | {p99:>8.3f} | {ratio:>10} |")
 
@@ -105,16 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     args = parser.parse_args()
-    dsn = os.environ.get("TEST_DATABASE_URL")
-    if dsn:
-        asyncio.run(run(args.steps, dsn))
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        embedded = EmbeddedPostgres(Path(tmp))
-        try:
-            asyncio.run(run(args.steps, embedded.start()))
-        finally:
-            embedded.stop()
+    on_postgres(lambda dsn: run(args.steps, dsn))
 
 
 if __name__ == "__main__":

@@ -234,17 +234,7 @@ class Run:
         saved, text = _as_saved(n, name, result)
         self._on_point(f"after-effect:{n}")
         async with self._pool.acquire() as conn:
-            inserted = await conn.fetchval(
-                """
-                insert into agent_steps (run_id, step, name, output) values ($1, $2, $3, $4::jsonb)
-                on conflict (run_id, step) do nothing returning step
-                """,
-                self.id,
-                n,
-                name,
-                text,
-            )
-            if inserted is None:
+            if not await self._checkpoint(conn, n, name, text):
                 # Another process ran this step meanwhile and saved first: its output is the one.
                 saved = await self._saved_by_other(conn, n, name)
         self._saved[n] = (name, saved)
@@ -264,21 +254,25 @@ class Run:
             result = await fn(conn, ctx)
             saved, text = _as_saved(n, name, result)
             self._on_point(f"after-effect:{n}")
-            inserted = await conn.fetchval(
-                """
-                insert into agent_steps (run_id, step, name, output) values ($1, $2, $3, $4::jsonb)
-                on conflict (run_id, step) do nothing returning step
-                """,
-                self.id,
-                n,
-                name,
-                text,
-            )
-            if inserted is None:
+            if not await self._checkpoint(conn, n, name, text):
                 raise StepMismatch(self.id, n, "(saved meanwhile by another process)", name)
         self._saved[n] = (name, saved)
         self._on_point(f"after-checkpoint:{n}")
         return saved
+
+    async def _checkpoint(self, conn: Any, n: int, name: str, text: str) -> bool:
+        """Save step ``n``: one round trip. False when another process saved it first."""
+        inserted = await conn.fetchval(
+            """
+            insert into agent_steps (run_id, step, name, output) values ($1, $2, $3, $4::jsonb)
+            on conflict (run_id, step) do nothing returning step
+            """,
+            self.id,
+            n,
+            name,
+            text,
+        )
+        return inserted is not None
 
     async def _saved_by_other(self, conn: Any, n: int, name: str) -> JSON:
         row = await conn.fetchrow(
