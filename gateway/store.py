@@ -381,9 +381,13 @@ class Store:
 
         return await self._run(op)
 
-    async def state_counts(self) -> dict[str, int]:
+    async def state_counts(self, tenant: str | None = None) -> dict[str, int]:
         async def op(conn: Conn) -> dict[str, int]:
-            rows = await conn.fetch("select state, count(*) as n from effects group by state")
+            rows = await conn.fetch(
+                "select state, count(*) as n from effects where ($1::text is null or tenant = $1)"
+                " group by state",
+                tenant,
+            )
             counts = {state.value: 0 for state in State}
             counts.update({row["state"]: row["n"] for row in rows})
             return counts
