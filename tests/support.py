@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 from aiohttp import web
@@ -143,6 +144,12 @@ async def gateway_server(dsn: str, **settings: Any) -> AsyncIterator[Gateway]:
         yield Gateway(f"http://127.0.0.1:{runner.addresses[0][1]}", app)
     finally:
         await runner.cleanup()
+
+
+def other_database(dsn: str, name: str) -> str:
+    """The same server as ``dsn``, another database (for tests that must not touch the shared one)."""
+    parts = urlsplit(dsn)
+    return urlunsplit(parts._replace(path="/" + name))
 
 
 async def effect_rows(dsn: str) -> list[dict[str, Any]]:

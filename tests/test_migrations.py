@@ -7,6 +7,7 @@ import asyncio
 import asyncpg
 
 from gateway.store import migrate, migration_files
+from tests.support import other_database
 
 
 async def test_replicas_starting_at_once_apply_each_migration_exactly_once(postgres_dsn: str) -> None:
@@ -14,7 +15,7 @@ async def test_replicas_starting_at_once_apply_each_migration_exactly_once(postg
     admin = await asyncpg.connect(postgres_dsn)
     await admin.execute("drop database if exists replicas")
     await admin.execute("create database replicas")
-    dsn = postgres_dsn.replace("/postgres?", "/replicas?")
+    dsn = other_database(postgres_dsn, "replicas")
     try:
         results = await asyncio.gather(*(migrate(dsn) for _ in range(8)))
         applied = [names for names in results if names]

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from gateway.store import migrate
-from tests.support import Gateway, Upstream, database_text, effect_rows, gateway_server
+from tests.support import Gateway, Upstream, database_text, effect_rows, gateway_server, other_database
 
 PROBLEM = "application/problem+json"
 
@@ -495,7 +495,7 @@ async def test_with_postgres_down_nothing_is_sent_and_service_resumes(
     admin = await asyncpg.connect(postgres_dsn)
     await admin.execute("drop database if exists outage")
     await admin.execute("create database outage")
-    dsn = postgres_dsn.replace("/postgres?", "/outage?")
+    dsn = other_database(postgres_dsn, "outage")
     await migrate(dsn)
     try:
         async with gateway_server(dsn, upstreams=shop(upstream)) as gw:
