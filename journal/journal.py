@@ -179,6 +179,10 @@ class Journal:
         return [RunInfo(r["id"], r["status"], r["steps"], r["updated_at"]) for r in rows]
 
 
+class _SavedByOther(Exception):
+    """Rolls a transactional step back when another process saved the same step first."""
+
+
 StepFn = Callable[[StepContext], Awaitable[Any] | Any]
 TxStepFn = Callable[[Any, StepContext], Awaitable[Any]]  # the connection: asyncpg's, inside a transaction
 
@@ -250,12 +254,18 @@ class Run:
         if done:
             return output
         ctx = StepContext(self.id, n, name)
-        async with self._pool.acquire() as conn, conn.transaction():
-            result = await fn(conn, ctx)
-            saved, text = _as_saved(n, name, result)
-            self._on_point(f"after-effect:{n}")
-            if not await self._checkpoint(conn, n, name, text):
-                raise StepMismatch(self.id, n, "(saved meanwhile by another process)", name)
+        async with self._pool.acquire() as conn:
+            try:
+                async with conn.transaction():
+                    result = await fn(conn, ctx)
+                    saved, text = _as_saved(n, name, result)
+                    self._on_point(f"after-effect:{n}")
+                    if not await self._checkpoint(conn, n, name, text):
+                        raise _SavedByOther
+            except _SavedByOther:
+                # Another process ran the step and committed first: our effect rolled back with our
+                # transaction, so the step happened once, and its output is the other process's.
+                saved = await self._saved_by_other(conn, n, name)
         self._saved[n] = (name, saved)
         self._on_point(f"after-checkpoint:{n}")
         return saved

@@ -170,3 +170,43 @@ async def test_a_transactional_step_killed_before_commit_leaves_neither(
         assert await conn.fetchval("select count(*) from journal_orders") == 1
     finally:
         await conn.close()
+
+
+async def test_two_processes_racing_on_a_transactional_step_make_one_effect(
+    journal: Journal, postgres_dsn: str
+) -> None:
+    """Two resumed copies of a run race on the same step: one effect commits, both return its output."""
+    conn = await asyncpg.connect(postgres_dsn)
+    await conn.execute("create table journal_orders (id serial primary key, run_id text, items text)")
+
+    async def order(db: Any, ctx: StepContext) -> dict[str, int]:
+        order_id = await db.fetchval(
+            "insert into journal_orders (run_id, items) values ($1, 'x') returning id", ctx.run_id
+        )
+        await asyncio.sleep(0.2)  # both effects are in flight before either checkpoint commits
+        return {"order": order_id}
+
+    first, second = await journal.run("race"), await journal.run("race")
+    a, b = await asyncio.gather(
+        first.transactional_step("order", order), second.transactional_step("order", order)
+    )
+    try:
+        assert a == b
+        assert await conn.fetchval("select count(*) from journal_orders") == 1
+        assert await conn.fetchval("select count(*) from agent_steps where run_id = 'race'") == 1
+    finally:
+        await conn.close()
+
+
+async def test_a_completed_run_replays_and_takes_no_new_steps(journal: Journal) -> None:
+    """Resuming a completed run returns its outputs; asking for a step it never had is an error."""
+    from journal import RunFinished
+
+    run = await journal.run("finished")
+    await run.step("a", lambda ctx: "A")
+    await run.complete()
+    again = await journal.run("finished")
+    assert again.status == "completed"
+    assert await again.step("a", lambda ctx: "other") == "A"
+    with pytest.raises(RunFinished):
+        await again.step("b", lambda ctx: "B")
