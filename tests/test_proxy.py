@@ -520,3 +520,64 @@ async def test_with_postgres_down_nothing_is_sent_and_service_resumes(
         await admin.execute("drop database outage with (force)")
         await admin.close()
     assert len(upstream.effects()) == 1
+
+
+async def test_an_outcome_that_cannot_be_recorded_is_recovered_not_resent(
+    postgres_dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """Postgres goes away while the upstream works: 503 says so; the retry recovers by probe, one order."""
+    admin = await asyncpg.connect(postgres_dsn)
+    await admin.execute("drop database if exists lost_settle")
+    await admin.execute("create database lost_settle")
+    dsn = other_database(postgres_dsn, "lost_settle")
+    await migrate(dsn)
+    release = asyncio.Event()
+
+    async def place(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.json_response({"order": "L-1", "ref": json.loads(await request.read())["ref"]}, status=201)
+
+    async def search(request: web.Request) -> web.Response:
+        found = [
+            {"order": "L-1"} for c in upstream.effects("/orders") if request.query["ref"] in c.body.decode()
+        ]
+        return web.json_response({"items": found})
+
+    upstream.routes["/orders"] = place
+    upstream.routes["/orders/search"] = search
+    cfg = shop(
+        upstream,
+        timeout="1s",
+        stamp={"json_field": "ref"},
+        probe={"path": "/orders/search?ref={key}", "found": "items.0", "status": 201},
+    )
+    try:
+        async with gateway_server(dsn, upstreams=cfg, lease_grace="200ms") as gw:
+            first = asyncio.create_task(post(http, f"{gw.url}/shop/orders", key="lost"))
+            await upstream.received.wait()  # claimed and sent: now the database goes away
+            await admin.execute("alter database lost_settle allow_connections false")
+            await admin.execute(
+                "select pg_terminate_backend(pid) from pg_stat_activity where datname = 'lost_settle'"
+            )
+            release.set()
+            status, _, body = await first
+            assert status == 503
+            assert problem_type(body) == "store-unavailable"
+            assert "could not be recorded" in json.loads(body)["detail"]
+            await admin.execute("alter database lost_settle allow_connections true")
+            for _ in range(5):  # the pool replaces its cut connections; Prefer: wait outlasts the lease
+                status, _, body = await post(http, f"{gw.url}/shop/orders", key="lost", Prefer="wait=5")
+                if status != 503:
+                    break
+        assert status == 201
+        assert json.loads(body) == {"order": "L-1"}
+        assert len(upstream.effects("/orders")) == 1
+        conn = await asyncpg.connect(dsn)
+        try:
+            assert await conn.fetchval("select recovered_by from effects") == "probe"
+        finally:
+            await conn.close()
+    finally:
+        await admin.execute("alter database lost_settle allow_connections true")
+        await admin.execute("drop database lost_settle with (force)")
+        await admin.close()
