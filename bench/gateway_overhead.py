@@ -9,6 +9,7 @@ and the ratio to the direct baseline, measured side by side in one run.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -66,6 +67,33 @@ async def _interleaved(n: int, calls: list[Callable[[int], Awaitable[int]]]) -> 
     return samples
 
 
+# As many agents at once as a busy sidecar serves; enough to keep both cores and Postgres busy.
+CONCURRENCY = 16
+
+
+def concurrent_effect(http: aiohttp.ClientSession, gateway: str, tag: str) -> Callable[[int], Awaitable[int]]:
+    async def call(i: int) -> int:
+        headers = {**HEADERS, "Idempotency-Key": f"{tag}:concurrent:{i}"}
+        async with http.post(f"{gateway}/shop/orders", data=BODY, headers=headers) as resp:
+            await resp.read()
+            return resp.status
+
+    return call
+
+
+async def _throughput(n: int, clients: int, call: Callable[[int], Awaitable[int]]) -> float:
+    """Requests per second with ``clients`` sending at once, ``n`` in all."""
+    todo = iter(range(n))
+
+    async def client() -> None:
+        for i in todo:
+            assert await call(i) in (200, 201)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return n / (time.perf_counter() - start)
+
+
 def _row(name: str, samples: list[float], base: list[float] | None) -> str:
     median, p99 = p50_p99(samples)
     ratio = "" if base is None else f"{median / statistics.median(base):>8.2f}x"
@@ -98,6 +126,13 @@ async def run(n: int, dsn: str) -> None:
                     return resp.status
 
             base, fresh, replays = await _interleaved(n, [direct, new_effect, replay])
+            concurrent = [
+                (name, await _throughput(n, CONCURRENCY, call))
+                for name, call in (
+                    ("direct", direct),
+                    ("gateway, new keys", concurrent_effect(http, gateway, run_tag)),
+                )
+            ]
     finally:
         await gw_runner.cleanup()
         await up_runner.cleanup()
@@ -109,6 +144,13 @@ async def run(n: int, dsn: str) -> None:
     print(_row("through the gateway, replay", replays, base))
     extra = statistics.median(fresh) - statistics.median(base)
     print(f"\nthe gateway adds {extra:.3f} ms at the median to a new effect (claim + settle in Postgres)")
+    print(f"\n{n} POSTs from {CONCURRENCY} concurrent clients, distinct keys")
+    print(f"| {'path':<38} | {'req/s':>8} | {'vs direct':>9} |")
+    print(f"|{'-' * 40}|{'-' * 10}|{'-' * 11}|")
+    direct_rate = concurrent[0][1]
+    for name, rate in concurrent:
+        ratio = "" if name == "direct" else f"{rate / direct_rate:.2f}x"
+        print(f"| {name:<38} | {rate:>8.0f} | {ratio:>9} |")
 
 
 def main() -> None:
