@@ -247,6 +247,8 @@ async def test_one_tenant_cannot_replay_another_tenants_key(
     assert nobody[0] == wrong[0] == 401
     effects = upstream.effects()
     assert len(effects) == 2
+    assert all("Effect-Gateway-Token" not in call.headers for call in effects), "tenant tokens stay here"
+    assert "secret-a" not in await database_text(dsn)
     # the derived keys differ, so the upstream's own key space cannot collide either
     rows = await effect_rows(dsn)
     assert {r["tenant"] for r in rows} == {"a", "b"}
