@@ -8,9 +8,10 @@ nothing about aiohttp's server side; :mod:`gateway.app` turns HTTP into an :clas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
-from collections.abc import Coroutine, Mapping
+from collections.abc import Awaitable, Coroutine, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar, assert_never
 
@@ -78,6 +79,9 @@ class EffectService:
         self._client = client
         self._prober = prober
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Twins waiting in this process are woken as soon as the record is written here; twins of a
+        # request another gateway holds fall back to polling the row.
+        self._waiters: dict[int, asyncio.Event] = {}
 
     async def handle(self, inbound: Inbound) -> Reply:
         """Run the request to its end even if the client goes away: its result is recorded for the retry."""
@@ -153,6 +157,16 @@ class EffectService:
     async def _follow(
         self, record: EffectRecord, request: Request, policy: UpstreamPolicy, outbound: Outbound, wait: float
     ) -> Reply:
+        try:
+            return await self._follow_until_done(record, request, policy, outbound, wait)
+        finally:
+            # A record another gateway wrote is never woken here: drop the event, lest it linger.
+            if (woken := self._waiters.get(record.id)) is not None and not woken.is_set():
+                del self._waiters[record.id]
+
+    async def _follow_until_done(
+        self, record: EffectRecord, request: Request, policy: UpstreamPolicy, outbound: Outbound, wait: float
+    ) -> Reply:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         poll = FIRST_POLL
@@ -181,7 +195,11 @@ class EffectService:
                             headers={"Retry-After": str(max(1, hint))},
                             effect_id=record.id,
                         )
-                    await asyncio.sleep(min(poll, remaining, retry_after.total_seconds()))
+                    woken = self._waiters.setdefault(record.id, asyncio.Event())
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(
+                            woken.wait(), min(poll, remaining, retry_after.total_seconds())
+                        )
                     poll = min(poll * 2, MAX_POLL)
                     record = await self._store.reread(record)
                 case Resend(reason=reason):
@@ -198,8 +216,11 @@ class EffectService:
                         continue
                     return await self._probe(claimed, policy, outbound)
                 case Review():
-                    reviewed = await self._store.send_to_review(
-                        record, "no native key within its TTL, no probe: nothing can tell if it happened"
+                    reviewed = await self._wake_after(
+                        record,
+                        self._store.send_to_review(
+                            record, "no native key within its TTL, no probe: nothing can tell if it happened"
+                        ),
                     )
                     if reviewed is None:
                         record = await self._store.reread(record)
@@ -217,6 +238,17 @@ class EffectService:
                 case _:
                     assert_never(action)
 
+    async def _settle(self, record: EffectRecord, state: State, **what: Any) -> EffectRecord | None:
+        return await self._wake_after(record, self._store.settle(record, state, **what))
+
+    async def _wake_after(self, record: EffectRecord, write: Awaitable[T]) -> T:
+        """Carry out a write to the record, then wake the twins waiting on it here, whatever came of it."""
+        try:
+            return await write
+        finally:
+            if (woken := self._waiters.pop(record.id, None)) is not None:
+                woken.set()
+
     async def _attempt(
         self, record: EffectRecord, policy: UpstreamPolicy, outbound: Outbound, recovered_by: str | None
     ) -> Reply:
@@ -226,7 +258,7 @@ class EffectService:
         fault("after-upstream", policy.name)
         settled = settle(outcome, earlier_doubt=record.may_have_sent)
         try:
-            saved = await self._store.settle(
+            saved = await self._settle(
                 record,
                 settled.state,
                 may_have_sent=settled.may_have_sent,
@@ -260,7 +292,7 @@ class EffectService:
             found = await self._prober.probe(policy, record.derived_key)
         except ProbeFailed as exc:
             # Back to in doubt, exactly as it was: no request left, so no lease need be waited out.
-            await self._store.settle(
+            await self._settle(
                 record,
                 State.IN_DOUBT,
                 may_have_sent=True,
@@ -277,7 +309,7 @@ class EffectService:
         if found is None:
             log.info("probe: effect %s not found upstream, sending", record.id)
             return await self._attempt(record, policy, outbound, recovered_by=None)
-        saved = await self._store.settle(
+        saved = await self._settle(
             record,
             State.COMPLETED,
             may_have_sent=True,
