@@ -152,6 +152,42 @@ def other_database(dsn: str, name: str) -> str:
     return urlunsplit(parts._replace(path="/" + name))
 
 
+@dataclass
+class FailingDatabase:
+    """A migrated database of its own on the test server, whose sessions a test can cut and restore."""
+
+    dsn: str
+    name: str
+    admin: asyncpg.Connection
+
+    async def cut(self) -> None:
+        """The database goes away for its clients: their sessions are cut and new ones refused."""
+        await self.admin.execute(f"alter database {self.name} allow_connections false")
+        await self.admin.execute(
+            "select pg_terminate_backend(pid) from pg_stat_activity where datname = $1", self.name
+        )
+
+    async def restore(self) -> None:
+        await self.admin.execute(f"alter database {self.name} allow_connections true")
+
+
+@asynccontextmanager
+async def failing_database(server_dsn: str, name: str) -> AsyncIterator[FailingDatabase]:
+    from gateway.store import migrate
+
+    admin = await asyncpg.connect(server_dsn)
+    await admin.execute(f"drop database if exists {name}")
+    await admin.execute(f"create database {name}")
+    db = FailingDatabase(other_database(server_dsn, name), name, admin)
+    await migrate(db.dsn)
+    try:
+        yield db
+    finally:
+        await db.restore()
+        await admin.execute(f"drop database {name} with (force)")
+        await admin.close()
+
+
 async def effect_rows(dsn: str) -> list[dict[str, Any]]:
     conn = await asyncpg.connect(dsn)
     try:

@@ -8,12 +8,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import asyncpg
 import pytest
 from aiohttp import web
 
-from gateway.store import migrate
-from tests.support import Gateway, Upstream, database_text, effect_rows, gateway_server, other_database
+from tests.support import Gateway, Upstream, database_text, effect_rows, failing_database, gateway_server
 
 PROBLEM = "application/problem+json"
 
@@ -494,33 +492,22 @@ async def test_with_postgres_down_nothing_is_sent_and_service_resumes(
     postgres_dsn: str, upstream: Upstream, http: aiohttp.ClientSession
 ) -> None:
     """No claim, no call: 503 store-unavailable, the upstream untouched; once Postgres is back, it serves."""
-    admin = await asyncpg.connect(postgres_dsn)
-    await admin.execute("drop database if exists outage")
-    await admin.execute("create database outage")
-    dsn = other_database(postgres_dsn, "outage")
-    await migrate(dsn)
-    try:
-        async with gateway_server(dsn, upstreams=shop(upstream)) as gw:
-            # The database goes away for the gateway: its sessions are cut and new ones refused.
-            await admin.execute("alter database outage allow_connections false")
-            await admin.execute(
-                "select pg_terminate_backend(pid) from pg_stat_activity where datname = 'outage'"
-            )
-            status, headers, body = await post(http, f"{gw.url}/shop/orders", key="down")
-            assert status == 503
-            assert problem_type(body) == "store-unavailable"
-            assert "Retry-After" in headers
-            assert upstream.calls == []
-            await admin.execute("alter database outage allow_connections true")
-            for _ in range(5):  # the pool replaces the connections that were cut
-                status, _, _ = await post(http, f"{gw.url}/shop/orders", key="down")
-                if status == 201:
-                    break
-            assert status == 201
-    finally:
-        await admin.execute("alter database outage allow_connections true")
-        await admin.execute("drop database outage with (force)")
-        await admin.close()
+    async with (
+        failing_database(postgres_dsn, "outage") as db,
+        gateway_server(db.dsn, upstreams=shop(upstream)) as gw,
+    ):
+        await db.cut()
+        status, headers, body = await post(http, f"{gw.url}/shop/orders", key="down")
+        assert status == 503
+        assert problem_type(body) == "store-unavailable"
+        assert "Retry-After" in headers
+        assert upstream.calls == []
+        await db.restore()
+        for _ in range(5):  # the pool replaces the connections that were cut
+            status, _, _ = await post(http, f"{gw.url}/shop/orders", key="down")
+            if status == 201:
+                break
+        assert status == 201
     assert len(upstream.effects()) == 1
 
 
@@ -528,11 +515,6 @@ async def test_an_outcome_that_cannot_be_recorded_is_recovered_not_resent(
     postgres_dsn: str, upstream: Upstream, http: aiohttp.ClientSession
 ) -> None:
     """Postgres goes away while the upstream works: 503 says so; the retry recovers by probe, one order."""
-    admin = await asyncpg.connect(postgres_dsn)
-    await admin.execute("drop database if exists lost_settle")
-    await admin.execute("create database lost_settle")
-    dsn = other_database(postgres_dsn, "lost_settle")
-    await migrate(dsn)
     release = asyncio.Event()
 
     async def place(request: web.Request) -> web.Response:
@@ -553,20 +535,17 @@ async def test_an_outcome_that_cannot_be_recorded_is_recovered_not_resent(
         stamp={"json_field": "ref"},
         probe={"path": "/orders/search?ref={key}", "found": "items.0", "status": 201},
     )
-    try:
-        async with gateway_server(dsn, upstreams=cfg, lease_grace="200ms") as gw:
+    async with failing_database(postgres_dsn, "lost_settle") as db:
+        async with gateway_server(db.dsn, upstreams=cfg, lease_grace="200ms") as gw:
             first = asyncio.create_task(post(http, f"{gw.url}/shop/orders", key="lost"))
             await upstream.received.wait()  # claimed and sent: now the database goes away
-            await admin.execute("alter database lost_settle allow_connections false")
-            await admin.execute(
-                "select pg_terminate_backend(pid) from pg_stat_activity where datname = 'lost_settle'"
-            )
+            await db.cut()
             release.set()
             status, _, body = await first
             assert status == 503
             assert problem_type(body) == "store-unavailable"
             assert "could not be recorded" in json.loads(body)["detail"]
-            await admin.execute("alter database lost_settle allow_connections true")
+            await db.restore()
             for _ in range(5):  # the pool replaces its cut connections; Prefer: wait outlasts the lease
                 status, _, body = await post(http, f"{gw.url}/shop/orders", key="lost", Prefer="wait=5")
                 if status != 503:
@@ -574,12 +553,4 @@ async def test_an_outcome_that_cannot_be_recorded_is_recovered_not_resent(
         assert status == 201
         assert json.loads(body) == {"order": "L-1"}
         assert len(upstream.effects("/orders")) == 1
-        conn = await asyncpg.connect(dsn)
-        try:
-            assert await conn.fetchval("select recovered_by from effects") == "probe"
-        finally:
-            await conn.close()
-    finally:
-        await admin.execute("alter database lost_settle allow_connections true")
-        await admin.execute("drop database lost_settle with (force)")
-        await admin.close()
+        assert (await effect_rows(db.dsn))[0]["recovered_by"] == "probe"
