@@ -51,19 +51,10 @@ class UpstreamPolicy:
     secret_headers: frozenset[str]
     fingerprint_headers: tuple[str, ...]
 
-    @property
-    def decision(self) -> decision.Policy:
-        return decision.Policy(
-            lease=self.lease,
-            native_key_ttl=self.native_ttl,
-            has_probe=self.probe is not None,
-            repeat_harmless=self.repeat_harmless,
-        )
-
-    @property
-    def never_stored(self) -> frozenset[str]:
-        """Request headers that must never reach the database."""
-        return self.secret_headers | {name.lower() for name in self.inject.headers}
+    # Derived once at start-up (see upstream_policy), not on every request.
+    decision: decision.Policy
+    # Request headers that must never reach the database: the secret ones and the injected ones.
+    never_stored: frozenset[str]
 
 
 def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) -> UpstreamPolicy:
@@ -80,20 +71,29 @@ def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) ->
         else:
             assert cfg.probe.path is not None  # checked by the settings
             probe = HttpProbe(cfg.probe.method, cfg.probe.path, cfg.probe.found, cfg.probe.status)
+    # The upstream finishes or abandons a request within its timeout; the grace covers our own write.
+    lease = cfg.timeout + lease_grace
+    secret = frozenset(h.lower() for h in cfg.secret_headers)
     return UpstreamPolicy(
         name=name,
         base_url=cfg.base_url.rstrip("/"),
         timeout=cfg.timeout,
-        # The upstream finishes or abandons a request within its timeout; the grace covers our own write.
-        lease=cfg.timeout + lease_grace,
+        lease=lease,
         native_header=cfg.native_key.header if cfg.native_key else None,
         native_ttl=cfg.native_key.ttl if cfg.native_key else None,
         stamp=stamp,
         probe=probe,
         repeat_harmless=cfg.repeat_harmless,
         inject=Secrets({k: v.get_secret_value() for k, v in cfg.inject_headers.items()}),
-        secret_headers=frozenset(h.lower() for h in cfg.secret_headers),
+        secret_headers=secret,
         fingerprint_headers=tuple(cfg.fingerprint_headers),
+        decision=decision.Policy(
+            lease=lease,
+            native_key_ttl=cfg.native_key.ttl if cfg.native_key else None,
+            has_probe=probe is not None,
+            repeat_harmless=cfg.repeat_harmless,
+        ),
+        never_stored=secret | {name.lower() for name in cfg.inject_headers},
     )
 
 

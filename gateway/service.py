@@ -12,7 +12,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Coroutine, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar, assert_never
 
 from gateway import problems
@@ -103,8 +103,8 @@ class EffectService:
         policy = inbound.upstream
         if inbound.key is None:
             outbound = build_outbound(
-                _unkeyed(policy),
-                ScopedKey(inbound.tenant, policy.name, ""),
+                policy,
+                None,
                 inbound.method,
                 inbound.path,
                 inbound.query,
@@ -332,15 +332,18 @@ def _outcome_unknown(record: EffectRecord) -> problems.Problem:
     )
 
 
-def _unkeyed(policy: UpstreamPolicy) -> UpstreamPolicy:
-    """A request without a key is forwarded as it is: no derived key, no stamp."""
-    return replace(policy, native_header=None, stamp=None)
+# Credentials, hop-by-hop headers and the gateway's own: never in the audit, whatever the upstream.
+NEVER_AUDITED = NEVER_FINGERPRINTED | HOP_BY_HOP | GATEWAY_REQUEST_HEADERS
 
 
 def redacted(headers: Mapping[str, str], policy: UpstreamPolicy) -> dict[str, str]:
     """Request headers as the audit keeps them: credentials and secrets never reach the database."""
-    never = NEVER_FINGERPRINTED | policy.never_stored | HOP_BY_HOP | GATEWAY_REQUEST_HEADERS
-    return {name: value for name, value in headers.items() if name.lower() not in never}
+    never = policy.never_stored
+    return {
+        name: value
+        for name, value in headers.items()
+        if name.lower() not in never and name.lower() not in NEVER_AUDITED
+    }
 
 
 def _stored(outcome: Outcome) -> StoredResponse | None:
