@@ -1,8 +1,11 @@
-"""The idempotency decision: a pure function of (record, request, now, policy) -> action.
+"""The idempotency decision: pure functions of (record, request or outcome, now, policy).
 
-Nothing here does I/O or reads a clock. The handler (:mod:`gateway.service`) carries out the action;
-tests drive this module with tables (tests/test_decision.py), grouped by the rows of DESIGN.md's state
-table.
+Nothing here does I/O or reads a clock. :func:`decide` says what to do with a request whose key has
+a record; :func:`settle`, :func:`settle_probe`, :func:`take_over`, :func:`review` and
+:func:`resolution` say what each kind of write does to the record's state, and build the
+:class:`~gateway.states.Transition` that the store carries out (so a move the state table does not
+list raises before any SQL runs). The driver (:mod:`gateway.service`) carries out the actions; tests
+drive this module with tables (tests/test_decision.py), grouped by the rows of the state table.
 """
 
 from __future__ import annotations
@@ -11,9 +14,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
-from gateway.outcome import Answered, NoAnswer, NotSent, Outcome
+from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, Outcome, ProbeError, ProbeResult
 from gateway.record import EffectRecord
-from gateway.states import State, check_transition
+from gateway.states import State, Transition
 
 # Statuses that say the upstream did nothing with the request, so sending again is safe.
 NOTHING_HAPPENED = frozenset({408, 425, 429})
@@ -28,12 +31,16 @@ class Policy:
     lease: timedelta
     native_key_ttl: timedelta | None = None
     has_probe: bool = False
+    # How far back the upstream's search sees effects; None: as far back as the effects go.
+    probe_horizon: timedelta | None = None
     repeat_harmless: bool = False
 
     @property
-    def key_margin(self) -> timedelta:
-        # At least one lease: the margin must outlast the time between judging the key fresh and the
-        # re-send landing upstream. A model check with a smaller margin finds a double charge.
+    def margin(self) -> timedelta:
+        # At least one lease: between judging a key fresh (or a probe's "not found" trustworthy) and
+        # the re-send landing upstream, up to one lease may pass. With a smaller margin a model check
+        # finds a double charge: the key is judged fresh, then the upstream forgets it before the
+        # re-send arrives.
         return self.lease
 
 
@@ -66,14 +73,14 @@ class Busy:
 
 @dataclass(frozen=True, slots=True)
 class Resend:
-    """Re-claim the record (attempt + 1) and send; ``reason`` goes to the audit."""
+    """Take the record over (attempt + 1) and send; ``reason`` goes to the audit."""
 
     reason: SendReason
 
 
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """Re-claim the record and ask the upstream whether the effect exists."""
+    """Take the record over and ask the upstream whether the effect exists."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +94,16 @@ class Unknown:
 
 
 @dataclass(frozen=True, slots=True)
+class Restore:
+    """Completed, its response purged: ask the probe for the effect to answer with. Nothing is sent."""
+
+
+@dataclass(frozen=True, slots=True)
 class Purged:
-    """Completed, but the stored response is gone and nothing can recover it: 410."""
+    """Completed, the stored response is gone and nothing can supply it: 410. Nothing is sent."""
 
 
-Action = Replay | Mismatch | Busy | Resend | Probe | Review | Unknown | Purged
+Action = Replay | Mismatch | Busy | Resend | Probe | Review | Unknown | Restore | Purged
 
 
 def decide(record: EffectRecord, request: Request, now: datetime, policy: Policy) -> Action:
@@ -102,16 +114,16 @@ def decide(record: EffectRecord, request: Request, now: datetime, policy: Policy
         case State.COMPLETED:
             if record.response is not None:
                 return Replay()
-            # The bodies were purged after the retention: the effect happened, so only a way that
-            # returns the same answer without a second effect may be used.
-            action = _recover(record, now, policy, allow_blind=False)
-            return Purged() if isinstance(action, Review) else action
+            # The response was dropped after the retention. The effect happened, so nothing is sent
+            # for it again, not even under the native key: the retention outlasts any key's TTL, and a
+            # re-send without a lease can land after the upstream forgot the key.
+            return Restore() if policy.has_probe else Purged()
         case State.PENDING | State.IN_DOUBT:
             # An in-doubt attempt that timed out may still be running upstream until its lease ends;
             # a probe or re-send before then could miss it and duplicate it.
             if record.lease_expires_at is not None and now < record.lease_expires_at:
                 return Busy(retry_after=record.lease_expires_at - now)
-            return _recover(record, now, policy, allow_blind=True)
+            return _recover(record, now, policy)
         case State.RETRYABLE:
             return Resend("retryable")
         case State.NEEDS_REVIEW:
@@ -119,37 +131,50 @@ def decide(record: EffectRecord, request: Request, now: datetime, policy: Policy
     raise AssertionError(f"unhandled state {record.state}")  # pragma: no cover
 
 
-def _recover(record: EffectRecord, now: datetime, policy: Policy, *, allow_blind: bool) -> Action:
-    """DESIGN.md's recovery order for an in-doubt record (or a pending one whose lease ran out)."""
+def _recover(record: EffectRecord, now: datetime, policy: Policy) -> Action:
+    """The recovery order for a record in doubt (or a pending one whose lease ran out)."""
     # A pending record whose lease ran out belongs to a gateway that died or stalled after its claim:
     # the claim is the intent to send, so that attempt may have reached the upstream.
-    doubt = record.may_have_sent or record.state is State.PENDING
-    if not doubt and record.state is not State.COMPLETED:
+    if not (record.may_have_sent or record.state is State.PENDING):
         return Resend("never_sent")
-    if policy.native_key_ttl is not None and record.first_sent_at is not None:
-        age = now - record.first_sent_at
-        if age < policy.native_key_ttl - policy.key_margin:
-            return Resend("native_key")
+    if policy.native_key_ttl is not None and _younger_than(record, now, policy.native_key_ttl, policy):
+        return Resend("native_key")
     if policy.has_probe:
         return Probe()
-    if allow_blind and policy.repeat_harmless:
+    if policy.repeat_harmless:
         return Resend("harmless")
     return Review()
 
 
-# --- settling an attempt -----------------------------------------------------------------------------
+def _younger_than(record: EffectRecord, now: datetime, memory: timedelta, policy: Policy) -> bool:
+    """Whether the upstream still remembers every attempt: the first send is within memory - margin.
+
+    ``first_sent_at`` is the first claim's time, never later than the first request could have left,
+    so the age is never underestimated.
+    """
+    sent = record.first_sent_at or record.created_at
+    return now - sent < memory - policy.margin
+
+
+# --- what each write does to the record's state -----------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class Settlement:
-    state: State
+    """What an attempt (or a probe under it) leaves the record as."""
+
+    transition: Transition
     may_have_sent: bool
     # The attempt is over at the upstream (it answered), so its lease need not be waited out.
     ends_lease: bool
 
+    @property
+    def state(self) -> State:
+        return self.transition.target
+
 
 def settle(outcome: Outcome, *, earlier_doubt: bool) -> Settlement:
-    """The state an attempt leaves the record in; ``earlier_doubt`` is the record's may_have_sent."""
+    """The state an attempt leaves its pending record in; ``earlier_doubt`` is its may_have_sent."""
     match outcome:
         case Answered(status=status) if status in NOTHING_HAPPENED:
             state, reached, ends = State.RETRYABLE, False, True
@@ -166,14 +191,85 @@ def settle(outcome: Outcome, *, earlier_doubt: bool) -> Settlement:
     # it left must not make the record look safe to send blindly (a model check finds the duplicate).
     if state is State.RETRYABLE and earlier_doubt:
         state = State.IN_DOUBT
-    check_transition(State.PENDING, state)
-    return Settlement(state=state, may_have_sent=earlier_doubt or reached, ends_lease=ends)
+    return Settlement(
+        Transition(State.PENDING, state), may_have_sent=earlier_doubt or reached, ends_lease=ends
+    )
 
 
-def resolution(state: State, *, happened: bool) -> State:
-    """An operator's verdict on a record in doubt or in review."""
-    if state not in (State.NEEDS_REVIEW, State.IN_DOUBT):
-        raise ValueError(f"an effect in state {state} is not waiting for an operator")
-    target = State.COMPLETED if happened else State.RETRYABLE
-    check_transition(state, target)
-    return target
+def unrecorded(settlement: Settlement) -> Settlement:
+    """The attempt's outcome could not be written: what the record becomes instead of staying pending.
+
+    A pending record would be taken over when its lease runs out and, having no answer, sent again
+    (over and over, if the answer can never be stored). Whatever may have reached the upstream goes to
+    an operator; what surely did not stays safe to send.
+    """
+    if not settlement.may_have_sent:
+        return settlement
+    return Settlement(Transition(State.PENDING, State.NEEDS_REVIEW), may_have_sent=True, ends_lease=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """The probe found nothing and can be trusted to have looked: send under the attempt held."""
+
+
+def settle_probe(
+    record: EffectRecord, result: ProbeResult, now: datetime, policy: Policy
+) -> Settlement | Send:
+    """What a probe run under a take-over of ``record`` (now pending) leaves it as.
+
+    A probe only proves absence for effects its upstream's search can still see: past the probe's
+    horizon (less the margin, as for a native key's TTL), "not found" proves nothing and an operator
+    must look.
+    """
+    pending = State.PENDING
+    match result:
+        case Found():
+            return Settlement(Transition(pending, State.COMPLETED), may_have_sent=True, ends_lease=True)
+        case NotFound():
+            if policy.probe_horizon is None or _younger_than(record, now, policy.probe_horizon, policy):
+                return Send()
+            return Settlement(Transition(pending, State.NEEDS_REVIEW), may_have_sent=True, ends_lease=True)
+        case ProbeError():
+            # Back to in doubt: nothing left, so no lease need be waited out before the next try.
+            return Settlement(Transition(pending, State.IN_DOUBT), may_have_sent=True, ends_lease=True)
+    raise AssertionError(f"unhandled probe result {result}")  # pragma: no cover
+
+
+def take_over(record: EffectRecord) -> Transition:
+    """A new attempt on the record (to send or to probe); raises for a record that completed."""
+    return Transition(record.state, State.PENDING)
+
+
+def review(record: EffectRecord) -> Transition:
+    """Give up on recovery: an operator must say whether the effect happened."""
+    return Transition(record.state, State.NEEDS_REVIEW)
+
+
+def restore(record: EffectRecord) -> Transition:
+    """A probe supplies the response of a completed record whose response was purged."""
+    return Transition(record.state, State.COMPLETED)
+
+
+class NotAwaitingOperator(ValueError):
+    """An operator's verdict on a record that is not waiting for one."""
+
+
+def resolution(record: EffectRecord, now: datetime, *, happened: bool) -> Transition:
+    """An operator's verdict: it happened (completed, with a response) or it did not (retryable).
+
+    Taken for records in review or in doubt, and for pending records whose lease ran out (a gateway
+    died holding them). Never while a lease runs: the upstream may still act on the request. Never for
+    a completed record: the effect happened, whatever anyone says later.
+    """
+    if record.state is State.COMPLETED:
+        raise NotAwaitingOperator(
+            "the effect completed; a completed effect is never resolved (its response is replayed)"
+        )
+    if record.state is State.RETRYABLE:
+        raise NotAwaitingOperator("nothing happened upstream; the next retry sends it")
+    if record.lease_expires_at is not None and now < record.lease_expires_at:
+        raise NotAwaitingOperator(
+            f"a call may still be under way until its lease ends at {record.lease_expires_at.isoformat()}"
+        )
+    return Transition(record.state, State.COMPLETED if happened else State.RETRYABLE)

@@ -1,8 +1,10 @@
-"""What one attempt at the upstream came to, as the upstream seam reports it."""
+"""What one attempt at the upstream came to, and what a probe came to, as the upstream seam reports it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from gateway.record import StoredResponse
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,3 +33,28 @@ class NoAnswer:
 
 
 Outcome = Answered | NotSent | NoAnswer
+
+
+# --- what a probe came to ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """The upstream says the effect exists; ``response`` is what to replay for it."""
+
+    response: StoredResponse
+
+
+@dataclass(frozen=True, slots=True)
+class NotFound:
+    """The upstream's search does not list the effect (which proves nothing past its horizon)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeError:
+    """The probe could not tell (timeout, bad status, garbage, an answer too large to keep)."""
+
+    reason: str
+
+
+ProbeResult = Found | NotFound | ProbeError

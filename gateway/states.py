@@ -1,11 +1,14 @@
 """Everything that decides which state an effect record may move to lives here, as data.
 
-The states are DESIGN.md's table. A transition not listed here is a bug in the gateway, and
-:func:`check_transition` raises rather than write it.
+The states are the contract's table. Every write that changes a record's state carries a
+:class:`Transition`, which can only be built for a move listed in :data:`TRANSITIONS`; the store's
+SQL then fences the same move on the row (``where state = <source> and attempt = <attempt>``). A move
+not listed here is a bug in the gateway, and it raises before any SQL runs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -19,18 +22,29 @@ class State(StrEnum):
 
 # from-state -> the states it may move to. ``None`` is "no record yet".
 TRANSITIONS: dict[State | None, frozenset[State]] = {
+    # The claim: durable before the request leaves, the record of the intent to send.
     None: frozenset({State.PENDING}),
-    # A settled attempt, or a lease that ran out and was taken over (pending -> pending, attempt + 1).
     State.PENDING: frozenset(
-        {State.COMPLETED, State.RETRYABLE, State.IN_DOUBT, State.PENDING, State.NEEDS_REVIEW}
+        {
+            # The attempt settled (an answer, a refusal, a timeout), or a probe under it found the
+            # effect (completed), failed (in_doubt) or found nothing past its horizon (needs_review).
+            State.COMPLETED,
+            State.RETRYABLE,
+            State.IN_DOUBT,
+            State.NEEDS_REVIEW,
+            # The lease ran out and another attempt took the record over (attempt + 1).
+            State.PENDING,
+        }
     ),
+    # Nothing happened, so the next request simply sends.
     State.RETRYABLE: frozenset({State.PENDING}),
-    # Re-sent or probed (pending), recovered by an operator (completed, retryable), or given up on.
-    State.IN_DOUBT: frozenset({State.PENDING, State.COMPLETED, State.RETRYABLE, State.NEEDS_REVIEW}),
+    # Re-sent or probed (pending), given up on (needs_review), or an operator's verdict.
+    State.IN_DOUBT: frozenset({State.PENDING, State.NEEDS_REVIEW, State.COMPLETED, State.RETRYABLE}),
     # Only an operator moves a record out of review: it happened (completed) or it did not (retryable).
     State.NEEDS_REVIEW: frozenset({State.COMPLETED, State.RETRYABLE}),
-    # A completed record whose bodies were purged is re-claimed to recover by native key or probe.
-    State.COMPLETED: frozenset({State.PENDING}),
+    # The effect happened: the record never leaves completed. A probe may put back a response that the
+    # retention dropped (completed -> completed); nothing is ever sent for it again.
+    State.COMPLETED: frozenset({State.COMPLETED}),
 }
 
 
@@ -44,3 +58,14 @@ class IllegalTransition(RuntimeError):
 def check_transition(source: State | None, target: State) -> None:
     if target not in TRANSITIONS[source]:
         raise IllegalTransition(source, target)
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """A move the table allows; building one for any other move raises :class:`IllegalTransition`."""
+
+    source: State | None
+    target: State
+
+    def __post_init__(self) -> None:
+        check_transition(self.source, self.target)

@@ -10,21 +10,30 @@ import pytest
 from gateway.decision import (
     Busy,
     Mismatch,
+    NotAwaitingOperator,
     Policy,
     Probe,
     Purged,
     Replay,
     Request,
     Resend,
+    Restore,
     Review,
+    Send,
+    Settlement,
     Unknown,
     decide,
     resolution,
+    restore,
+    review,
     settle,
+    settle_probe,
+    take_over,
+    unrecorded,
 )
-from gateway.outcome import Answered, NoAnswer, NotSent
+from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError, ProbeResult
 from gateway.record import EffectRecord, StoredResponse
-from gateway.states import TRANSITIONS, IllegalTransition, State, check_transition
+from gateway.states import TRANSITIONS, IllegalTransition, State, Transition, check_transition
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=35)
@@ -35,6 +44,7 @@ NATIVE = Policy(lease=LEASE, native_key_ttl=timedelta(hours=24))
 PROBED = Policy(lease=LEASE, has_probe=True)
 NATIVE_PROBED = Policy(lease=LEASE, native_key_ttl=timedelta(hours=24), has_probe=True)
 HARMLESS = Policy(lease=LEASE, repeat_harmless=True)
+HORIZON = Policy(lease=LEASE, has_probe=True, probe_horizon=timedelta(days=30))
 
 
 def record(state: State, **changes: object) -> EffectRecord:
@@ -76,20 +86,17 @@ SAME = Request(fingerprint="fp")
         # completed: a definitive response is stored -> replayed, whatever the policy
         (record(State.COMPLETED), PLAIN, Replay()),
         (record(State.COMPLETED), NATIVE_PROBED, Replay()),
-        # completed, bodies purged after the retention -> native key (fresh), probe, else 410; never blind
-        (record(State.COMPLETED, response=None, purged_at=NOW), NATIVE, Resend("native_key")),
-        (record(State.COMPLETED, response=None, purged_at=NOW), PROBED, Probe()),
+        # completed, response purged after the retention: the probe may supply it, else 410; the effect
+        # happened, so nothing is ever sent again, not even under a fresh native key
+        (record(State.COMPLETED, response=None, purged_at=NOW), NATIVE, Purged()),
+        (record(State.COMPLETED, response=None, purged_at=NOW), PROBED, Restore()),
+        (record(State.COMPLETED, response=None, purged_at=NOW), NATIVE_PROBED, Restore()),
         (record(State.COMPLETED, response=None, purged_at=NOW), HARMLESS, Purged()),
         (record(State.COMPLETED, response=None, purged_at=NOW), PLAIN, Purged()),
-        (
-            record(State.COMPLETED, response=None, purged_at=NOW, first_sent_at=NOW - timedelta(days=8)),
-            NATIVE,
-            Purged(),
-        ),
     ],
 )
 def test_completed(rec: EffectRecord, policy: Policy, expected: object) -> None:
-    """A completed record replays; a purged one recovers only by ways that cannot duplicate."""
+    """A completed record replays; a purged one may ask its probe for the answer, and never sends."""
     assert decide(rec, SAME, NOW, policy) == expected
 
 
@@ -197,14 +204,94 @@ def test_a_timeout_keeps_the_lease_and_an_answer_ends_it() -> None:
     assert settle(Answered(500, (), b""), earlier_doubt=False).ends_lease is True
 
 
-def test_operator_resolution() -> None:
-    """Only records in doubt or in review take an operator's verdict."""
-    assert resolution(State.NEEDS_REVIEW, happened=True) is State.COMPLETED
-    assert resolution(State.NEEDS_REVIEW, happened=False) is State.RETRYABLE
-    assert resolution(State.IN_DOUBT, happened=False) is State.RETRYABLE
-    for state in (State.COMPLETED, State.PENDING, State.RETRYABLE):
-        with pytest.raises(ValueError, match="not waiting for an operator"):
-            resolution(state, happened=True)
+@pytest.mark.parametrize(
+    ("rec", "happened", "expected"),
+    [
+        (record(State.NEEDS_REVIEW), True, State.COMPLETED),
+        (record(State.NEEDS_REVIEW), False, State.RETRYABLE),
+        (record(State.IN_DOUBT), False, State.RETRYABLE),
+        (record(State.IN_DOUBT), True, State.COMPLETED),
+        # a gateway died holding the record and its lease ran out: an operator may settle it
+        (record(State.PENDING), True, State.COMPLETED),
+        (record(State.PENDING), False, State.RETRYABLE),
+    ],
+)
+def test_operator_resolution(rec: EffectRecord, happened: bool, expected: State) -> None:
+    """Records in review, in doubt, or pending past their lease take an operator's verdict."""
+    assert resolution(rec, NOW, happened=happened) == Transition(rec.state, expected)
+
+
+@pytest.mark.parametrize(
+    ("rec", "why"),
+    [
+        (record(State.COMPLETED), "never resolved"),
+        (record(State.COMPLETED, response=None, purged_at=NOW), "never resolved"),
+        (record(State.RETRYABLE), "nothing happened"),
+        (record(State.PENDING, lease_expires_at=NOW + timedelta(seconds=1)), "under way"),
+        (record(State.IN_DOUBT, lease_expires_at=NOW + timedelta(seconds=1)), "under way"),
+    ],
+)
+def test_operator_resolution_refused(rec: EffectRecord, why: str) -> None:
+    """A completed effect is never resolved, and nothing is resolved while a lease still runs."""
+    for happened in (True, False):
+        with pytest.raises(NotAwaitingOperator, match=why):
+            resolution(rec, NOW, happened=happened)
+
+
+FOUND = Found(OK)
+OLD = NOW - timedelta(days=40)
+
+
+@pytest.mark.parametrize(
+    ("rec", "result", "policy", "expected"),
+    [
+        # found: the effect exists; the record completes from the probe's answer
+        (record(State.PENDING), FOUND, PROBED, State.COMPLETED),
+        (record(State.PENDING, first_sent_at=OLD), FOUND, HORIZON, State.COMPLETED),
+        # not found within the probe's horizon (or with none): it never happened, send it
+        (record(State.PENDING), NotFound(), PROBED, Send()),
+        (record(State.PENDING, first_sent_at=OLD), NotFound(), PROBED, Send()),
+        (record(State.PENDING, first_sent_at=NOW - timedelta(days=29)), NotFound(), HORIZON, Send()),
+        # ... past the horizon (less the margin of one lease) "not found" proves nothing: review
+        (record(State.PENDING, first_sent_at=OLD), NotFound(), HORIZON, State.NEEDS_REVIEW),
+        (
+            record(State.PENDING, first_sent_at=NOW - (timedelta(days=30) - LEASE)),
+            NotFound(),
+            HORIZON,
+            State.NEEDS_REVIEW,
+        ),
+        # failed: the record goes back to in doubt, whatever its age
+        (record(State.PENDING), ProbeError("timeout"), PROBED, State.IN_DOUBT),
+        (record(State.PENDING, first_sent_at=OLD), ProbeError("timeout"), HORIZON, State.IN_DOUBT),
+    ],
+)
+def test_settle_probe(rec: EffectRecord, result: ProbeResult, policy: Policy, expected: object) -> None:
+    """A probe completes, sends, gives up to review or leaves the record in doubt, as its horizon allows."""
+    verdict = settle_probe(rec, result, NOW, policy)
+    if isinstance(expected, Send):
+        assert verdict == expected
+    else:
+        assert isinstance(verdict, Settlement)
+        assert (verdict.transition, verdict.may_have_sent) == (Transition(State.PENDING, expected), True)
+
+
+def test_a_completed_record_is_never_taken_over() -> None:
+    """No attempt (send or probe) can be started on a completed record: the table has no such move."""
+    with pytest.raises(IllegalTransition):
+        take_over(record(State.COMPLETED))
+    with pytest.raises(IllegalTransition):
+        review(record(State.COMPLETED))
+    assert restore(record(State.COMPLETED, response=None)) == Transition(State.COMPLETED, State.COMPLETED)
+    for state in (State.PENDING, State.IN_DOUBT, State.RETRYABLE):
+        assert take_over(record(state)).target is State.PENDING
+
+
+def test_an_outcome_that_cannot_be_recorded_goes_to_review() -> None:
+    """An answer Postgres refuses never leaves the record pending (a re-send loop); it goes to review."""
+    for outcome in (Answered(201, (), b""), Answered(500, (), b""), NoAnswer("reset")):
+        assert unrecorded(settle(outcome, earlier_doubt=False)).state is State.NEEDS_REVIEW
+    # nothing left: still safe to send
+    assert unrecorded(settle(NotSent("refused"), earlier_doubt=False)).state is State.RETRYABLE
 
 
 def test_transitions_not_in_the_table_raise() -> None:
@@ -216,4 +303,8 @@ def test_transitions_not_in_the_table_raise() -> None:
         check_transition(State.NEEDS_REVIEW, State.PENDING)
     with pytest.raises(IllegalTransition):
         check_transition(State.RETRYABLE, State.COMPLETED)
+    for target in State:
+        if target is not State.COMPLETED:
+            with pytest.raises(IllegalTransition):
+                Transition(State.COMPLETED, target)
     assert set(TRANSITIONS) == {None, *State}
