@@ -9,8 +9,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import audit_page, problems
-from gateway.decision import resolution
+from gateway import audit_page, operators, problems
+from gateway.decision import NotAwaitingOperator
 from gateway.record import EffectRecord, StoredResponse
 from gateway.runtime import RUNTIME, Runtime, is_admin, tenant_of
 from gateway.settings import parse_duration
@@ -234,11 +234,15 @@ async def resolve_effect(request: web.Request) -> web.Response:
         raise problems.BadRequest("the body must be JSON") from None
     happened, response = parse_resolution(doc)
     try:
-        target = resolution(record.state, happened=happened)
-    except ValueError as exc:
+        resolved = await operators.resolve(
+            runtime.store,
+            record.id,
+            happened=happened,
+            response=response,
+            by=request.headers.get("Effect-Gateway-Operator"),
+        )
+    except operators.NoSuchEffect as exc:
+        raise problems.NotFound(str(exc)) from None
+    except NotAwaitingOperator as exc:
         raise problems.NotResolvable(str(exc), effect_id=record.id) from None
-    by = request.headers.get("Effect-Gateway-Operator")
-    resolved = await runtime.store.resolve(record.id, target, response, by)
-    if resolved is None:
-        raise problems.NotResolvable("the effect changed state meanwhile; read it again", effect_id=record.id)
     return _json(effect_json(resolved, full=True))

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from gateway import admin, problems
-from gateway.errors import StoreUnavailable
+from gateway.errors import StoreRejected, StoreUnavailable
 from gateway.keys import KeySyntaxError, parse_key
 from gateway.policy import upstream_policies
 from gateway.probes import Prober
@@ -24,8 +24,6 @@ from gateway.upstream import UpstreamClient
 
 log = logging.getLogger("effect_gateway")
 
-# Methods whose whole point is a side effect: without a key the gateway cannot make them safe.
-KEY_REQUIRED = frozenset({"POST", "PATCH"})
 # The audit's run and step columns; as long as a key, so any journal's ids fit.
 MAX_LABEL = 255
 # An encoded slash, backslash, dot or NUL lets a path mean one thing to us and another upstream.
@@ -55,7 +53,8 @@ def _runtime(settings: Settings) -> Callable[[web.Application], AsyncIterator[No
         policies = upstream_policies(settings)
         for policy in policies.values():
             prober.check(policy)
-        service = EffectService(store, client, prober)
+        secret = settings.key_secret.get_secret_value().encode() if settings.key_secret else None
+        service = EffectService(store, client, prober, secret or await store.key_secret())
         app[RUNTIME] = Runtime(settings, policies, store, service)
         purger = asyncio.create_task(_purge_periodically(store, settings))
         try:
@@ -108,6 +107,11 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
         # Raised before anything was sent: a failure after sending is answered by the service itself.
         log.error("store unavailable: %s", exc)
         return problems.render(problems.StoreDown(f"{exc}; nothing was sent", headers={"Retry-After": "1"}))
+    except StoreRejected as exc:
+        log.error("store refused a request before anything was sent: %s", exc)
+        return problems.render(
+            problems.Problem(f"the request could not be recorded ({exc}); nothing was sent")
+        )
     except web.HTTPException:
         raise
     except Exception:
@@ -166,8 +170,6 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             key = parse_key(raw_key)
         except KeySyntaxError as exc:
             raise problems.KeyMalformed(str(exc)) from None
-    elif request.method in KEY_REQUIRED:
-        raise problems.KeyMissing(f"{request.method} through the gateway needs an Idempotency-Key header")
     body = await request.read()
     reply = await runtime.service.handle(
         Inbound(

@@ -18,8 +18,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import admin, problems
-from gateway.decision import resolution
+from gateway import admin, operators, problems
+from gateway.decision import NotAwaitingOperator
 from gateway.embedded import EmbeddedPostgres
 from gateway.errors import ConfigError, GatewayError
 from gateway.settings import Settings, listen_host, listen_port, load_settings
@@ -150,16 +150,12 @@ def cmd_resolve(settings: Settings, args: argparse.Namespace) -> int:
     async def run(dsn: str) -> dict[str, Any]:
         await migrate(dsn)
         async with opened(dsn) as store:
-            record = await store.get(args.id)
-            if record is None:
-                raise UsageError(f"no effect {args.id}")
             try:
-                target = resolution(record.state, happened=happened)
-            except ValueError as exc:
+                resolved = await operators.resolve(
+                    store, args.id, happened=happened, response=stored, by=args.operator
+                )
+            except (operators.NoSuchEffect, NotAwaitingOperator) as exc:
                 raise UsageError(str(exc)) from None
-            resolved = await store.resolve(record.id, target, stored, args.operator)
-            if resolved is None:
-                raise UsageError(f"effect {args.id} changed state meanwhile; look at it again")
             return admin.effect_json(resolved, full=False)
 
     with database(settings) as dsn:

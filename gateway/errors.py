@@ -13,5 +13,9 @@ class StoreUnavailable(GatewayError):
     """Postgres could not be reached or answered with an error we cannot act on."""
 
 
+class StoreRejected(GatewayError):
+    """Postgres is up but refused a statement (data it cannot hold); retrying it cannot help."""
+
+
 class ProbeFailed(GatewayError):
     """A probe could not say whether the effect exists (timeout, bad status, garbage answer)."""

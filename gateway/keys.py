@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 from dataclasses import dataclass
 
 # 255: Stripe's limit, and what the IETF draft's examples fit in; longer keys are a sign of misuse.
@@ -61,17 +62,19 @@ class ScopedKey:
     upstream: str
     key: str
 
-    def derived(self) -> str:
+    def derived(self, secret: bytes) -> str:
         """The key the upstream receives: stable across retries, unique per tenant and upstream.
 
         The agent's own key never reaches the upstream, so two tenants that pick the same key (or an
-        agent that reuses one across upstreams) cannot collide in the upstream's key space.
+        agent that reuses one across upstreams) cannot collide in the upstream's key space. It is a
+        keyed MAC, not a plain hash: a tenant who knows another's key still cannot compute the value a
+        probe will look for, so it cannot plant an effect that the probe would take for the other's.
         """
-        digest = hashlib.sha256()
+        mac = hmac.new(secret, digestmod=hashlib.sha256)
         for part in (self.tenant, self.upstream, self.key):
             # Length-prefixed so ("a", "bc") and ("ab", "c") differ.
             raw = part.encode()
-            digest.update(len(raw).to_bytes(4, "big"))
-            digest.update(raw)
+            mac.update(len(raw).to_bytes(4, "big"))
+            mac.update(raw)
         # 32 hex digits (128 bits): collision-free for any number of effects a gateway will see.
-        return "eg_" + digest.hexdigest()[:32]
+        return "eg_" + mac.hexdigest()[:32]

@@ -7,7 +7,7 @@ from datetime import timedelta
 from typing import Literal
 
 from gateway import decision
-from gateway.settings import Settings, UpstreamSettings
+from gateway.settings import KEYLESS_DEFAULTS, KeylessMode, Settings, UpstreamSettings
 
 StampKind = Literal["json_field", "form_field", "query_param", "header"]
 
@@ -50,6 +50,8 @@ class UpstreamPolicy:
     inject: Secrets
     secret_headers: frozenset[str]
     fingerprint_headers: tuple[str, ...]
+    # What an unsafe request without a key gets, by method; methods not listed are audited.
+    keyless: dict[str, KeylessMode]
 
     # Derived once at start-up (see upstream_policy), not on every request.
     decision: decision.Policy
@@ -87,14 +89,21 @@ def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) ->
         inject=Secrets({k: v.get_secret_value() for k, v in cfg.inject_headers.items()}),
         secret_headers=secret,
         fingerprint_headers=tuple(cfg.fingerprint_headers),
+        keyless={**KEYLESS_DEFAULTS, **cfg.keyless},
         decision=decision.Policy(
             lease=lease,
             native_key_ttl=cfg.native_key.ttl if cfg.native_key else None,
             has_probe=probe is not None,
+            probe_horizon=cfg.probe.horizon if cfg.probe else None,
             repeat_harmless=cfg.repeat_harmless,
         ),
         never_stored=secret | {name.lower() for name in cfg.inject_headers},
     )
+
+
+def keyless_mode(policy: UpstreamPolicy, method: str) -> KeylessMode:
+    """What a request of ``method`` without an Idempotency-Key gets from this upstream."""
+    return policy.keyless.get(method, "audit")
 
 
 def upstream_policies(settings: Settings) -> dict[str, UpstreamPolicy]:

@@ -47,3 +47,5 @@ class EffectRecord:
     history: list[dict[str, Any]] = field(default_factory=list)
     # The database's clock when this row was read: every time that decides anything comes from it.
     read_at: datetime | None = None
+    # Sent without a key under the upstream's "audit" policy: kept for the audit, never replayed.
+    keyless: bool = False

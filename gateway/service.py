@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import uuid
 from collections.abc import Awaitable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar, assert_never
@@ -24,19 +25,28 @@ from gateway.decision import (
     Replay,
     Request,
     Resend,
+    Restore,
     Review,
+    Send,
+    Settlement,
     Unknown,
     decide,
+    restore,
+    review,
     settle,
+    settle_probe,
+    take_over,
+    unrecorded,
 )
-from gateway.errors import ProbeFailed, StoreUnavailable
+from gateway.errors import ProbeFailed, StoreRejected, StoreUnavailable
 from gateway.faults import fault
 from gateway.fingerprint import NEVER_FINGERPRINTED, fingerprint
 from gateway.keys import ScopedKey
-from gateway.outcome import Answered, NoAnswer, NotSent, Outcome
-from gateway.policy import UpstreamPolicy
+from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, Outcome, ProbeError, ProbeResult
+from gateway.policy import UpstreamPolicy, keyless_mode
 from gateway.probes import Prober
 from gateway.record import EffectRecord, StoredResponse
+from gateway.settings import SAFE_METHODS
 from gateway.stamp import StampError
 from gateway.states import State
 from gateway.store import NewEffect, Store
@@ -74,8 +84,9 @@ class Reply:
 
 
 class EffectService:
-    def __init__(self, store: Store, client: UpstreamClient, prober: Prober) -> None:
+    def __init__(self, store: Store, client: UpstreamClient, prober: Prober, key_secret: bytes) -> None:
         self._store = store
+        self._key_secret = key_secret
         self._client = client
         self._prober = prober
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -100,28 +111,12 @@ class EffectService:
             await asyncio.wait(set(self._tasks), timeout=timeout)
 
     async def _handle(self, inbound: Inbound) -> Reply:
-        policy = inbound.upstream
         if inbound.key is None:
-            outbound = build_outbound(
-                policy,
-                None,
-                inbound.method,
-                inbound.path,
-                inbound.query,
-                inbound.headers,
-                inbound.body,
-            )
-            outcome = await self._client.send(outbound, policy.timeout.total_seconds())
-            return _reply(outcome, None)
-
-        scoped = ScopedKey(inbound.tenant, policy.name, inbound.key)
-        try:
-            # Built before the claim: a request that cannot be sent must leave no record behind.
-            outbound = build_outbound(
-                policy, scoped, inbound.method, inbound.path, inbound.query, inbound.headers, inbound.body
-            )
-        except StampError as exc:
-            raise problems.CannotStamp(str(exc)) from None
+            return await self._keyless(inbound)
+        policy = inbound.upstream
+        derived = ScopedKey(inbound.tenant, policy.name, inbound.key).derived(self._key_secret)
+        # Built before the claim: a request that cannot be sent must leave no record behind.
+        outbound = _outbound(inbound, derived)
         request = Request(
             fingerprint=fingerprint(
                 inbound.method,
@@ -134,25 +129,35 @@ class EffectService:
             )
         )
         record, created = await self._store.claim(
-            NewEffect(
-                tenant=inbound.tenant,
-                upstream=policy.name,
-                key=inbound.key,
-                derived_key=scoped.derived(),
-                method=inbound.method,
-                path=inbound.path,
-                query=inbound.query,
-                fingerprint=request.fingerprint,
-                request_headers=redacted(inbound.headers, policy),
-                request_body=inbound.body,
-                run_id=inbound.run_id,
-                step=inbound.step,
-            ),
-            policy.lease,
+            _new_effect(inbound, inbound.key, derived, request.fingerprint), policy.lease
         )
+        if record.derived_key != derived:
+            # First sent under another derived key (an older derivation, or another key_secret): every
+            # attempt at one effect carries the key of its first, or the upstream and a probe could not
+            # tell that they are the same effect.
+            outbound = _outbound(inbound, record.derived_key)
         if created:
             return await self._attempt(record, policy, outbound, recovered_by=None)
         return await self._follow(record, request, policy, outbound, inbound.wait)
+
+    async def _keyless(self, inbound: Inbound) -> Reply:
+        """A request without an Idempotency-Key: passed through, audited once, or refused."""
+        policy = inbound.upstream
+        outbound = _outbound(inbound, None)
+        mode = "forward" if inbound.method in SAFE_METHODS else keyless_mode(policy, inbound.method)
+        if mode == "refuse":
+            raise problems.KeyMissing(
+                f"{inbound.method} to {policy.name} needs an Idempotency-Key header: without one a retry "
+                "would do the effect again"
+            )
+        if mode == "forward":
+            outcome = await self._client.send(outbound, policy.timeout.total_seconds())
+            return _reply(outcome, None)
+        # "audit": one row for the audit, under a made-up key that no request can ever present again.
+        record, _ = await self._store.claim(
+            _new_effect(inbound, f"keyless:{uuid.uuid4().hex}", "", "", keyless=True), policy.lease
+        )
+        return await self._attempt(record, policy, outbound, recovered_by=None)
 
     async def _follow(
         self, record: EffectRecord, request: Request, policy: UpstreamPolicy, outbound: Outbound, wait: float
@@ -203,14 +208,18 @@ class EffectService:
                     poll = min(poll * 2, MAX_POLL)
                     record = await self._store.reread(record)
                 case Resend(reason=reason):
-                    claimed = await self._store.reclaim(record, policy.lease, reason)
+                    claimed = await self._store.reclaim(
+                        record, take_over(record), policy.lease, reason, sends=True
+                    )
                     if claimed is None:
                         record = await self._store.reread(record)
                         continue
                     recovered = None if reason == "retryable" else reason
                     return await self._attempt(claimed, policy, outbound, recovered_by=recovered)
                 case Probe():
-                    claimed = await self._store.reclaim(record, policy.lease, "probe")
+                    claimed = await self._store.reclaim(
+                        record, take_over(record), policy.lease, "probe", sends=False
+                    )
                     if claimed is None:
                         record = await self._store.reread(record)
                         continue
@@ -219,7 +228,9 @@ class EffectService:
                     reviewed = await self._wake_after(
                         record,
                         self._store.send_to_review(
-                            record, "no native key within its TTL, no probe: nothing can tell if it happened"
+                            record,
+                            review(record),
+                            "no native key within its TTL, no probe: nothing can tell if it happened",
                         ),
                     )
                     if reviewed is None:
@@ -229,17 +240,15 @@ class EffectService:
                     raise _outcome_unknown(record)
                 case Unknown():
                     raise _outcome_unknown(record)
+                case Restore():
+                    return await self._restore(record, policy)
                 case Purged():
-                    raise problems.ResponsePurged(
-                        "the effect happened; its response was dropped after the retention and this upstream "
-                        "offers no native key or probe to recover it",
-                        effect_id=record.id,
-                    )
+                    raise _purged(record, "this upstream has no probe to ask for it")
                 case _:
                     assert_never(action)
 
-    async def _settle(self, record: EffectRecord, state: State, **what: Any) -> EffectRecord | None:
-        return await self._wake_after(record, self._store.settle(record, state, **what))
+    async def _settle(self, record: EffectRecord, settlement: Settlement, **what: Any) -> EffectRecord | None:
+        return await self._wake_after(record, self._store.settle(record, settlement, **what))
 
     async def _wake_after(self, record: EffectRecord, write: Awaitable[T]) -> T:
         """Carry out a write to the record, then wake the twins waiting on it here, whatever came of it."""
@@ -260,9 +269,7 @@ class EffectService:
         try:
             saved = await self._settle(
                 record,
-                settled.state,
-                may_have_sent=settled.may_have_sent,
-                ends_lease=settled.ends_lease,
+                settled,
                 response=_stored(outcome),
                 recovered_by=recovered_by if settled.state is State.COMPLETED else None,
                 note=_describe(outcome),
@@ -277,6 +284,8 @@ class EffectService:
                 headers={"Retry-After": str(max(1, math.ceil(policy.lease.total_seconds())))},
                 effect_id=record.id,
             ) from None
+        except StoreRejected as exc:
+            return await self._unrecorded(record, settled, outcome, exc)
         if saved is None:
             await self._store.note_fenced(record, _describe(outcome))
             raise problems.Fenced(
@@ -287,41 +296,127 @@ class EffectService:
         fault("after-record", policy.name)
         return _reply(outcome, record.id)
 
-    async def _probe(self, record: EffectRecord, policy: UpstreamPolicy, outbound: Outbound) -> Reply:
+    async def _unrecorded(
+        self, record: EffectRecord, settled: Settlement, outcome: Outcome, exc: StoreRejected
+    ) -> Reply:
+        """Postgres is up but refused what the upstream answered: never leave the record pending.
+
+        A pending record would be taken over when its lease runs out and, lacking an answer, sent again
+        (possibly forever). It goes to review instead, with what the gateway saw in its history.
+        """
+        seen = f"{_describe(outcome)}, but the answer could not be recorded: {exc}"
+        log.error("effect %s: %s", record.id, seen)
+        instead = unrecorded(settled)
+        saved = await self._settle(record, instead, response=None, recovered_by=None, note=seen)
+        if saved is None:
+            await self._store.note_fenced(record, seen)
+        if instead.state is not State.NEEDS_REVIEW:
+            return _reply(outcome, record.id)  # nothing reached the upstream: say what stopped it
+        raise problems.OutcomeUnknown(
+            f"the upstream {_describe(outcome)} but the gateway could not record the answer ({exc}); "
+            f"nothing will be sent again for this key until an operator resolves effect {record.id}",
+            effect_id=record.id,
+        )
+
+    async def _look(self, policy: UpstreamPolicy, record: EffectRecord) -> ProbeResult:
+        """Ask the upstream whether the effect exists, by the key stamped into it."""
         try:
             found = await self._prober.probe(policy, record.derived_key)
         except ProbeFailed as exc:
-            # Back to in doubt, exactly as it was: no request left, so no lease need be waited out.
-            await self._settle(
-                record,
-                State.IN_DOUBT,
-                may_have_sent=True,
-                ends_lease=True,
-                response=None,
-                recovered_by=None,
-                note=f"probe failed: {exc}",
-            )
-            raise problems.ProbeUnavailable(
-                f"{exc}; the record is unchanged, retry later",
-                headers={"Retry-After": "5"},
-                effect_id=record.id,
-            ) from None
-        if found is None:
+            return ProbeError(str(exc))
+        return NotFound() if found is None else Found(found)
+
+    async def _probe(self, record: EffectRecord, policy: UpstreamPolicy, outbound: Outbound) -> Reply:
+        """Probe under the take-over ``record`` holds; then send, complete, or leave it for later."""
+        result = await self._look(policy, record)
+        assert record.read_at is not None
+        # The clock read by the take-over, before the probe ran: the margin covers the probe's own time.
+        verdict = settle_probe(record, result, record.read_at, policy.decision)
+        if isinstance(verdict, Send):
             log.info("probe: effect %s not found upstream, sending", record.id)
             return await self._attempt(record, policy, outbound, recovered_by=None)
+        found = result.response if isinstance(result, Found) else None
+        note = {
+            State.COMPLETED: "found by probe",
+            State.IN_DOUBT: f"probe failed: {result.reason if isinstance(result, ProbeError) else ''}",
+            State.NEEDS_REVIEW: "the probe found nothing, but the effect is older than the probe's horizon",
+        }[verdict.state]
         saved = await self._settle(
-            record,
-            State.COMPLETED,
-            may_have_sent=True,
-            ends_lease=True,
-            response=found,
-            recovered_by="probe",
-            note="found by probe",
+            record, verdict, response=found, recovered_by="probe" if found else None, note=note
         )
         if saved is None:
-            await self._store.note_fenced(record, "probe found the effect")
+            await self._store.note_fenced(record, note)
             raise problems.Fenced("a newer attempt took over while probing; retry", effect_id=record.id)
-        return Reply(found, replayed=True, effect_id=record.id)
+        match verdict.state:
+            case State.COMPLETED:
+                assert found is not None
+                return Reply(found, replayed=True, effect_id=record.id)
+            case State.NEEDS_REVIEW:
+                log.warning("effect %s needs review: %s", record.id, note)
+                raise _outcome_unknown(record)
+        raise problems.ProbeUnavailable(
+            f"{note}; the record is unchanged, retry later", headers={"Retry-After": "5"}, effect_id=record.id
+        )
+
+    async def _restore(self, record: EffectRecord, policy: UpstreamPolicy) -> Reply:
+        """A completed effect whose response was purged: the probe may supply it; nothing is ever sent."""
+        match await self._look(policy, record):
+            case Found(response=response):
+                await self._store.restore(record, restore(record), response)
+                return Reply(response, replayed=True, effect_id=record.id)
+            case NotFound():
+                raise _purged(record, "the probe no longer finds it")
+            case ProbeError(reason=reason):
+                raise problems.ProbeUnavailable(
+                    f"probe failed: {reason}; the effect happened and nothing will be sent again, retry "
+                    "later for its response",
+                    headers={"Retry-After": "5"},
+                    effect_id=record.id,
+                )
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _purged(record: EffectRecord, why: str) -> problems.Problem:
+    return problems.ResponsePurged(
+        f"the effect happened and is never sent again; its response was dropped after the retention and "
+        f"{why}",
+        effect_id=record.id,
+    )
+
+
+def _outbound(inbound: Inbound, derived_key: str | None) -> Outbound:
+    try:
+        return build_outbound(
+            inbound.upstream,
+            derived_key,
+            inbound.method,
+            inbound.path,
+            inbound.query,
+            inbound.headers,
+            inbound.body,
+        )
+    except StampError as exc:
+        raise problems.CannotStamp(str(exc)) from None
+
+
+def _new_effect(
+    inbound: Inbound, key: str, derived_key: str, fingerprint: str, *, keyless: bool = False
+) -> NewEffect:
+    return NewEffect(
+        tenant=inbound.tenant,
+        upstream=inbound.upstream.name,
+        key=key,
+        derived_key=derived_key,
+        method=inbound.method,
+        path=inbound.path,
+        query=inbound.query,
+        fingerprint=fingerprint,
+        request_headers=redacted(inbound.headers, inbound.upstream),
+        request_body=inbound.body,
+        run_id=inbound.run_id,
+        step=inbound.step,
+        keyless=keyless,
+    )
 
 
 def _outcome_unknown(record: EffectRecord) -> problems.Problem:

@@ -97,6 +97,10 @@ class ProbeSettings(_Section):
     found: str | None = None
     status: int = Field(default=200, ge=100, le=599)
     entry_point: str | None = None
+    # How far back the upstream's search sees effects (an index that keeps 30 days, an archive that
+    # moves old orders away). Past it, "not found" proves nothing and the record goes to review.
+    # None: the search sees every effect the upstream ever made.
+    horizon: Duration | None = None
 
     @model_validator(mode="after")
     def _http_or_python(self) -> ProbeSettings:
@@ -109,6 +113,15 @@ class ProbeSettings(_Section):
         if not self.path.startswith("/"):
             raise ValueError("path must start with /")
         return self
+
+
+KeylessMode = Literal["refuse", "audit", "forward"]
+# Reading does not change anything upstream: these pass through without a key, untracked.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# Without a key the gateway cannot make these safe to retry, so by default they are refused; every
+# other unsafe method (PUT, DELETE, ...) is forwarded and audited unless the upstream says otherwise.
+KEYLESS_DEFAULTS: dict[str, KeylessMode] = {"POST": "refuse", "PATCH": "refuse"}
+_METHOD = re.compile(r"^[A-Z][A-Z-]{0,31}$")
 
 
 class UpstreamSettings(_Section):
@@ -125,9 +138,17 @@ class UpstreamSettings(_Section):
     secret_headers: list[str] = Field(default_factory=list)
     # Request headers that change what the upstream does, so a different value is a different request.
     fingerprint_headers: list[str] = Field(default_factory=lambda: ["content-type"])
+    # Requests without an Idempotency-Key, by method: "refuse" (400), "audit" (forwarded once, with an
+    # audit row; a retry is a new request) or "forward" (untracked: no row at all).
+    keyless: dict[str, KeylessMode] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self) -> UpstreamSettings:
+        for method in self.keyless:
+            if not _METHOD.match(method):
+                raise ValueError(f"keyless: {method!r} is not an HTTP method in capitals, such as PUT")
+            if method in SAFE_METHODS:
+                raise ValueError(f"keyless: {method} always passes through; only unsafe methods are listed")
         if not re.match(r"^https?://[^/?#\s]+(/[^?#\s]*)?$", self.base_url):
             raise ValueError(f"base_url {self.base_url!r} must be an http:// or https:// URL without query")
         if self.timeout <= timedelta(0):
@@ -165,6 +186,10 @@ class Settings(BaseSettings):
     max_response_bytes: int = Field(default=10 * 1024 * 1024, gt=0)
     # The upper bound for Prefer: wait=N; a longer hold ties up a connection for nothing.
     max_wait: Duration = timedelta(seconds=60)
+    # The secret of the keyed MAC that derives upstream keys; omitted: one made at the first migration
+    # and kept in the database, which every gateway on it shares. Changing it changes the keys of new
+    # effects only (each record keeps the key it was sent with).
+    key_secret: Secret | None = None
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
     admin: AdminSettings = Field(default_factory=AdminSettings)
     upstreams: dict[str, UpstreamSettings] = Field(default_factory=dict)

@@ -18,9 +18,10 @@ from typing import Any, TypeAlias, TypeVar
 import asyncpg
 import asyncpg.pool
 
-from gateway.errors import StoreUnavailable
+from gateway.decision import Settlement
+from gateway.errors import StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, StoredResponse
-from gateway.states import State
+from gateway.states import State, Transition
 
 T = TypeVar("T")
 Conn: TypeAlias = "asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
@@ -32,7 +33,7 @@ _COLUMNS = """
     id, tenant, upstream, key, derived_key, method, path, query, fingerprint, request_headers,
     request_body, state, attempt, may_have_sent, lease_expires_at, response_status, response_headers,
     response_body, recovered_by, run_id, step, created_at, first_sent_at, last_sent_at, completed_at,
-    replays, purged_at, history, clock_timestamp() as read_at
+    replays, purged_at, history, keyless, clock_timestamp() as read_at
 """
 
 
@@ -50,6 +51,8 @@ class NewEffect:
     request_body: bytes
     run_id: str | None
     step: str | None
+    # Sent without a key under the upstream's "audit" policy: the key is made up and never looked up.
+    keyless: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,34 @@ class EffectFilter:
 def _event(kind: str, **data: Any) -> list[dict[str, Any]]:
     """One entry of a row's history, as an array to append; the SQL stamps it with the database's time."""
     return [{"event": kind, **{k: v for k, v in data.items() if v is not None}}]
+
+
+def _source(record: EffectRecord, move: Transition) -> str:
+    """The state a write fences on: the one the record was read in, which the move must start from."""
+    if move.source is not record.state:
+        raise ValueError(f"a move from {move.source} was asked of a record in {record.state}")
+    return record.state.value
+
+
+def head_bytes(headers: tuple[tuple[str, str], ...]) -> bytes:
+    """Response headers as stored: "Name: value" lines joined by CRLF, the upstream's bytes kept.
+
+    Names and values arrive decoded 'utf-8'/'surrogateescape' (how aiohttp reads them), which this
+    turns back into the exact bytes; no header may contain CR or LF, so the block splits unambiguously.
+    """
+    return b"\r\n".join(
+        name.encode("utf-8", "surrogateescape") + b": " + value.encode("utf-8", "surrogateescape")
+        for name, value in headers
+    )
+
+
+def head_pairs(block: bytes) -> tuple[tuple[str, str], ...]:
+    """The inverse of :func:`head_bytes`."""
+    pairs = []
+    for line in block.split(b"\r\n") if block else ():
+        name, _, value = line.partition(b": ")
+        pairs.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
+    return tuple(pairs)
 
 
 def _stamped(param: int) -> str:
@@ -131,6 +162,10 @@ class Store:
                     raise
             except _OUTAGE as exc:
                 raise StoreUnavailable(f"Postgres is unavailable: {exc}") from exc
+            except asyncpg.PostgresError as exc:
+                # Postgres is there but refused this statement (data it cannot hold, a check that
+                # failed): retrying the same statement cannot help.
+                raise StoreRejected(f"Postgres refused the write: {type(exc).__name__}: {exc}") from exc
             finally:
                 await self._pool.release(conn)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -169,9 +204,9 @@ class Store:
                 with claimed as (
                     insert into effects (tenant, upstream, key, derived_key, method, path, query,
                         fingerprint, request_headers, request_body, state, lease_expires_at, first_sent_at,
-                        last_sent_at, run_id, step, history)
+                        last_sent_at, run_id, step, keyless, history)
                     values ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'pending', now() + $11::interval,
-                        now(), now(), $12, $13, {_stamped(14)})
+                        now(), now(), $12, $13, $14, {_stamped(15)})
                     on conflict (tenant, upstream, key) do nothing
                     returning {_COLUMNS}, true as created
                 )
@@ -193,6 +228,7 @@ class Store:
                 lease,
                 new.run_id,
                 new.step,
+                new.keyless,
                 _event("claimed", attempt=1),
             )
             if row is not None:
@@ -208,9 +244,13 @@ class Store:
 
         return await self._run(op)
 
-    async def reclaim(self, record: EffectRecord, lease: timedelta, reason: str) -> EffectRecord | None:
-        """Take the record over for a new attempt, if nobody has since ``record`` was read."""
+    async def reclaim(
+        self, record: EffectRecord, move: Transition, lease: timedelta, reason: str, *, sends: bool
+    ) -> EffectRecord | None:
+        """Take the record over for a new attempt, if nobody has since ``record`` was read.
 
+        ``sends`` is false for a take-over that only probes: the audit's send times stay as they were.
+        """
         return await self._one(
             f"""
             update effects set
@@ -218,64 +258,63 @@ class Store:
                 state = 'pending',
                 -- a pending record whose lease ran out may have been sent by the gateway that held it
                 may_have_sent = may_have_sent or state = 'pending',
-                lease_expires_at = now() + $3::interval,
-                last_sent_at = now(),
+                lease_expires_at = now() + $4::interval,
+                last_sent_at = case when $5 then now() else last_sent_at end,
                 first_sent_at = coalesce(first_sent_at, now()),
-                history = history || {_stamped(4)}
-            where id = $1 and attempt = $2
+                history = history || {_stamped(6)}
+            where id = $1 and attempt = $2 and state = $3
             returning {_COLUMNS}
             """,
             record.id,
             record.attempt,
+            _source(record, move),
             lease,
+            sends,
             _event("reclaimed", attempt=record.attempt + 1, reason=reason, was=record.state.value),
         )
 
     async def settle(
         self,
         record: EffectRecord,
-        state: State,
+        settlement: Settlement,
         *,
-        may_have_sent: bool,
-        ends_lease: bool,
         response: StoredResponse | None,
         recovered_by: str | None,
         note: str | None = None,
     ) -> EffectRecord | None:
         """Write what the current attempt saw; None when a newer attempt fenced this one out."""
-        completed = state is State.COMPLETED
-
+        completed = settlement.state is State.COMPLETED
         return await self._one(
             f"""
             update effects set
-                state = $3,
-                may_have_sent = $4,
-                lease_expires_at = case when $5 then least(lease_expires_at, now())
+                state = $4,
+                may_have_sent = $5,
+                lease_expires_at = case when $6 then least(lease_expires_at, now())
                                         else lease_expires_at end,
-                response_status = coalesce($6, response_status),
-                response_headers = coalesce($7, response_headers),
-                response_body = coalesce($8, response_body),
-                recovered_by = coalesce($9, recovered_by),
-                completed_at = case when $10 then now() else completed_at end,
-                purged_at = case when $10 then null else purged_at end,
-                history = history || {_stamped(11)}
-            where id = $1 and attempt = $2
+                response_status = coalesce($7, response_status),
+                response_headers = coalesce($8, response_headers),
+                response_body = coalesce($9, response_body),
+                recovered_by = coalesce($10, recovered_by),
+                completed_at = case when $11 then now() else completed_at end,
+                history = history || {_stamped(12)}
+            where id = $1 and attempt = $2 and state = $3
             returning {_COLUMNS}
             """,
             record.id,
             record.attempt,
-            state.value,
-            may_have_sent,
-            ends_lease,
+            _source(record, settlement.transition),
+            settlement.state.value,
+            settlement.may_have_sent,
+            settlement.ends_lease,
             response.status if response else None,
-            [list(pair) for pair in response.headers] if response else None,
+            head_bytes(response.headers) if response else None,
             response.body if response else None,
             recovered_by,
             completed,
             _event(
                 "settled",
                 attempt=record.attempt,
-                state=state.value,
+                state=settlement.state.value,
                 status=response.status if response else None,
                 recovered_by=recovered_by,
                 note=note,
@@ -291,7 +330,7 @@ class Store:
             _event("fenced", attempt=record.attempt, saw=saw),
         )
 
-    async def send_to_review(self, record: EffectRecord, why: str) -> EffectRecord | None:
+    async def send_to_review(self, record: EffectRecord, move: Transition, why: str) -> EffectRecord | None:
         """Give up on recovery; fenced so that a record someone just re-claimed is left alone."""
 
         return await self._one(
@@ -299,47 +338,83 @@ class Store:
             -- A new attempt number: a stalled holder that wakes up now is fenced out, and what it
             -- saw goes to the history for the operator instead of over their head.
             update effects set state = 'needs_review', attempt = attempt + 1,
-                history = history || {_stamped(3)}
-            where id = $1 and attempt = $2 and state in ('pending', 'in_doubt')
+                lease_expires_at = least(lease_expires_at, now()),
+                history = history || {_stamped(4)}
+            where id = $1 and attempt = $2 and state = $3
             returning {_COLUMNS}
             """,
             record.id,
             record.attempt,
+            _source(record, move),
             _event("needs_review", attempt=record.attempt, why=why),
         )
 
     async def count_replay(self, record: EffectRecord) -> None:
         await self._execute("update effects set replays = replays + 1 where id = $1", record.id)
 
-    async def resolve(
-        self, effect_id: int, state: State, response: StoredResponse | None, by: str | None
-    ) -> EffectRecord | None:
-        """An operator's verdict: completed with a response to replay, or retryable (it did not happen)."""
-        happened = state is State.COMPLETED
+    async def restore(self, record: EffectRecord, move: Transition, response: StoredResponse) -> None:
+        """Put back the response of a completed effect whose response was purged (a probe found it)."""
+        await self._execute(
+            f"""
+            update effects set response_status = $4, response_headers = $5, response_body = $6,
+                purged_at = null, history = history || {_stamped(7)}
+            where id = $1 and attempt = $2 and state = $3 and response_body is null
+            """,
+            record.id,
+            record.attempt,
+            _source(record, move),
+            response.status,
+            head_bytes(response.headers),
+            response.body,
+            _event("restored", status=response.status, note="the probe found the effect"),
+        )
 
+    async def resolve(
+        self, record: EffectRecord, move: Transition, response: StoredResponse | None, by: str | None
+    ) -> EffectRecord | None:
+        """An operator's verdict: completed with a response to replay, or retryable (it did not happen).
+
+        Fenced on the state and attempt the operator saw, and refused while a lease still runs.
+        """
+        happened = move.target is State.COMPLETED
         return await self._one(
             f"""
             update effects set
-                state = $2,
+                state = $4,
                 -- "did not happen" is the operator's word that no attempt reached the upstream
-                may_have_sent = $3,
+                may_have_sent = $5,
                 lease_expires_at = least(lease_expires_at, now()),
-                response_status = $4, response_headers = $5, response_body = $6,
+                response_status = $6, response_headers = $7, response_body = $8,
                 recovered_by = 'operator',
                 attempt = attempt + 1,
-                completed_at = case when $3 then now() else null end,
-                history = history || {_stamped(7)}
-            where id = $1 and state in ('needs_review', 'in_doubt')
+                completed_at = case when $5 then now() else null end,
+                history = history || {_stamped(9)}
+            where id = $1 and attempt = $2 and state = $3
+              and (lease_expires_at is null or lease_expires_at <= now())
             returning {_COLUMNS}
             """,
-            effect_id,
-            state.value,
+            record.id,
+            record.attempt,
+            _source(record, move),
+            move.target.value,
             happened,
             response.status if response else None,
-            [list(p) for p in response.headers] if response else None,
+            head_bytes(response.headers) if response else None,
             response.body if response else None,
-            _event("resolved", happened=happened, by=by),
+            _event("resolved", happened=happened, by=by, was=record.state.value),
         )
+
+    async def key_secret(self) -> bytes:
+        """The secret of the keyed MAC for derived keys, made once by the migrations."""
+
+        async def op(conn: Conn) -> bytes:
+            value = await conn.fetchval(
+                "select value from effect_gateway_secrets where name = 'derived_keys'"
+            )
+            assert value is not None, "migration 002 makes the secret"
+            return bytes(value)
+
+        return await self._run(op)
 
     # --- reading ----------------------------------------------------------------------------------
 
@@ -414,7 +489,7 @@ def _record(row: asyncpg.Record) -> EffectRecord:
     if row["response_status"] is not None and row["response_body"] is not None:
         response = StoredResponse(
             status=row["response_status"],
-            headers=tuple((name, value) for name, value in row["response_headers"] or ()),
+            headers=head_pairs(bytes(row["response_headers"] or b"")),
             body=bytes(row["response_body"]),
         )
     return EffectRecord(
@@ -445,6 +520,7 @@ def _record(row: asyncpg.Record) -> EffectRecord:
         request_body=bytes(row["request_body"]) if row["request_body"] is not None else None,
         history=row["history"],
         read_at=row["read_at"],
+        keyless=row["keyless"],
     )
 
 

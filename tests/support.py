@@ -210,3 +210,41 @@ async def database_text(dsn: str) -> str:
 def start_gateway_process(config: Path, env: dict[str, str] | None = None, timeout: float = 30) -> Service:
     """``effect-gateway serve`` in a child process; returns once it prints the address it listens on."""
     return start_service(["-m", "gateway", "--config", str(config), "serve"], env, timeout, cwd=str(ROOT))
+
+
+@dataclass
+class RawUpstream:
+    """An HTTP/1.1 server that answers every request with the same raw bytes (headers any bytes at all)."""
+
+    answer: bytes
+    url: str = ""
+    requests: list[bytes] = field(default_factory=list)
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                self.requests.append(head + await reader.readexactly(length))
+                writer.write(self.answer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@asynccontextmanager
+async def raw_upstream(answer: bytes) -> AsyncIterator[RawUpstream]:
+    upstream = RawUpstream(answer)
+    server = await asyncio.start_server(upstream.serve, "127.0.0.1", 0)
+    upstream.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        yield upstream
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -12,8 +12,9 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from gateway.decision import settle, take_over
+from gateway.outcome import Answered
 from gateway.record import StoredResponse
-from gateway.states import State
 from gateway.store import NewEffect, opened
 from tests.support import Upstream, effect_rows, start_gateway_process
 
@@ -38,24 +39,15 @@ async def test_only_the_current_attempt_may_settle(dsn: str) -> None:
     async with opened(dsn) as store:
         first, created = await store.claim(NEW, timedelta(seconds=30))
         assert created
-        second = await store.reclaim(first, timedelta(seconds=30), "test")
+        second = await store.reclaim(first, take_over(first), timedelta(seconds=30), "test", sends=True)
         assert second is not None
         assert second.attempt == 2
-        newer = StoredResponse(201, (), b"newer")
-        assert await store.settle(
-            second, State.COMPLETED, may_have_sent=True, ends_lease=True, response=newer, recovered_by=None
-        )
-        stale = await store.settle(
-            first,
-            State.COMPLETED,
-            may_have_sent=True,
-            ends_lease=True,
-            response=StoredResponse(201, (), b"stale"),
-            recovered_by=None,
-        )
+        done = settle(Answered(201, (), b""), earlier_doubt=False)
+        assert await store.settle(second, done, response=StoredResponse(201, (), b"newer"), recovered_by=None)
+        stale = await store.settle(first, done, response=StoredResponse(201, (), b"stale"), recovered_by=None)
         assert stale is None
         # a second re-claim from the same stale read loses too
-        assert await store.reclaim(first, timedelta(seconds=30), "test") is None
+        assert await store.reclaim(first, take_over(first), timedelta(seconds=30), "test", sends=True) is None
         final = await store.reread(first)
     assert final.response is not None
     assert final.response.body == b"newer"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -49,10 +50,22 @@ def test_derived_keys_are_stable_and_unique_per_scope(
     a: tuple[str, str, str], b: tuple[str, str, str]
 ) -> None:
     """The same scope always derives the same upstream key; different scopes never share one."""
-    assert ScopedKey(*a).derived() == ScopedKey(*a).derived()
+    assert ScopedKey(*a).derived(SECRET) == ScopedKey(*a).derived(SECRET)
     if a != b:
-        assert ScopedKey(*a).derived() != ScopedKey(*b).derived()
+        assert ScopedKey(*a).derived(SECRET) != ScopedKey(*b).derived(SECRET)
 
+
+def test_derived_keys_cannot_be_computed_without_the_secret() -> None:
+    """The upstream key is a keyed MAC: another secret (or a plain hash of the scope) gives another key."""
+    scope = ScopedKey("grocer", "shop", "run-1:4")
+    plain = hashlib.sha256()
+    for part in ("grocer", "shop", "run-1:4"):
+        plain.update(len(part).to_bytes(4, "big") + part.encode())
+    assert scope.derived(SECRET) != scope.derived(b"another secret")
+    assert scope.derived(SECRET) != "eg_" + plain.hexdigest()[:32]
+
+
+SECRET = b"s" * 32
 
 JSONISH = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=5),

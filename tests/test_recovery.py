@@ -208,10 +208,14 @@ async def test_a_missing_python_probe_stops_start_up(dsn: str, upstream: Upstrea
 
 
 @pytest.mark.parametrize("kind", ["native", "probe", "neither"])
-async def test_after_the_retention_a_retry_recovers_by_native_key_or_probe(
+async def test_after_the_retention_a_retry_is_answered_by_the_probe_or_410(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession, kind: str
 ) -> None:
-    """Bodies are dropped after the retention (the audit row stays); a retry never duplicates the effect."""
+    """Bodies are dropped after the retention (the audit row stays); a retry never sends the effect again.
+
+    Not even under a native key the upstream may still remember: the retention outlasts any key's TTL,
+    and a re-send without a lease can land after the upstream forgot the key.
+    """
     cfg: dict[str, Any] = {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}}
     if kind == "native":
         upstream.key_header = "Idempotency-Key"
@@ -231,12 +235,15 @@ async def test_after_the_retention_a_retry_recovers_by_native_key_or_probe(
         assert row["request_body"] is None
         assert row["state"] == "completed"
         status, _, body = await order(http, gw.url)
-    if kind == "neither":
+    if kind == "probe":
+        assert status == 201
+        assert body["reference"] == row["derived_key"]
+    else:
         assert status == 410
         assert body["type"].endswith("/response-purged")
-    else:
-        assert status == 201
-    assert upstream.effects_created() == 1
+    assert len(upstream.effects()) == 1
+    (row,) = await effect_rows(dsn)
+    assert row["state"] == "completed"
 
 
 # --- operators ----------------------------------------------------------------------------------------------
