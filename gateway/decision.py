@@ -34,6 +34,10 @@ class Policy:
     # How far back the upstream's search sees effects; None: as far back as the effects go.
     probe_horizon: timedelta | None = None
     repeat_harmless: bool = False
+    # The most that may pass between taking a record (claim or take-over) and the request leaving:
+    # the lease (the upstream's timeout plus a grace) only covers the request if it leaves within the
+    # grace. None: not checked (tests of the decision alone).
+    send_window: timedelta | None = None
 
     @property
     def margin(self) -> timedelta:
@@ -154,6 +158,29 @@ def _younger_than(record: EffectRecord, now: datetime, memory: timedelta, policy
     """
     sent = record.first_sent_at or record.created_at
     return now - sent < memory - policy.margin
+
+
+def send_refusal(
+    record: EffectRecord, now: datetime, waited: timedelta, policy: Policy, reason: SendReason | None
+) -> str | None:
+    """Why the request must not leave under the attempt ``record`` holds; None: send it.
+
+    ``now`` is the database's clock when the record was taken (the claim or take-over that returned
+    ``record``) and ``waited`` how long has passed since (measured from before that statement, so never
+    less). A gateway that stalled after taking the record may find its lease already running out, and a
+    native key judged fresh before the take-over may have aged past trust by the time of it; sending
+    then could land after another gateway took over, or after the upstream forgot the key.
+    """
+    if policy.send_window is not None and waited > policy.send_window:
+        return (
+            f"not sent: {waited.total_seconds():.1f}s passed between taking the record and sending, "
+            "more than its lease allows"
+        )
+    if reason == "native_key" and not (
+        policy.native_key_ttl is not None and _younger_than(record, now, policy.native_key_ttl, policy)
+    ):
+        return "not sent: the native key grew too old to trust while the record was being taken over"
+    return None
 
 
 # --- what each write does to the record's state -----------------------------------------------------

@@ -96,6 +96,7 @@ def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) ->
             has_probe=probe is not None,
             probe_horizon=cfg.probe.horizon if cfg.probe else None,
             repeat_harmless=cfg.repeat_harmless,
+            send_window=lease_grace,
         ),
         never_stored=secret | {name.lower() for name in cfg.inject_headers},
     )

@@ -14,6 +14,7 @@ import math
 import uuid
 from collections.abc import Awaitable, Coroutine, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar, assert_never
 
 from gateway import problems
@@ -28,11 +29,13 @@ from gateway.decision import (
     Restore,
     Review,
     Send,
+    SendReason,
     Settlement,
     Unknown,
     decide,
     restore,
     review,
+    send_refusal,
     settle,
     settle_probe,
     take_over,
@@ -128,6 +131,7 @@ class EffectService:
                 policy.never_stored,
             )
         )
+        took = _clock()
         record, created = await self._store.claim(
             _new_effect(inbound, inbound.key, derived, request.fingerprint), policy.lease
         )
@@ -137,7 +141,7 @@ class EffectService:
             # tell that they are the same effect.
             outbound = _outbound(inbound, record.derived_key)
         if created:
-            return await self._attempt(record, policy, outbound, recovered_by=None)
+            return await self._attempt(record, took, policy, outbound, reason=None)
         return await self._follow(record, request, policy, outbound, inbound.wait)
 
     async def _keyless(self, inbound: Inbound) -> Reply:
@@ -154,10 +158,11 @@ class EffectService:
             outcome = await self._client.send(outbound, policy.timeout.total_seconds())
             return _reply(outcome, None)
         # "audit": one row for the audit, under a made-up key that no request can ever present again.
+        took = _clock()
         record, _ = await self._store.claim(
             _new_effect(inbound, f"keyless:{uuid.uuid4().hex}", "", "", keyless=True), policy.lease
         )
-        return await self._attempt(record, policy, outbound, recovered_by=None)
+        return await self._attempt(record, took, policy, outbound, reason=None)
 
     async def _follow(
         self, record: EffectRecord, request: Request, policy: UpstreamPolicy, outbound: Outbound, wait: float
@@ -208,14 +213,14 @@ class EffectService:
                     poll = min(poll * 2, MAX_POLL)
                     record = await self._store.reread(record)
                 case Resend(reason=reason):
+                    took = _clock()
                     claimed = await self._store.reclaim(
                         record, take_over(record), policy.lease, reason, sends=True
                     )
                     if claimed is None:
                         record = await self._store.reread(record)
                         continue
-                    recovered = None if reason == "retryable" else reason
-                    return await self._attempt(claimed, policy, outbound, recovered_by=recovered)
+                    return await self._attempt(claimed, took, policy, outbound, reason=reason)
                 case Probe():
                     claimed = await self._store.reclaim(
                         record, take_over(record), policy.lease, "probe", sends=False
@@ -259,12 +264,28 @@ class EffectService:
                 woken.set()
 
     async def _attempt(
-        self, record: EffectRecord, policy: UpstreamPolicy, outbound: Outbound, recovered_by: str | None
+        self,
+        record: EffectRecord,
+        took: float,
+        policy: UpstreamPolicy,
+        outbound: Outbound,
+        reason: SendReason | None,
     ) -> Reply:
-        """Send under the attempt ``record`` holds, and write down what came of it (fenced)."""
+        """Send under the attempt ``record`` holds, and write down what came of it (fenced).
+
+        ``took`` is this process's clock from just before the statement that took the record.
+        """
         fault("after-claim", policy.name)
-        outcome = await self._client.send(outbound, policy.timeout.total_seconds())
+        assert record.read_at is not None
+        waited = timedelta(seconds=_clock() - took)
+        refusal = send_refusal(record, record.read_at, waited, policy.decision, reason)
+        if refusal is not None:
+            log.warning("effect %s: %s", record.id, refusal)
+            outcome: Outcome = NotSent(refusal)
+        else:
+            outcome = await self._client.send(outbound, policy.timeout.total_seconds())
         fault("after-upstream", policy.name)
+        recovered_by = None if reason in (None, "retryable") else reason
         settled = settle(outcome, earlier_doubt=record.may_have_sent)
         try:
             saved = await self._settle(
@@ -333,8 +354,17 @@ class EffectService:
         # The clock read by the take-over, before the probe ran: the margin covers the probe's own time.
         verdict = settle_probe(record, result, record.read_at, policy.decision)
         if isinstance(verdict, Send):
+            # A fresh take-over before sending: the probe may have used up most of the lease, and a
+            # request must be over at the upstream when its lease ends.
             log.info("probe: effect %s not found upstream, sending", record.id)
-            return await self._attempt(record, policy, outbound, recovered_by=None)
+            took = _clock()
+            claimed = await self._store.reclaim(
+                record, take_over(record), policy.lease, "the probe found nothing", sends=True
+            )
+            if claimed is None:
+                await self._store.note_fenced(record, "the probe found nothing")
+                raise problems.Fenced("a newer attempt took over while probing; retry", effect_id=record.id)
+            return await self._attempt(claimed, took, policy, outbound, reason=None)
         found = result.response if isinstance(result, Found) else None
         note = {
             State.COMPLETED: "found by probe",
@@ -374,6 +404,11 @@ class EffectService:
                     effect_id=record.id,
                 )
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _clock() -> float:
+    """This process's monotonic clock: only for how long this process itself has waited."""
+    return asyncio.get_running_loop().time()
 
 
 def _purged(record: EffectRecord, why: str) -> problems.Problem:

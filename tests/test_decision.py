@@ -20,12 +20,14 @@ from gateway.decision import (
     Restore,
     Review,
     Send,
+    SendReason,
     Settlement,
     Unknown,
     decide,
     resolution,
     restore,
     review,
+    send_refusal,
     settle,
     settle_probe,
     take_over,
@@ -308,3 +310,38 @@ def test_transitions_not_in_the_table_raise() -> None:
             with pytest.raises(IllegalTransition):
                 Transition(State.COMPLETED, target)
     assert set(TRANSITIONS) == {None, *State}
+
+
+WINDOW = replace(NATIVE, send_window=timedelta(seconds=5))
+
+
+@pytest.mark.parametrize(
+    ("rec", "waited", "reason", "refused"),
+    [
+        # sent promptly after the claim or take-over
+        (record(State.PENDING), timedelta(milliseconds=3), None, None),
+        (record(State.PENDING), timedelta(seconds=5), "native_key", None),
+        # stalled between taking the record and sending: the lease no longer covers the request
+        (record(State.PENDING), timedelta(seconds=5.1), None, "more than its lease allows"),
+        (record(State.PENDING), timedelta(minutes=10), "retryable", "more than its lease allows"),
+        # a native key judged fresh before the take-over, but too old by the time of it
+        (
+            record(State.PENDING, first_sent_at=NOW - (timedelta(hours=24) - LEASE)),
+            timedelta(0),
+            "native_key",
+            "too old to trust",
+        ),
+        # ... which does not matter when the send is not relying on the key
+        (record(State.PENDING, first_sent_at=NOW - timedelta(days=2)), timedelta(0), "never_sent", None),
+    ],
+)
+def test_send_refusal(
+    rec: EffectRecord, waited: timedelta, reason: SendReason | None, refused: str | None
+) -> None:
+    """A request leaves only within the lease's grace of its take-over, and only under a key still trusted."""
+    why = send_refusal(rec, NOW, waited, WINDOW, reason)
+    if refused is None:
+        assert why is None
+    else:
+        assert why is not None
+        assert refused in why

@@ -101,3 +101,59 @@ async def test_a_stalled_gateway_process_is_fenced_out(dsn: str, upstream: Upstr
     assert [e["event"] for e in row["history"]][-1] == "fenced"
     assert row["history"][-1]["attempt"] == 1
     assert upstream.effects_created() == 1
+
+
+async def test_a_gateway_stalled_before_sending_does_not_send_after_its_lease(
+    dsn: str, upstream: Upstream, tmp_path: Path
+) -> None:
+    """A stalls between its claim and the send; B takes over and sends; A, resumed, sends nothing.
+
+    The fence guards the database, not the upstream: without the check before sending, A's late
+    request would have placed the order a second time.
+    """
+    upstream.serve_search()
+    config = tmp_path / "a.toml"
+    config.write_text(
+        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nlease_grace = "300ms"\n'
+        f'[upstreams.shop]\nbase_url = "{upstream.url}"\ntimeout = "700ms"\n'
+        'stamp = { json_field = "client_reference" }\n'
+        'probe = { path = "/orders/search?ref={key}", found = "items.0", status = 201 }\n'
+    )
+    stall = {"EFFECT_GATEWAY_FAULT": "after-claim", "EFFECT_GATEWAY_FAULT_SIGNAL": "SIGSTOP"}
+    gateway_a = start_gateway_process(config, env=stall)
+    try:
+        async with aiohttp.ClientSession() as http:
+            headers = {"Idempotency-Key": "stall", "Content-Type": "application/json"}
+            a_call = asyncio.create_task(
+                http.post(f"{gateway_a.url}/shop/orders", data=b"{}", headers=headers)
+            )
+            for _ in range(200):  # A stops itself right after its claim is durable
+                if _stopped(gateway_a.proc.pid):
+                    break
+                await asyncio.sleep(0.05)
+            assert _stopped(gateway_a.proc.pid)
+            await asyncio.sleep(1.2)  # A's lease (700 ms + 300 ms) runs out while it is stopped
+            gateway_b = start_gateway_process(config)
+            try:
+                resp = await http.post(f"{gateway_b.url}/shop/orders", data=b"{}", headers=headers)
+                assert resp.status == 201
+            finally:
+                gateway_b.stop()
+            os.kill(gateway_a.proc.pid, signal.SIGCONT)
+            a_resp = await asyncio.wait_for(a_call, 10)
+            assert a_resp.status == 409
+            assert "problems/fenced" in (await a_resp.json())["type"]
+    finally:
+        if gateway_a.proc.poll() is None:
+            os.kill(gateway_a.proc.pid, signal.SIGCONT)
+        gateway_a.stop()
+    assert len(upstream.effects()) == 1
+    (row,) = await effect_rows(dsn)
+    assert row["state"] == "completed"
+    assert "more than its lease allows" in row["history"][-1]["saw"]
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped by a signal (state T in /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "T"
