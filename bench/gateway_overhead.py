@@ -19,8 +19,8 @@ from aiohttp import web
 
 from bench.common import on_postgres, p50_p99, where
 from gateway.app import make_app
+from gateway.schema import migrate
 from gateway.settings import load_settings
-from gateway.store import migrate
 
 BODY = b'{"items":["atta","toor dal","paneer","spinach"]}'
 HEADERS = {"Content-Type": "application/json"}

@@ -97,7 +97,7 @@ def effect_json(record: EffectRecord, *, full: bool) -> dict[str, Any]:
         "query": record.query,
         "state": record.state.value,
         "attempt": record.attempt,
-        "response_status": record.response.status if record.response else None,
+        "response_status": record.response_status,
         "recovered_by": record.recovered_by,
         "run_id": record.run_id,
         "step": record.step,
@@ -106,7 +106,7 @@ def effect_json(record: EffectRecord, *, full: bool) -> dict[str, Any]:
         "last_sent_at": _when(record.last_sent_at),
         "completed_at": _when(record.completed_at),
         "replays": record.replays,
-        "purged_at": _when(record.purged_at),
+        "response_purged": record.purged,
     }
     if full:
         doc["derived_key"] = record.derived_key

@@ -17,9 +17,10 @@ from gateway.policy import upstream_policies
 from gateway.probes import Prober
 from gateway.record import StoredResponse
 from gateway.runtime import RUNTIME, Runtime, tenant_of
+from gateway.schema import migrate
 from gateway.service import EffectService, Inbound, Reply
 from gateway.settings import Settings
-from gateway.store import Store, migrate
+from gateway.store import Store, StoreLimits
 from gateway.upstream import UpstreamClient
 
 log = logging.getLogger("effect_gateway")
@@ -47,16 +48,23 @@ def make_app(settings: Settings, dsn: str) -> web.Application:
 def _runtime(settings: Settings) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         await migrate(app[DSN])
-        store = await Store.connect(app[DSN])
+        store = await Store.connect(app[DSN], max_size=settings.pool_size, limits=store_limits(settings))
         client = UpstreamClient(settings.max_response_bytes)
         prober = Prober(client.session)
         policies = upstream_policies(settings)
         for policy in policies.values():
             prober.check(policy)
         secret = settings.key_secret.get_secret_value().encode() if settings.key_secret else None
-        service = EffectService(store, client, prober, secret or await store.key_secret())
+        service = EffectService(
+            store,
+            client,
+            prober,
+            secret or await store.key_secret(),
+            retention=settings.retention,
+            replay_cache_bytes=settings.replay_cache_bytes,
+        )
         app[RUNTIME] = Runtime(settings, policies, store, service)
-        purger = asyncio.create_task(_purge_periodically(store, settings))
+        purger = asyncio.create_task(_maintain_periodically(store, settings))
         try:
             yield
         finally:
@@ -72,17 +80,22 @@ def _runtime(settings: Settings) -> Callable[[web.Application], AsyncIterator[No
     return ctx
 
 
-async def _purge_periodically(store: Store, settings: Settings) -> None:
+async def _maintain_periodically(store: Store, settings: Settings) -> None:
+    """Partitions made ahead, and days of bodies past the retention dropped, every purge_interval."""
     while True:
         try:
-            dropped = await store.purge(settings.retention)
-            if dropped:
-                log.info("purged the bodies of %d effects older than %s", dropped, settings.retention)
+            await store.maintain(settings.retention, progress=log.info)
         except StoreUnavailable as exc:
-            log.warning("purge skipped: %s", exc)
+            log.warning("retention skipped: %s", exc)
         except Exception:  # a periodic job must outlive any one failure; the next round tries again
-            log.exception("purge failed")
+            log.exception("retention failed")
         await asyncio.sleep(settings.purge_interval.total_seconds())
+
+
+def store_limits(settings: Settings) -> StoreLimits:
+    return StoreLimits(
+        acquire=settings.pool_timeout, statement=settings.statement_timeout, lock=settings.lock_timeout
+    )
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

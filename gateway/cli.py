@@ -22,8 +22,9 @@ from gateway import admin, operators, problems
 from gateway.decision import NotAwaitingOperator
 from gateway.embedded import EmbeddedPostgres
 from gateway.errors import ConfigError, GatewayError
+from gateway.schema import migrate
 from gateway.settings import Settings, listen_host, listen_port, load_settings
-from gateway.store import migrate, opened
+from gateway.store import opened
 
 log = logging.getLogger("effect_gateway")
 
@@ -80,14 +81,18 @@ def cmd_migrate(settings: Settings, _args: argparse.Namespace) -> int:
 
 
 def cmd_purge(settings: Settings, _args: argparse.Namespace) -> int:
+    def say(line: str) -> None:
+        print(line, flush=True)
+
     async def run(dsn: str) -> int:
         await migrate(dsn)
         async with opened(dsn) as store:
-            return await store.purge(settings.retention)
+            dropped = await store.maintain(settings.retention, progress=say)
+        return sum(part.rows for part in dropped)
 
     with database(settings) as dsn:
-        dropped = asyncio.run(run(dsn))
-    print(f"dropped the bodies of {dropped} effects completed more than {settings.retention} ago")
+        rows = asyncio.run(run(dsn))
+    print(f"dropped about {rows} bodies stored more than {settings.retention} ago (the audit rows stay)")
     return 0
 
 

@@ -112,6 +112,8 @@ Action = Replay | Mismatch | Busy | Resend | Probe | Review | Unknown | Restore 
 
 def decide(record: EffectRecord, request: Request, now: datetime, policy: Policy) -> Action:
     """What to do with a request whose key already has a record."""
+    if not record.response_read:
+        raise ValueError("the decision needs the record read with its response")
     if record.fingerprint != request.fingerprint:
         return Mismatch()
     match record.state:

@@ -36,8 +36,11 @@ class EffectRecord:
     last_sent_at: datetime | None
     completed_at: datetime | None
     created_at: datetime
+    # The response on record, when the statement that read the record fetched it (``response_read``):
+    # None then means there is none, or that the retention dropped it (``response_status`` is kept).
     response: StoredResponse | None
-    purged_at: datetime | None
+    response_status: int | None
+    response_at: datetime | None
     recovered_by: str | None
     replays: int
     run_id: str | None
@@ -49,3 +52,9 @@ class EffectRecord:
     read_at: datetime | None = None
     # Sent without a key under the upstream's "audit" policy: kept for the audit, never replayed.
     keyless: bool = False
+    response_read: bool = True
+
+    @property
+    def purged(self) -> bool:
+        """Completed with a response once on record that the retention has since dropped."""
+        return self.response_read and self.state is State.COMPLETED and self.response is None

@@ -14,7 +14,7 @@ import math
 import uuid
 from collections.abc import Awaitable, Coroutine, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, TypeVar, assert_never
 
 from gateway import problems
@@ -49,6 +49,7 @@ from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, Outcom
 from gateway.policy import UpstreamPolicy, keyless_mode
 from gateway.probes import Prober
 from gateway.record import EffectRecord, StoredResponse
+from gateway.replays import Completed, ReplayCache, ReplayTally
 from gateway.settings import SAFE_METHODS
 from gateway.stamp import StampError
 from gateway.states import State
@@ -59,6 +60,9 @@ log = logging.getLogger("effect_gateway")
 
 T = TypeVar("T")
 
+# Replay counts gather this long before one statement writes them: a second of counts is what a crash
+# can cost, and a busy key's replays cost Postgres one write a second instead of one each.
+REPLAY_FLUSH = 1.0
 # Waiting for a twin: start fast (most upstream calls end in tens of ms), back off to spare Postgres.
 FIRST_POLL = 0.01
 MAX_POLL = 0.2
@@ -87,9 +91,22 @@ class Reply:
 
 
 class EffectService:
-    def __init__(self, store: Store, client: UpstreamClient, prober: Prober, key_secret: bytes) -> None:
+    def __init__(
+        self,
+        store: Store,
+        client: UpstreamClient,
+        prober: Prober,
+        key_secret: bytes,
+        *,
+        retention: timedelta,
+        replay_cache_bytes: int,
+    ) -> None:
         self._store = store
+        self._retention = retention
         self._key_secret = key_secret
+        self._cache = ReplayCache(replay_cache_bytes)
+        self._tally = ReplayTally()
+        self._flusher: asyncio.Task[None] | None = None
         self._client = client
         self._prober = prober
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -117,9 +134,6 @@ class EffectService:
         if inbound.key is None:
             return await self._keyless(inbound)
         policy = inbound.upstream
-        derived = ScopedKey(inbound.tenant, policy.name, inbound.key).derived(self._key_secret)
-        # Built before the claim: a request that cannot be sent must leave no record behind.
-        outbound = _outbound(inbound, derived)
         request = Request(
             fingerprint=fingerprint(
                 inbound.method,
@@ -131,10 +145,20 @@ class EffectService:
                 policy.never_stored,
             )
         )
+        scope = (inbound.tenant, policy.name, inbound.key)
+        if (known := self._cache.get(scope, _clock())) is not None:
+            return self._replay_known(known, request)
+        derived = ScopedKey(*scope).derived(self._key_secret)
+        # Built before the claim: a request that cannot be sent must leave no record behind.
+        outbound = _outbound(inbound, derived)
         took = _clock()
         record, created = await self._store.claim(
             _new_effect(inbound, inbound.key, derived, request.fingerprint), policy.lease
         )
+        if record is None:
+            raise problems.ResponsePurged(
+                "the effect happened and is never sent again; its audit row has been archived"
+            )
         if record.derived_key != derived:
             # First sent under another derived key (an older derivation, or another key_secret): every
             # attempt at one effect carries the key of its first, or the upstream and a probe could not
@@ -143,6 +167,44 @@ class EffectService:
         if created:
             return await self._attempt(record, took, policy, outbound, reason=None)
         return await self._follow(record, request, policy, outbound, inbound.wait)
+
+    def _replay_known(self, known: Completed, request: Request) -> Reply:
+        if known.fingerprint != request.fingerprint:
+            raise _key_reused(known.id)
+        self._count_replay(known.id, known.created_at)
+        return Reply(known.response, replayed=True, effect_id=known.id)
+
+    def _remember(self, record: EffectRecord, response: StoredResponse) -> None:
+        """Keep a completed effect for replays from memory (a keyless one is never replayed).
+
+        ``record`` is as read with (or just after) its response was stored: the store keeps the
+        response for the retention from then, and so does the copy.
+        """
+        if record.keyless or record.read_at is None:
+            return
+        stored = record.response_at or record.read_at
+        left = self._retention - (record.read_at - stored)
+        self._cache.put(
+            (record.tenant, record.upstream, record.key),
+            Completed(
+                record.id, record.created_at, record.fingerprint, response, _clock() + left.total_seconds()
+            ),
+        )
+
+    def _count_replay(self, effect_id: int, created_at: datetime) -> None:
+        # Off the agent's path: the counter is for the audit, and a commit of its own would be most of a
+        # replay's time. Counts gather for a moment and go to Postgres in one statement.
+        self._tally.add(effect_id, created_at)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = self._spawn(self._flush_replays())
+
+    async def _flush_replays(self) -> None:
+        await asyncio.sleep(REPLAY_FLUSH)
+        counts = self._tally.take()
+        try:
+            await self._store.add_replays(counts)
+        except (StoreUnavailable, StoreRejected) as exc:
+            log.warning("%d replay counts not written: %s", sum(counts.values()), exc)
 
     async def _keyless(self, inbound: Inbound) -> Reply:
         """A request without an Idempotency-Key: passed through, audited once, or refused."""
@@ -159,9 +221,11 @@ class EffectService:
             return _reply(outcome, None)
         # "audit": one row for the audit, under a made-up key that no request can ever present again.
         took = _clock()
-        record, _ = await self._store.claim(
+        record, created = await self._store.claim(
             _new_effect(inbound, f"keyless:{uuid.uuid4().hex}", "", "", keyless=True), policy.lease
         )
+        assert record is not None, "a made-up key of 128 random bits is new"
+        assert created
         return await self._attempt(record, took, policy, outbound, reason=None)
 
     async def _follow(
@@ -186,15 +250,11 @@ class EffectService:
             match action:
                 case Replay():
                     assert record.response is not None
-                    # Off the agent's path: the counter is for the audit, and its commit is most of a
-                    # replay's time. drain() still waits for it at shutdown.
-                    self._spawn(self._store.count_replay(record))
+                    self._remember(record, record.response)
+                    self._count_replay(record.id, record.created_at)
                     return Reply(record.response, replayed=True, effect_id=record.id)
                 case Mismatch():
-                    raise problems.KeyReused(
-                        "this Idempotency-Key was first used with a different method, path, query or body",
-                        effect_id=record.id,
-                    )
+                    raise _key_reused(record.id)
                 case Busy(retry_after=retry_after):
                     remaining = deadline - loop.time()
                     if remaining <= 0:
@@ -315,6 +375,8 @@ class EffectService:
                 effect_id=record.id,
             )
         fault("after-record", policy.name)
+        if settled.state is State.COMPLETED and isinstance(outcome, Answered):
+            self._remember(saved, StoredResponse(outcome.status, outcome.headers, outcome.body))
         return _reply(outcome, record.id)
 
     async def _unrecorded(
@@ -380,6 +442,7 @@ class EffectService:
         match verdict.state:
             case State.COMPLETED:
                 assert found is not None
+                self._remember(saved, found)
                 return Reply(found, replayed=True, effect_id=record.id)
             case State.NEEDS_REVIEW:
                 log.warning("effect %s needs review: %s", record.id, note)
@@ -393,6 +456,7 @@ class EffectService:
         match await self._look(policy, record):
             case Found(response=response):
                 await self._store.restore(record, restore(record), response)
+                self._remember(record, response)
                 return Reply(response, replayed=True, effect_id=record.id)
             case NotFound():
                 raise _purged(record, "the probe no longer finds it")
@@ -404,6 +468,13 @@ class EffectService:
                     effect_id=record.id,
                 )
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _key_reused(effect_id: int) -> problems.Problem:
+    return problems.KeyReused(
+        "this Idempotency-Key was first used with a different method, path, query or body",
+        effect_id=effect_id,
+    )
 
 
 def _clock() -> float:

@@ -184,6 +184,17 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1024 * 1024, gt=0)
     # 10 MiB: responses are stored for replay; a bigger one is a download, not an effect.
     max_response_bytes: int = Field(default=10 * 1024 * 1024, gt=0)
+    # Postgres connections per gateway process: the hot path holds one for a statement at a time, so
+    # 20 serve hundreds of requests in flight; Postgres's default max_connections is 100.
+    pool_size: int = Field(default=20, ge=1)
+    # A stuck statement or a pool with no free connection is answered 503 after this long instead of
+    # stalling the gateway: every statement of the hot path takes milliseconds.
+    pool_timeout: Duration = timedelta(seconds=5)
+    statement_timeout: Duration = timedelta(seconds=10)
+    # Rows are locked for one statement at a time, never across an upstream call.
+    lock_timeout: Duration = timedelta(seconds=2)
+    # Completed effects kept in memory per process for replays without a round trip to Postgres.
+    replay_cache_bytes: int = Field(default=32 * 1024 * 1024, ge=0)
     # The upper bound for Prefer: wait=N; a longer hold ties up a connection for nothing.
     max_wait: Duration = timedelta(seconds=60)
     # The secret of the keyed MAC that derives upstream keys; omitted: one made at the first migration

@@ -1,23 +1,28 @@
-"""The one Postgres seam: claim, re-claim, settle, read. asyncpg errors become StoreUnavailable here.
+"""The one Postgres seam: claim, take over, settle, read. asyncpg errors become the gateway's own here.
 
-Every phase is one statement (so one transaction) and every write that follows a claim is fenced by
-the attempt number: ``where id = $1 and attempt = $2``. Times that decide anything come from
-Postgres's clock so that several gateways agree.
+Every phase is one statement (so one transaction), and every write that follows a claim is fenced by
+the state and attempt it was read in: ``where id = $1 and attempt = $2 and state = $3``. Times that
+decide anything come from Postgres's clock so that several gateways agree.
+
+Three tables (gateway/migrations/003_partitioned.sql): ``effect_keys`` keeps each key unique for ever,
+``effects`` is the audit (a row per effect, partitioned by month), ``effect_bodies`` holds headers and
+bodies (partitioned by day, dropped by the retention). A statement returns only what its caller uses:
+the claim of a new key no bodies and no history, a take-over or settle only what the next step needs.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from importlib import resources
 from typing import Any, TypeAlias, TypeVar
 
 import asyncpg
 import asyncpg.pool
 
+from gateway import partitions
 from gateway.decision import Settlement
 from gateway.errors import StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, StoredResponse
@@ -26,15 +31,18 @@ from gateway.states import State, Transition
 T = TypeVar("T")
 Conn: TypeAlias = "asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
 
-# Any constant will do, as long as no other application on the database uses it for another lock.
-MIGRATION_LOCK = 0x65666665637473  # "effects"
-
+# The columns every phase reads: what the decision and the driver need, and the database's clock.
 _COLUMNS = """
-    id, tenant, upstream, key, derived_key, method, path, query, fingerprint, request_headers,
-    request_body, state, attempt, may_have_sent, lease_expires_at, response_status, response_headers,
-    response_body, recovered_by, run_id, step, created_at, first_sent_at, last_sent_at, completed_at,
-    replays, purged_at, history, keyless, clock_timestamp() as read_at
+    e.id, e.created_at, e.tenant, e.upstream, e.key, e.derived_key, e.method, e.path, e.query,
+    e.fingerprint, e.state, e.attempt, e.may_have_sent, e.lease_expires_at, e.response_status,
+    e.response_at, e.recovered_by, e.run_id, e.step, e.first_sent_at, e.last_sent_at, e.completed_at,
+    e.replays, e.keyless, clock_timestamp() as read_at
 """
+# The response on record, for a replay: found in effect_bodies at the time it was stored.
+_RESPONSE = """
+    left join effect_bodies r on r.effect_id = e.id and r.kind = 'response' and r.stored_at = e.response_at
+"""
+_WITH_RESPONSE = f"{_COLUMNS}, r.headers as r_headers, r.body as r_body"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +55,7 @@ class NewEffect:
     path: str
     query: str
     fingerprint: str
-    request_headers: dict[str, str]
+    request_headers: Mapping[str, str]
     request_body: bytes
     run_id: str | None
     step: str | None
@@ -61,14 +69,32 @@ class EffectFilter:
     state: State | None = None
     upstream: str | None = None
     run_id: str | None = None
+    key: str | None = None
     since: datetime | None = None
     before_id: int | None = None
     limit: int = 50
 
 
+@dataclass(frozen=True, slots=True)
+class StoreLimits:
+    """How long the gateway waits on Postgres before answering 503 instead of stalling."""
+
+    # A free connection from the pool: all of them busy this long means Postgres is not keeping up.
+    acquire: timedelta = timedelta(seconds=5)
+    # One statement: the hot path's take well under 10 ms; seconds mean something is stuck.
+    statement: timedelta = timedelta(seconds=10)
+    # Waiting for a row lock: rows are locked for one statement at a time, never across a call.
+    lock: timedelta = timedelta(seconds=2)
+
+
 def _event(kind: str, **data: Any) -> list[dict[str, Any]]:
     """One entry of a row's history, as an array to append; the SQL stamps it with the database's time."""
     return [{"event": kind, **{k: v for k, v in data.items() if v is not None}}]
+
+
+def _stamped(param: int) -> str:
+    """SQL for history entry ``$param`` with the database's time added (``at``)."""
+    return f"jsonb_set(${param}::jsonb, '{{0,at}}', to_jsonb(now()))"
 
 
 def _source(record: EffectRecord, move: Transition) -> str:
@@ -78,15 +104,16 @@ def _source(record: EffectRecord, move: Transition) -> str:
     return record.state.value
 
 
-def head_bytes(headers: tuple[tuple[str, str], ...]) -> bytes:
-    """Response headers as stored: "Name: value" lines joined by CRLF, the upstream's bytes kept.
+def head_bytes(headers: tuple[tuple[str, str], ...] | Mapping[str, str]) -> bytes:
+    """Headers as stored: "Name: value" lines joined by CRLF, the upstream's bytes kept.
 
     Names and values arrive decoded 'utf-8'/'surrogateescape' (how aiohttp reads them), which this
     turns back into the exact bytes; no header may contain CR or LF, so the block splits unambiguously.
     """
+    pairs = headers.items() if isinstance(headers, Mapping) else headers
     return b"\r\n".join(
         name.encode("utf-8", "surrogateescape") + b": " + value.encode("utf-8", "surrogateescape")
-        for name, value in headers
+        for name, value in pairs
     )
 
 
@@ -97,11 +124,6 @@ def head_pairs(block: bytes) -> tuple[tuple[str, str], ...]:
         name, _, value = line.partition(b": ")
         pairs.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
     return tuple(pairs)
-
-
-def _stamped(param: int) -> str:
-    """SQL for history entry ``$param`` with the database's time added (``at``)."""
-    return f"jsonb_set(${param}::jsonb, '{{0,at}}', to_jsonb(now()))"
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -116,42 +138,76 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     """
 
 
-# The server went away under a statement: lost connection, or shut down or restarted by an operator (57P).
+# The server went away under a statement: lost connection, or shut down or restarted by an operator (57P);
+# or a statement ran past statement_timeout or lock_timeout, which the gateway treats alike: try later.
 _OUTAGE = (
     OSError,
+    TimeoutError,
     asyncpg.PostgresConnectionError,
     asyncpg.ConnectionDoesNotExistError,
     asyncpg.exceptions.OperatorInterventionError,
+    asyncpg.exceptions.QueryCanceledError,
+    asyncpg.exceptions.LockNotAvailableError,
     # what asyncpg raises when the server cuts a session in the middle of a message exchange
     asyncpg.exceptions.InternalClientError,
 )
+# A partition up to this size is counted exactly for the state counts (a few milliseconds to read);
+# above it, Postgres's row estimate stands in. Before the first ANALYZE there is no estimate: the
+# heap's size over a typical audit row's size is used instead.
+EXACT_COUNT_BYTES = 8 * 1024 * 1024
+ROW_BYTES_GUESS = 600
+_PARTITION_SIZES = """
+    select c.oid::regclass::text as part, c.reltuples::bigint as rows, pg_relation_size(c.oid) as bytes
+    from pg_inherits i join pg_class c on c.oid = i.inhrelid
+    where i.inhparent = 'effects'::regclass
+"""
+# Held (per session) by the one gateway maintaining partitions; any constant no other application uses.
+MAINTENANCE_LOCK = 0x6566666563747301
 _RETRYABLE_SQLSTATES = (asyncpg.exceptions.SerializationError, asyncpg.exceptions.DeadlockDetectedError)
 
 
 class Store:
-    """The effects table. One Postgres implementation; tests run it against a real server."""
+    """The effect tables. One Postgres implementation; tests run it against a real server."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, limits: StoreLimits, dsn: str) -> None:
         self._pool = pool
+        self._limits = limits
+        self._dsn = dsn
 
     @classmethod
-    async def connect(cls, dsn: str, *, min_size: int = 2, max_size: int = 20) -> Store:
+    async def connect(
+        cls, dsn: str, *, min_size: int = 2, max_size: int = 20, limits: StoreLimits | None = None
+    ) -> Store:
+        limits = limits or StoreLimits()
+        millis = {
+            "statement_timeout": str(int(limits.statement.total_seconds() * 1000)),
+            "lock_timeout": str(int(limits.lock.total_seconds() * 1000)),
+        }
         try:
             pool = await asyncpg.create_pool(
-                dsn, min_size=min_size, max_size=max_size, init=_init_connection, reset=_keep_session
+                dsn,
+                min_size=min_size,
+                max_size=max_size,
+                init=_init_connection,
+                reset=_keep_session,
+                server_settings=millis,
             )
         except (OSError, asyncpg.PostgresError) as exc:
             raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
-        return cls(pool)
+        return cls(pool, limits, dsn)
 
     async def close(self) -> None:
         await self._pool.close()
 
     async def _run(self, op: Callable[[Conn], Awaitable[T]]) -> T:
-        """Run one phase; retry only what Postgres says is retryable, map the rest to our own error."""
+        """Run one phase; retry only what Postgres says is retryable, map the rest to our own errors."""
         for attempt in range(3):
             try:
-                conn = await self._pool.acquire()
+                conn = await self._pool.acquire(timeout=self._limits.acquire.total_seconds())
+            except TimeoutError:
+                raise StoreUnavailable(
+                    f"no Postgres connection free within {self._limits.acquire.total_seconds():g}s"
+                ) from None
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 # Whatever stops a new connection (server gone, refusing, out of slots) is an outage.
                 raise StoreUnavailable(f"Postgres is unavailable: {exc}") from exc
@@ -160,8 +216,14 @@ class Store:
             except _RETRYABLE_SQLSTATES:
                 if attempt == 2:
                     raise
+            except asyncpg.exceptions.CheckViolationError as exc:
+                # "no partition of relation ... found for row": the maintenance fell behind. Make the
+                # partitions now and try the statement once more.
+                if "no partition" not in str(exc) or attempt:
+                    raise StoreRejected(f"Postgres refused the write: {exc}") from exc
+                await partitions.ensure(conn)
             except _OUTAGE as exc:
-                raise StoreUnavailable(f"Postgres is unavailable: {exc}") from exc
+                raise StoreUnavailable(f"Postgres is unavailable: {type(exc).__name__}: {exc}") from exc
             except asyncpg.PostgresError as exc:
                 # Postgres is there but refused this statement (data it cannot hold, a check that
                 # failed): retrying the same statement cannot help.
@@ -170,12 +232,12 @@ class Store:
                 await self._pool.release(conn)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _one(self, sql: str, *args: Any) -> EffectRecord | None:
+    async def _one(self, sql: str, *args: Any, response: bool = False) -> EffectRecord | None:
         """One statement that returns at most one effect row (None: no row matched, e.g. fenced out)."""
 
         async def op(conn: Conn) -> EffectRecord | None:
             row = await conn.fetchrow(sql, *args)
-            return _record(row) if row is not None else None
+            return _record(row, response=response) if row is not None else None
 
         return await self._run(op)
 
@@ -188,32 +250,45 @@ class Store:
 
     # --- the idempotency phases -------------------------------------------------------------------
 
-    async def claim(self, new: NewEffect, lease: timedelta) -> tuple[EffectRecord, bool]:
+    async def claim(self, new: NewEffect, lease: timedelta) -> tuple[EffectRecord | None, bool]:
         """Insert a pending record holding attempt 1, or read the one that holds the key.
 
-        Returns the record and whether this call created it. The insert is committed before it returns:
-        the claim is durable before the request leaves.
+        Returns the record and whether this call created it; (None, False) when the key is known but its
+        audit row was archived (its partition detached). The insert is committed before it returns: the
+        claim is durable before the request leaves.
         """
 
-        async def op(conn: Conn) -> tuple[EffectRecord, bool]:
+        async def op(conn: Conn) -> tuple[EffectRecord | None, bool]:
             # One round trip in the common cases: a new key inserts, a known key is read by the same
             # statement. The read shares the statement's snapshot, so a twin that committed its row
             # after that snapshot is not seen; then, and only then, a second read follows.
             row = await conn.fetchrow(
                 f"""
-                with claimed as (
-                    insert into effects (tenant, upstream, key, derived_key, method, path, query,
-                        fingerprint, request_headers, request_body, state, lease_expires_at, first_sent_at,
-                        last_sent_at, run_id, step, keyless, history)
-                    values ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'pending', now() + $11::interval,
-                        now(), now(), $12, $13, $14, {_stamped(15)})
-                    on conflict (tenant, upstream, key) do nothing
-                    returning {_COLUMNS}, true as created
+                with k as (
+                    insert into effect_keys (tenant, upstream, key, effect_id, created_at)
+                    values ($1, $2, $3, nextval('effect_ids'), now())
+                    on conflict do nothing
+                    returning effect_id, created_at
+                ), e as (
+                    insert into effects (id, created_at, tenant, upstream, key, derived_key, method, path,
+                        query, fingerprint, state, lease_expires_at, first_sent_at, last_sent_at, run_id,
+                        step, keyless, history)
+                    select effect_id, created_at, $1, $2, $3, $4, $5, $6, $7, $8, 'pending',
+                        now() + $11::interval, now(), now(), $12, $13, $14, {_stamped(15)}
+                    from k
+                    returning *
+                ), b as (
+                    insert into effect_bodies (effect_id, stored_at, kind, headers, body)
+                    select effect_id, created_at, 'request', $9, $10 from k
                 )
-                select * from claimed
+                select {_COLUMNS}, null::bytea as r_headers, null::bytea as r_body, true as created
+                from e
                 union all
-                select {_COLUMNS}, false as created from effects
-                where tenant = $1 and upstream = $2 and key = $3 and not exists (select from claimed)
+                select {_WITH_RESPONSE}, false as created
+                from effect_keys k2
+                join effects e on e.id = k2.effect_id and e.created_at = k2.created_at
+                {_RESPONSE}
+                where k2.tenant = $1 and k2.upstream = $2 and k2.key = $3 and not exists (select from k)
                 """,
                 new.tenant,
                 new.upstream,
@@ -223,7 +298,7 @@ class Store:
                 new.path,
                 new.query,
                 new.fingerprint,
-                new.request_headers,
+                head_bytes(new.request_headers),
                 new.request_body,
                 lease,
                 new.run_id,
@@ -232,15 +307,19 @@ class Store:
                 _event("claimed", attempt=1),
             )
             if row is not None:
-                return _record(row), row["created"]
+                return _record(row, response=True), row["created"]
             existing = await conn.fetchrow(
-                f"select {_COLUMNS} from effects where tenant = $1 and upstream = $2 and key = $3",
+                f"""
+                select {_WITH_RESPONSE}
+                from effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at
+                {_RESPONSE}
+                where k.tenant = $1 and k.upstream = $2 and k.key = $3
+                """,
                 new.tenant,
                 new.upstream,
                 new.key,
             )
-            assert existing is not None, "a conflicting row cannot disappear: effects are never deleted"
-            return _record(existing), False
+            return (_record(existing, response=True) if existing else None), False
 
         return await self._run(op)
 
@@ -253,19 +332,20 @@ class Store:
         """
         return await self._one(
             f"""
-            update effects set
+            update effects e set
                 attempt = attempt + 1,
                 state = 'pending',
                 -- a pending record whose lease ran out may have been sent by the gateway that held it
                 may_have_sent = may_have_sent or state = 'pending',
-                lease_expires_at = now() + $4::interval,
-                last_sent_at = case when $5 then now() else last_sent_at end,
+                lease_expires_at = now() + $5::interval,
+                last_sent_at = case when $6 then now() else last_sent_at end,
                 first_sent_at = coalesce(first_sent_at, now()),
-                history = history || {_stamped(6)}
-            where id = $1 and attempt = $2 and state = $3
+                history = history || {_stamped(7)}
+            where id = $1 and created_at = $2 and attempt = $3 and state = $4
             returning {_COLUMNS}
             """,
             record.id,
+            record.created_at,
             record.attempt,
             _source(record, move),
             lease,
@@ -283,24 +363,29 @@ class Store:
         note: str | None = None,
     ) -> EffectRecord | None:
         """Write what the current attempt saw; None when a newer attempt fenced this one out."""
-        completed = settlement.state is State.COMPLETED
         return await self._one(
             f"""
-            update effects set
-                state = $4,
-                may_have_sent = $5,
-                lease_expires_at = case when $6 then least(lease_expires_at, now())
-                                        else lease_expires_at end,
-                response_status = coalesce($7, response_status),
-                response_headers = coalesce($8, response_headers),
-                response_body = coalesce($9, response_body),
-                recovered_by = coalesce($10, recovered_by),
-                completed_at = case when $11 then now() else completed_at end,
-                history = history || {_stamped(12)}
-            where id = $1 and attempt = $2 and state = $3
-            returning {_COLUMNS}
+            with e as (
+                update effects e set
+                    state = $5,
+                    may_have_sent = $6,
+                    lease_expires_at = case when $7 then least(lease_expires_at, now())
+                                            else lease_expires_at end,
+                    response_status = coalesce($8, response_status),
+                    response_at = case when $9::bytea is null then response_at else now() end,
+                    recovered_by = coalesce($11, recovered_by),
+                    completed_at = case when $5 = 'completed' then now() else completed_at end,
+                    history = history || {_stamped(12)}
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                returning {_COLUMNS}
+            ), stored as (
+                insert into effect_bodies (effect_id, stored_at, kind, headers, body)
+                select id, now(), 'response', $9, $10 from e where $9::bytea is not null
+            )
+            select * from e
             """,
             record.id,
+            record.created_at,
             record.attempt,
             _source(record, settlement.transition),
             settlement.state.value,
@@ -310,7 +395,6 @@ class Store:
             head_bytes(response.headers) if response else None,
             response.body if response else None,
             recovered_by,
-            completed,
             _event(
                 "settled",
                 attempt=record.attempt,
@@ -323,44 +407,65 @@ class Store:
 
     async def note_fenced(self, record: EffectRecord, saw: str) -> None:
         """A fenced-out holder adds what it saw to the history, and changes nothing else."""
-
         await self._execute(
-            f"update effects set history = history || {_stamped(2)} where id = $1",
+            f"update effects set history = history || {_stamped(3)} where id = $1 and created_at = $2",
             record.id,
+            record.created_at,
             _event("fenced", attempt=record.attempt, saw=saw),
         )
 
     async def send_to_review(self, record: EffectRecord, move: Transition, why: str) -> EffectRecord | None:
         """Give up on recovery; fenced so that a record someone just re-claimed is left alone."""
-
         return await self._one(
             f"""
             -- A new attempt number: a stalled holder that wakes up now is fenced out, and what it
             -- saw goes to the history for the operator instead of over their head.
-            update effects set state = 'needs_review', attempt = attempt + 1,
+            update effects e set state = 'needs_review', attempt = attempt + 1,
                 lease_expires_at = least(lease_expires_at, now()),
-                history = history || {_stamped(4)}
-            where id = $1 and attempt = $2 and state = $3
+                history = history || {_stamped(5)}
+            where id = $1 and created_at = $2 and attempt = $3 and state = $4
             returning {_COLUMNS}
             """,
             record.id,
+            record.created_at,
             record.attempt,
             _source(record, move),
             _event("needs_review", attempt=record.attempt, why=why),
         )
 
-    async def count_replay(self, record: EffectRecord) -> None:
-        await self._execute("update effects set replays = replays + 1 where id = $1", record.id)
+    async def add_replays(self, counts: Mapping[tuple[int, datetime], int]) -> None:
+        """Add to the replay counters of many effects at once (the counts are kept in memory between)."""
+        if not counts:
+            return
+        ids, times, ns = zip(*((i, t, n) for (i, t), n in counts.items()), strict=True)
+        await self._execute(
+            """
+            update effects e set replays = replays + c.n
+            from unnest($1::bigint[], $2::timestamptz[], $3::int[]) as c(id, created_at, n)
+            where e.id = c.id and e.created_at = c.created_at
+            """,
+            list(ids),
+            list(times),
+            list(ns),
+        )
 
     async def restore(self, record: EffectRecord, move: Transition, response: StoredResponse) -> None:
         """Put back the response of a completed effect whose response was purged (a probe found it)."""
         await self._execute(
             f"""
-            update effects set response_status = $4, response_headers = $5, response_body = $6,
-                purged_at = null, history = history || {_stamped(7)}
-            where id = $1 and attempt = $2 and state = $3 and response_body is null
+            with e as (
+                update effects e set response_status = $5, response_at = now(),
+                    history = history || {_stamped(8)}
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                  and not exists (select from effect_bodies r where r.effect_id = e.id and r.kind = 'response'
+                                  and r.stored_at = e.response_at)
+                returning id
+            )
+            insert into effect_bodies (effect_id, stored_at, kind, headers, body)
+            select id, now(), 'response', $6, $7 from e
             """,
             record.id,
+            record.created_at,
             record.attempt,
             _source(record, move),
             response.status,
@@ -379,28 +484,36 @@ class Store:
         happened = move.target is State.COMPLETED
         return await self._one(
             f"""
-            update effects set
-                state = $4,
-                -- "did not happen" is the operator's word that no attempt reached the upstream
-                may_have_sent = $5,
-                lease_expires_at = least(lease_expires_at, now()),
-                response_status = $6, response_headers = $7, response_body = $8,
-                recovered_by = 'operator',
-                attempt = attempt + 1,
-                completed_at = case when $5 then now() else null end,
-                history = history || {_stamped(9)}
-            where id = $1 and attempt = $2 and state = $3
-              and (lease_expires_at is null or lease_expires_at <= now())
-            returning {_COLUMNS}
+            with e as (
+                update effects e set
+                    state = $5,
+                    -- "did not happen" is the operator's word that no attempt reached the upstream
+                    may_have_sent = $6,
+                    lease_expires_at = least(lease_expires_at, now()),
+                    response_status = $7,
+                    response_at = case when $6 then now() end,
+                    recovered_by = 'operator',
+                    attempt = attempt + 1,
+                    completed_at = case when $6 then now() end,
+                    history = history || {_stamped(10)}
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                  and (lease_expires_at is null or lease_expires_at <= now())
+                returning {_COLUMNS}
+            ), stored as (
+                insert into effect_bodies (effect_id, stored_at, kind, headers, body)
+                select id, now(), 'response', $8, $9 from e where $6
+            )
+            select * from e
             """,
             record.id,
+            record.created_at,
             record.attempt,
             _source(record, move),
             move.target.value,
             happened,
             response.status if response else None,
-            head_bytes(response.headers) if response else None,
-            response.body if response else None,
+            head_bytes(response.headers) if response else b"",
+            response.body if response else b"",
             _event("resolved", happened=happened, by=by, was=record.state.value),
         )
 
@@ -419,78 +532,152 @@ class Store:
     # --- reading ----------------------------------------------------------------------------------
 
     async def get(self, effect_id: int, tenant: str | None = None) -> EffectRecord | None:
-        return await self._one(
-            f"select {_COLUMNS} from effects where id = $1 and ($2::text is null or tenant = $2)",
-            effect_id,
-            tenant,
-        )
+        """One effect in full: request and response, headers and bodies, and its history."""
+
+        async def op(conn: Conn) -> EffectRecord | None:
+            row = await conn.fetchrow(
+                f"""
+                select {_WITH_RESPONSE}, e.history, q.headers as q_headers, q.body as q_body
+                from effects e {_RESPONSE}
+                left join lateral (select headers, body from effect_bodies q
+                                   where q.effect_id = e.id and q.kind = 'request'
+                                   order by stored_at desc limit 1) q on true
+                where e.id = $1 and ($2::text is null or e.tenant = $2)
+                """,
+                effect_id,
+                tenant,
+            )
+            return _record(row, response=True, full=True) if row is not None else None
+
+        return await self._run(op)
 
     async def reread(self, record: EffectRecord) -> EffectRecord:
-        fresh = await self.get(record.id)
-        assert fresh is not None, "effects are never deleted"
+        """The record as it is now, with its response: what the decision needs to be taken again."""
+        fresh = await self._one(
+            f"select {_WITH_RESPONSE} from effects e {_RESPONSE} where e.id = $1 and e.created_at = $2",
+            record.id,
+            record.created_at,
+            response=True,
+        )
+        assert fresh is not None, "effects are never deleted while in use"
         return fresh
 
     async def find(self, where: EffectFilter) -> list[EffectRecord]:
+        """A page of the audit, newest first; only the filters given reach the SQL (so indexes apply)."""
+        clauses: list[str] = []
+        args: list[Any] = []
+        for column, value in (
+            ("e.tenant", where.tenant),
+            ("e.state", where.state.value if where.state else None),
+            ("e.upstream", where.upstream),
+            ("e.run_id", where.run_id),
+            ("e.key", where.key),
+        ):
+            if value is not None:
+                args.append(value)
+                clauses.append(f"{column} = ${len(args)}")
+        if where.state is State.COMPLETED:
+            pass  # no partial index to use; the id order of each partition pages through them
+        elif where.state is not None:
+            clauses.append("e.state <> 'completed'")  # lets the planner use the open-state index
+        if where.since is not None:
+            args.append(where.since)
+            clauses.append(f"e.created_at >= ${len(args)}")
+        if where.before_id is not None:
+            args.append(where.before_id)
+            clauses.append(f"e.id < ${len(args)}")
+        args.append(where.limit)
+        sql = (
+            f"select {_COLUMNS} from effects e"
+            + (" where " + " and ".join(clauses) if clauses else "")
+            + f" order by e.id desc limit ${len(args)}"
+        )
+
         async def op(conn: Conn) -> list[EffectRecord]:
-            rows = await conn.fetch(
-                f"""
-                select {_COLUMNS} from effects
-                where ($1::text is null or tenant = $1)
-                  and ($2::text is null or state = $2)
-                  and ($3::text is null or upstream = $3)
-                  and ($4::text is null or run_id = $4)
-                  and ($5::timestamptz is null or created_at >= $5)
-                  and ($6::bigint is null or id < $6)
-                order by id desc
-                limit $7
-                """,
-                where.tenant,
-                where.state.value if where.state else None,
-                where.upstream,
-                where.run_id,
-                where.since,
-                where.before_id,
-                where.limit,
-            )
-            return [_record(row) for row in rows]
+            return [_record(row) for row in await conn.fetch(sql, *args)]
 
         return await self._run(op)
 
     async def state_counts(self, tenant: str | None = None) -> dict[str, int]:
+        """Effects by state: the open ones counted exactly (from their small index), completed estimated.
+
+        Counting completed rows would read the whole table. Partitions small enough to read in a few
+        milliseconds are counted; for larger ones Postgres's own row estimate less the open rows is close
+        enough for a gauge. With a tenant, only the open states are counted.
+        """
+
         async def op(conn: Conn) -> dict[str, int]:
             rows = await conn.fetch(
-                "select state, count(*) as n from effects where ($1::text is null or tenant = $1)"
-                " group by state",
+                """
+                select tableoid::regclass::text as part, state, count(*) as n from effects
+                where state <> 'completed' and ($1::text is null or tenant = $1)
+                group by 1, 2
+                """,
                 tenant,
             )
             counts = {state.value: 0 for state in State}
-            counts.update({row["state"]: row["n"] for row in rows})
+            open_in: dict[str, int] = {}
+            for row in rows:
+                counts[row["state"]] += row["n"]
+                open_in[row["part"]] = open_in.get(row["part"], 0) + row["n"]
+            if tenant is not None:
+                del counts[State.COMPLETED.value]
+                return counts
+            for part in await conn.fetch(_PARTITION_SIZES):
+                if part["bytes"] <= EXACT_COUNT_BYTES:
+                    counts[State.COMPLETED.value] += await conn.fetchval(
+                        f"select count(*) from {part['part']} where state = 'completed'"
+                    )
+                else:
+                    estimate = part["rows"] if part["rows"] >= 0 else part["bytes"] // ROW_BYTES_GUESS
+                    counts[State.COMPLETED.value] += max(0, estimate - open_in.get(part["part"], 0))
             return counts
 
         return await self._run(op)
 
-    async def purge(self, retention: timedelta) -> int:
-        """Drop the bodies of completed effects older than the retention; the audit row stays."""
+    async def ping(self) -> None:
+        """Whether Postgres answers (health), without touching the effect tables."""
 
-        status = await self._execute(
-            f"""
-            update effects set request_body = null, response_headers = null, response_body = null,
-                purged_at = now(), history = history || {_stamped(2)}
-            where state = 'completed' and purged_at is null and completed_at < now() - $1::interval
-            """,
-            retention,
-            _event("purged"),
-        )
-        return int(status.split()[-1])
+        async def op(conn: Conn) -> None:
+            await conn.fetchval("select 1")
+
+        await self._run(op)
+
+    # --- retention --------------------------------------------------------------------------------
+
+    async def maintain(
+        self, retention: timedelta, progress: partitions.Progress = partitions._quiet
+    ) -> list[partitions.Partition]:
+        """Make the coming partitions and drop the days of bodies past the retention.
+
+        On a connection of its own without the pool's timeouts: detaching waits for transactions that
+        may still read the partition (it blocks none of them).
+        """
+        try:
+            conn = await asyncpg.connect(self._dsn)
+        except (OSError, asyncpg.PostgresError) as exc:
+            raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
+        try:
+            await conn.execute("set statement_timeout = 0; set lock_timeout = '5s'")
+            # One maintainer at a time among all gateways on the database; the others skip this round.
+            if not await conn.fetchval("select pg_try_advisory_lock($1)", MAINTENANCE_LOCK):
+                progress("another gateway is maintaining the partitions; skipped")
+                return []
+            await partitions.ensure(conn)
+            return await partitions.drop_expired_bodies(conn, retention, progress)
+        except _OUTAGE as exc:
+            raise StoreUnavailable(f"Postgres is unavailable: {type(exc).__name__}: {exc}") from exc
+        finally:
+            await conn.close()
 
 
-def _record(row: asyncpg.Record) -> EffectRecord:
-    response = None
-    if row["response_status"] is not None and row["response_body"] is not None:
-        response = StoredResponse(
+def _record(row: asyncpg.Record, *, response: bool = False, full: bool = False) -> EffectRecord:
+    stored = None
+    if response and row["response_status"] is not None and row["r_body"] is not None:
+        stored = StoredResponse(
             status=row["response_status"],
-            headers=head_pairs(bytes(row["response_headers"] or b"")),
-            body=bytes(row["response_body"]),
+            headers=head_pairs(bytes(row["r_headers"])),
+            body=bytes(row["r_body"]),
         )
     return EffectRecord(
         id=row["id"],
@@ -510,63 +697,20 @@ def _record(row: asyncpg.Record) -> EffectRecord:
         last_sent_at=row["last_sent_at"],
         completed_at=row["completed_at"],
         created_at=row["created_at"],
-        response=response,
-        purged_at=row["purged_at"],
+        response=stored,
+        response_status=row["response_status"],
+        response_at=row["response_at"],
+        response_read=response,
         recovered_by=row["recovered_by"],
         replays=row["replays"],
         run_id=row["run_id"],
         step=row["step"],
-        request_headers=row["request_headers"],
-        request_body=bytes(row["request_body"]) if row["request_body"] is not None else None,
-        history=row["history"],
+        request_headers=dict(head_pairs(bytes(row["q_headers"] or b""))) if full else {},
+        request_body=bytes(row["q_body"]) if full and row["q_body"] is not None else None,
+        history=row["history"] if full else [],
         read_at=row["read_at"],
         keyless=row["keyless"],
     )
-
-
-# --- migrations ---------------------------------------------------------------------------------------
-
-
-def migration_files() -> list[tuple[int, str, str]]:
-    """(version, name, sql) for every file in gateway/migrations, in order."""
-    found = []
-    for entry in (resources.files("gateway") / "migrations").iterdir():
-        if entry.name.endswith(".sql"):
-            version = int(entry.name.split("_", 1)[0])
-            found.append((version, entry.name, entry.read_text()))
-    return sorted(found)
-
-
-async def migrate(dsn: str) -> list[str]:
-    """Apply pending migrations under an advisory lock (replicas may start at once); returns the applied."""
-    try:
-        conn = await asyncpg.connect(dsn)
-    except (OSError, asyncpg.PostgresError) as exc:
-        raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
-    applied: list[str] = []
-    try:
-        await conn.execute("select pg_advisory_lock($1)", MIGRATION_LOCK)
-        try:
-            await conn.execute(
-                """create table if not exists effect_gateway_migrations (
-                       version integer primary key, name text not null,
-                       applied_at timestamptz not null default now())"""
-            )
-            done = {r["version"] for r in await conn.fetch("select version from effect_gateway_migrations")}
-            for version, name, sql in migration_files():
-                if version in done:
-                    continue
-                async with conn.transaction():
-                    await conn.execute(sql)
-                    await conn.execute(
-                        "insert into effect_gateway_migrations (version, name) values ($1, $2)", version, name
-                    )
-                applied.append(name)
-        finally:
-            await conn.execute("select pg_advisory_unlock($1)", MIGRATION_LOCK)
-    finally:
-        await conn.close()
-    return applied
 
 
 @asynccontextmanager

@@ -10,7 +10,7 @@ import asyncpg
 import pytest
 
 from gateway.embedded import EmbeddedPostgres
-from gateway.store import migrate
+from gateway.schema import migrate
 from tests.support import CRASH_MATRIX, Upstream, upstream_server
 
 
@@ -37,7 +37,7 @@ async def dsn(postgres_dsn: str) -> str:
     """The test database with an empty effects table."""
     conn = await asyncpg.connect(postgres_dsn)
     try:
-        await conn.execute("truncate effects restart identity")
+        await conn.execute("truncate effects, effect_keys, effect_bodies; alter sequence effect_ids restart")
     finally:
         await conn.close()
     return postgres_dsn

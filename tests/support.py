@@ -173,7 +173,7 @@ class FailingDatabase:
 
 @asynccontextmanager
 async def failing_database(server_dsn: str, name: str) -> AsyncIterator[FailingDatabase]:
-    from gateway.store import migrate
+    from gateway.schema import migrate
 
     admin = await asyncpg.connect(server_dsn)
     await admin.execute(f"drop database if exists {name}")
@@ -189,18 +189,39 @@ async def failing_database(server_dsn: str, name: str) -> AsyncIterator[FailingD
 
 
 async def effect_rows(dsn: str) -> list[dict[str, Any]]:
+    """Every effect's audit row, with the request and the response on record (None once purged)."""
     conn = await asyncpg.connect(dsn)
     try:
         await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
-        rows = await conn.fetch("select * from effects order by id")
+        rows = await conn.fetch(
+            """
+            select e.*, q.headers as request_headers, q.body as request_body,
+                   r.headers as response_headers, r.body as response_body
+            from effects e
+            left join effect_bodies r
+                on r.effect_id = e.id and r.kind = 'response' and r.stored_at = e.response_at
+            left join lateral (select headers, body from effect_bodies q
+                               where q.effect_id = e.id and q.kind = 'request'
+                               order by stored_at desc limit 1) q on true
+            order by e.id
+            """
+        )
         return [dict(row) for row in rows]
     finally:
         await conn.close()
 
 
 async def database_text(dsn: str) -> str:
-    """Everything the effects table holds, as one string to search for secrets."""
-    rows = await effect_rows(dsn)
+    """Everything the effect tables hold (audit rows, keys, bodies), as one string to search for secrets."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = [
+            dict(row)
+            for table in ("effects", "effect_keys", "effect_bodies")
+            for row in await conn.fetch(f"select * from {table}")
+        ]
+    finally:
+        await conn.close()
     return json.dumps(rows, default=lambda v: v.hex() if isinstance(v, bytes) else str(v))
 
 
@@ -248,3 +269,23 @@ async def raw_upstream(answer: bytes) -> AsyncIterator[RawUpstream]:
     finally:
         server.close()
         await server.wait_closed()
+
+
+# The retention drops bodies a week after they are stored; tests move them ten days back (serve's
+# periodic retention runs every 50 ms) and keep no copies in memory, which would outlive the move.
+RETAINED: dict[str, Any] = {"retention": "7d", "purge_interval": "50ms", "replay_cache_bytes": 0}
+
+
+async def backdate_bodies(dsn: str, days: int = 10) -> None:
+    """Time passes for the stored bodies: they move ``days`` back, into a day the retention will drop."""
+    from gateway import partitions
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        past = await conn.fetchval("select now() - $1 * interval '1 day'", days)
+        await partitions.ensure(conn, past)
+        async with conn.transaction():
+            await conn.execute("update effect_bodies set stored_at = stored_at - $1 * interval '1 day'", days)
+            await conn.execute("update effects set response_at = response_at - $1 * interval '1 day'", days)
+    finally:
+        await conn.close()

@@ -69,7 +69,8 @@ def record(state: State, **changes: object) -> EffectRecord:
         completed_at=None,
         created_at=NOW - timedelta(minutes=1),
         response=OK if state is State.COMPLETED else None,
-        purged_at=None,
+        response_status=OK.status if state is State.COMPLETED else None,
+        response_at=None,
         recovered_by=None,
         replays=0,
         run_id=None,
@@ -90,11 +91,11 @@ SAME = Request(fingerprint="fp")
         (record(State.COMPLETED), NATIVE_PROBED, Replay()),
         # completed, response purged after the retention: the probe may supply it, else 410; the effect
         # happened, so nothing is ever sent again, not even under a fresh native key
-        (record(State.COMPLETED, response=None, purged_at=NOW), NATIVE, Purged()),
-        (record(State.COMPLETED, response=None, purged_at=NOW), PROBED, Restore()),
-        (record(State.COMPLETED, response=None, purged_at=NOW), NATIVE_PROBED, Restore()),
-        (record(State.COMPLETED, response=None, purged_at=NOW), HARMLESS, Purged()),
-        (record(State.COMPLETED, response=None, purged_at=NOW), PLAIN, Purged()),
+        (record(State.COMPLETED, response=None), NATIVE, Purged()),
+        (record(State.COMPLETED, response=None), PROBED, Restore()),
+        (record(State.COMPLETED, response=None), NATIVE_PROBED, Restore()),
+        (record(State.COMPLETED, response=None), HARMLESS, Purged()),
+        (record(State.COMPLETED, response=None), PLAIN, Purged()),
     ],
 )
 def test_completed(rec: EffectRecord, policy: Policy, expected: object) -> None:
@@ -227,7 +228,7 @@ def test_operator_resolution(rec: EffectRecord, happened: bool, expected: State)
     ("rec", "why"),
     [
         (record(State.COMPLETED), "never resolved"),
-        (record(State.COMPLETED, response=None, purged_at=NOW), "never resolved"),
+        (record(State.COMPLETED, response=None), "never resolved"),
         (record(State.RETRYABLE), "nothing happened"),
         (record(State.PENDING, lease_expires_at=NOW + timedelta(seconds=1)), "under way"),
         (record(State.IN_DOUBT, lease_expires_at=NOW + timedelta(seconds=1)), "under way"),

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from datetime import UTC, datetime
 
 import asyncpg
 
-from gateway.store import migrate, migration_files
-from tests.support import other_database
+from gateway.schema import migrate, migration_files
+from tests.support import effect_rows, other_database
 
 
 async def test_replicas_starting_at_once_apply_each_migration_exactly_once(postgres_dsn: str) -> None:
@@ -31,3 +33,79 @@ async def test_replicas_starting_at_once_apply_each_migration_exactly_once(postg
     finally:
         await admin.execute("drop database replicas with (force)")
         await admin.close()
+
+
+async def test_an_effects_table_with_rows_migrates_to_the_partitioned_layout(postgres_dsn: str) -> None:
+    """Rows of the first layout (60 days, bodies kept or purged) keep their keys, bodies and replays."""
+    admin = await asyncpg.connect(postgres_dsn)
+    await admin.execute("drop database if exists upgraded")
+    await admin.execute("create database upgraded")
+    dsn = other_database(postgres_dsn, "upgraded")
+    try:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+            version, name, first = migration_files()[0]
+            await conn.execute(first)
+            await conn.execute(
+                "create table effect_gateway_migrations (version integer primary key, name text not null,"
+                " applied_at timestamptz not null default now())"
+            )
+            await conn.execute(
+                "insert into effect_gateway_migrations (version, name) values ($1, $2)", version, name
+            )
+            # The first layout: headers as [name, value] pairs in jsonb, bodies in the row.
+            await conn.executemany(
+                """
+                insert into effects (tenant, upstream, key, derived_key, method, path, fingerprint,
+                    request_headers, request_body, state, attempt, may_have_sent, response_status,
+                    response_headers, response_body, created_at, completed_at, purged_at, history)
+                values ($1, 'shop', $2, 'eg_' || $2, 'POST', '/orders', 'fp-' || $2, $3, $4, $5, 1, true,
+                    $6, $7, $8, now() - $9 * interval '1 day', $10, $11, '[{"event": "claimed"}]')
+                """,
+                [
+                    (
+                        f"t{n % 2}",
+                        f"k{n}",
+                        {"Content-Type": "application/json"},
+                        None if n < 40 else b'{"n": %d}' % n,
+                        "completed" if n % 10 else "needs_review",
+                        201 if n % 10 else None,
+                        [["Content-Type", "application/json"], ["Set-Later", "a"], ["Set-Later", "b"]]
+                        if n % 10 and n >= 40
+                        else None,
+                        b'{"order": %d}' % n if n % 10 and n >= 40 else None,
+                        60 - n,
+                        None if n % 10 == 0 else datetime.now(UTC),
+                        datetime.now(UTC) if n < 40 and n % 10 else None,
+                    )
+                    for n in range(60)
+                ],
+            )
+        finally:
+            await conn.close()
+        applied = await migrate(dsn)
+        assert applied == [name for _, name, _ in migration_files()[1:]]
+        rows = {row["key"]: row for row in await effect_rows(dsn)}
+        conn = await asyncpg.connect(dsn)
+        try:
+            keys = await conn.fetchval("select count(*) from effect_keys")
+            months = await conn.fetchval(
+                "select count(*) from pg_inherits where inhparent = 'effects'::regclass"
+            )
+        finally:
+            await conn.close()
+    finally:
+        await admin.execute("drop database upgraded with (force)")
+        await admin.close()
+    assert (len(rows), keys) == (60, 60)
+    assert months >= 3  # 60 days back to today span at least three months
+    kept = rows["k45"]
+    assert (kept["state"], kept["response_status"], kept["derived_key"]) == ("completed", 201, "eg_k45")
+    assert kept["response_body"] == b'{"order": 45}'
+    assert kept["response_headers"] == b"Content-Type: application/json\r\nSet-Later: a\r\nSet-Later: b"
+    assert kept["request_body"] == b'{"n": 45}'
+    assert kept["request_headers"] == b"Content-Type: application/json"
+    purged = rows["k15"]
+    assert (purged["state"], purged["response_status"], purged["response_body"]) == ("completed", 201, None)
+    assert rows["k20"]["state"] == "needs_review"

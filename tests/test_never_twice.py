@@ -22,7 +22,15 @@ from gateway.fingerprint import fingerprint
 from gateway.outcome import Answered
 from gateway.record import StoredResponse
 from gateway.store import NewEffect, opened
-from tests.support import Upstream, effect_rows, failing_database, gateway_server, raw_upstream
+from tests.support import (
+    RETAINED,
+    Upstream,
+    backdate_bodies,
+    effect_rows,
+    failing_database,
+    gateway_server,
+    raw_upstream,
+)
 
 SEARCH = {"method": "GET", "path": "/orders/search?ref={key}", "found": "items.0", "status": 201}
 PROBED_SHOP = {"stamp": {"json_field": "client_reference"}, "probe": SEARCH}
@@ -51,10 +59,11 @@ async def call(
 
 
 async def purged(dsn: str) -> dict[str, Any]:
-    """Wait for serve's periodic purge to drop the only record's bodies."""
+    """Ten days pass; wait for serve's periodic retention to drop the only record's bodies."""
+    await backdate_bodies(dsn, days=10)
     for _ in range(100):
         (row,) = await effect_rows(dsn)
-        if row["purged_at"] is not None:
+        if row["response_body"] is None:
             return row
         await asyncio.sleep(0.05)
     raise AssertionError("the purge never ran")
@@ -80,7 +89,7 @@ async def test_a_purged_effect_that_the_probe_no_longer_finds_is_not_sent_again(
     """After the retention, a probe that finds nothing (the shop archived the order) gets 410, no order."""
     upstream.serve_search()
     cfg = {"shop": {"base_url": upstream.url, **PROBED_SHOP}}
-    async with gateway_server(dsn, upstreams=cfg, retention="0s", purge_interval="50ms") as gw:
+    async with gateway_server(dsn, upstreams=cfg, **RETAINED) as gw:
         assert (await call(http, gw.url))[0] == 201
         await purged(dsn)
         upstream.routes["/orders/search"] = lambda request: _json({"items": []})  # archived
@@ -97,7 +106,7 @@ async def test_a_failed_probe_leaves_a_purged_effect_completed_and_beyond_an_ope
     """A failing probe is a 503 that changes nothing: the record stays completed, no operator can undo it."""
     upstream.serve_search()
     cfg = {"shop": {"base_url": upstream.url, **PROBED_SHOP}}
-    async with gateway_server(dsn, upstreams=cfg, retention="0s", purge_interval="50ms") as gw:
+    async with gateway_server(dsn, upstreams=cfg, **RETAINED) as gw:
         assert (await call(http, gw.url))[0] == 201
         row = await purged(dsn)
         upstream.routes["/orders/search"] = lambda request: _json({"error": "down"}, status=500)
@@ -120,7 +129,7 @@ async def test_a_purged_effect_is_not_re_sent_under_its_native_key(
 ) -> None:
     """A completed effect is not re-sent even under a native key (the upstream may have forgotten it)."""
     cfg = {"shop": {"base_url": upstream.url, "native_key": {"header": "Idempotency-Key", "ttl": "24h"}}}
-    async with gateway_server(dsn, upstreams=cfg, retention="0s", purge_interval="50ms") as gw:
+    async with gateway_server(dsn, upstreams=cfg, **RETAINED) as gw:
         assert (await call(http, gw.url))[0] == 201
         await purged(dsn)
         assert (await call(http, gw.url))[0] == 410

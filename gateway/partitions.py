@@ -1,0 +1,133 @@
+"""Time partitions of the audit (by month) and of the bodies (by day): made ahead, dropped by the retention.
+
+Part of the store's seam: everything here runs on an asyncpg connection the store hands over. The
+retention never updates rows: a day of bodies is detached CONCURRENTLY (reads and writes go on; only
+DDL waits) and dropped, after the bodies of effects still open that day are carried into today.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+AUDIT = "effects"
+BODIES = "effect_bodies"
+# Made ahead of need, so that an insert never finds no partition for its row even if the periodic
+# maintenance stops for a while: a week of days, and the next month once the current one is half gone.
+BODY_DAYS_AHEAD = 7
+AUDIT_MONTHS_AHEAD = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    name: str
+    lower: datetime
+    upper: datetime
+    rows: int  # Postgres's estimate (pg_class.reltuples): counting would read the whole partition
+    bytes: int
+
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+async def ensure(conn: Any, at: datetime | None = None) -> None:
+    """The partitions that rows stored now (or at ``at``) and soon will go into."""
+    await conn.fetch(_ENSURE, at, BODY_DAYS_AHEAD, AUDIT_MONTHS_AHEAD)
+
+
+_ENSURE = """
+select effect_gateway_partition(
+    p.parent, p.lower, p.upper,
+    p.parent || '_' || to_char(p.lower at time zone 'UTC', case when p.parent = 'effects' then 'YYYY_MM'
+                                                               else 'YYYY_MM_DD' end))
+from (
+    select 'effect_bodies' as parent, d at time zone 'UTC' as lower,
+           (d + interval '1 day') at time zone 'UTC' as upper
+    from generate_series(date_trunc('day', coalesce($1, now()) at time zone 'UTC'),
+                         date_trunc('day', coalesce($1, now()) at time zone 'UTC') + $2 * interval '1 day',
+                         interval '1 day') as d
+    union all
+    select 'effects', m at time zone 'UTC', (m + interval '1 month') at time zone 'UTC'
+    from generate_series(date_trunc('month', coalesce($1, now()) at time zone 'UTC'),
+                         date_trunc('month', coalesce($1, now()) at time zone 'UTC')
+                             + $3 * interval '1 month',
+                         interval '1 month') as m
+) as p
+"""
+
+
+async def listed(conn: Any, parent: str) -> list[Partition]:
+    """The partitions of ``parent``, oldest first."""
+    rows = await conn.fetch(
+        """
+        select c.relname as name, pg_get_expr(c.relpartbound, c.oid) as bound,
+               greatest(c.reltuples, 0)::bigint as rows, pg_total_relation_size(c.oid) as bytes
+        from pg_inherits i join pg_class c on c.oid = i.inhrelid
+        where i.inhparent = $1::regclass
+        order by c.relname
+        """,
+        parent,
+    )
+    return [Partition(r["name"], *_bounds(r["bound"]), rows=r["rows"], bytes=r["bytes"]) for r in rows]
+
+
+def _bounds(bound: str) -> tuple[datetime, datetime]:
+    # "FOR VALUES FROM ('2026-12-02 00:00:00+00') TO ('2026-12-03 00:00:00+00')"
+    lower, upper = (part.split("'")[1] for part in bound.split(" TO "))
+    return datetime.fromisoformat(lower), datetime.fromisoformat(upper)
+
+
+async def drop_expired_bodies(
+    conn: Any, retention: timedelta, progress: Progress = _quiet
+) -> list[Partition]:
+    """Drop every day of bodies wholly older than the retention; returns what was dropped.
+
+    Bodies of effects not yet completed that day are carried into today first: an effect waiting for an
+    operator keeps what it asked for. Each day is detached concurrently (other sessions go on reading
+    and writing the table) and then dropped.
+    """
+    cutoff = await conn.fetchval("select now() - $1::interval", retention)
+    dropped = []
+    for part in await listed(conn, BODIES):
+        if part.upper > cutoff:
+            break
+        carried = await conn.execute(
+            f"""
+            with open as (
+                select e.id, e.created_at from effects e
+                where e.state <> 'completed' and exists (select from "{part.name}" b where b.effect_id = e.id)
+            ), moved as (
+                insert into effect_bodies (effect_id, stored_at, kind, headers, body)
+                select b.effect_id, now(), b.kind, b.headers, b.body
+                from "{part.name}" b join open o on o.id = b.effect_id
+                on conflict do nothing
+                returning effect_id, kind
+            )
+            update effects e set response_at = now()
+            from moved m where m.kind = 'response' and m.effect_id = e.id and e.state <> 'completed'
+            """
+        )
+        await _detach(conn, part.name)
+        await conn.execute(f'drop table "{part.name}"')
+        dropped.append(part)
+        kept = int(carried.split()[-1])
+        progress(
+            f"dropped {part.name}: about {part.rows} bodies" + (f", {kept} carried forward" if kept else "")
+        )
+    return dropped
+
+
+async def _detach(conn: Any, name: str) -> None:
+    pending = await conn.fetchval(
+        "select inhdetachpending from pg_inherits where inhrelid = $1::regclass", name
+    )
+    if pending:  # an earlier detach was interrupted between its two transactions
+        await conn.execute(f'alter table effect_bodies detach partition "{name}" finalize')
+    else:
+        await conn.execute(f'alter table effect_bodies detach partition "{name}" concurrently')

@@ -1,0 +1,65 @@
+"""The schema: versioned migrations in gateway/migrations/*.sql, applied under an advisory lock."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib import resources
+
+import asyncpg
+
+from gateway import partitions
+from gateway.errors import StoreUnavailable
+
+# Any constant will do, as long as no other application on the database uses it for another lock.
+MIGRATION_LOCK = 0x65666665637473  # "effects"
+
+
+def migration_files() -> list[tuple[int, str, str]]:
+    """(version, name, sql) for every file in gateway/migrations, in order."""
+    found = []
+    for entry in (resources.files("gateway") / "migrations").iterdir():
+        if entry.name.endswith(".sql"):
+            version = int(entry.name.split("_", 1)[0])
+            found.append((version, entry.name, entry.read_text()))
+    return sorted(found)
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[str]:
+    """Apply pending migrations under an advisory lock (replicas may start at once); returns the applied.
+
+    Then makes the time partitions that today's and the coming days' rows go into.
+    """
+    try:
+        conn = await asyncpg.connect(dsn)
+    except (OSError, asyncpg.PostgresError) as exc:
+        raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
+    applied: list[str] = []
+    try:
+        await conn.execute("select pg_advisory_lock($1)", MIGRATION_LOCK)
+        try:
+            await conn.execute(
+                """create table if not exists effect_gateway_migrations (
+                       version integer primary key, name text not null,
+                       applied_at timestamptz not null default now())"""
+            )
+            done = {r["version"] for r in await conn.fetch("select version from effect_gateway_migrations")}
+            for version, name, sql in migration_files():
+                if version in done:
+                    continue
+                progress(f"applying {name}")
+                async with conn.transaction():
+                    await conn.execute(sql)
+                    await conn.execute(
+                        "insert into effect_gateway_migrations (version, name) values ($1, $2)", version, name
+                    )
+                applied.append(name)
+            await partitions.ensure(conn)
+        finally:
+            await conn.execute("select pg_advisory_unlock($1)", MIGRATION_LOCK)
+    finally:
+        await conn.close()
+    return applied
