@@ -10,20 +10,17 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
-
-from aiohttp import web
 
 from gateway import admin, operators, problems
 from gateway.decision import NotAwaitingOperator
 from gateway.embedded import EmbeddedPostgres
 from gateway.errors import ConfigError, GatewayError
 from gateway.schema import migrate
-from gateway.settings import Settings, listen_host, listen_port, load_settings
+from gateway.settings import Settings, load_settings
 from gateway.store import opened
 
 log = logging.getLogger("effect_gateway")
@@ -46,31 +43,11 @@ def database(settings: Settings) -> Iterator[str]:
         embedded.stop()
 
 
-async def _serve(settings: Settings, dsn: str) -> None:
-    from gateway.app import make_app
-
-    app = make_app(settings, dsn)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, listen_host(settings.listen), listen_port(settings.listen))
-    await site.start()
-    port = runner.addresses[0][1]  # the real port, when listen asks for port 0
-    print(f"effect-gateway listening on http://{listen_host(settings.listen)}:{port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        log.info("shutting down: finishing calls under way")
-        await runner.cleanup()
-
-
 def cmd_serve(settings: Settings, _args: argparse.Namespace) -> int:
+    from gateway import serve
+
     with database(settings) as dsn:
-        asyncio.run(_serve(settings, dsn))
-    return 0
+        return serve.run(settings, dsn)
 
 
 def cmd_migrate(settings: Settings, _args: argparse.Namespace) -> int:

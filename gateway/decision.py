@@ -162,26 +162,38 @@ def _younger_than(record: EffectRecord, now: datetime, memory: timedelta, policy
     return now - sent < memory - policy.margin
 
 
-def send_refusal(
+@dataclass(frozen=True, slots=True)
+class Late:
+    """Too long since the record was taken: take it again (a fresh lease) before the request leaves."""
+
+    waited: timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """The request must not leave under this attempt; it is settled as never sent."""
+
+    reason: str
+
+
+def before_sending(
     record: EffectRecord, now: datetime, waited: timedelta, policy: Policy, reason: SendReason | None
-) -> str | None:
-    """Why the request must not leave under the attempt ``record`` holds; None: send it.
+) -> Late | Refuse | None:
+    """Whether the request may leave under the attempt ``record`` holds (None: send it).
 
     ``now`` is the database's clock when the record was taken (the claim or take-over that returned
-    ``record``) and ``waited`` how long has passed since (measured from before that statement, so never
-    less). A gateway that stalled after taking the record may find its lease already running out, and a
-    native key judged fresh before the take-over may have aged past trust by the time of it; sending
-    then could land after another gateway took over, or after the upstream forgot the key.
+    ``record``) and ``waited`` how long has passed since, measured from before that statement, so never
+    less. The lease only covers a request that leaves within its grace: a gateway that stalled after
+    taking the record must take it again first (which fails if another gateway took it over meanwhile).
+    A native key judged fresh before the take-over may have aged past trust by the time of it: then the
+    upstream may have forgotten the key, and the request must not rely on it.
     """
     if policy.send_window is not None and waited > policy.send_window:
-        return (
-            f"not sent: {waited.total_seconds():.1f}s passed between taking the record and sending, "
-            "more than its lease allows"
-        )
+        return Late(waited)
     if reason == "native_key" and not (
         policy.native_key_ttl is not None and _younger_than(record, now, policy.native_key_ttl, policy)
     ):
-        return "not sent: the native key grew too old to trust while the record was being taken over"
+        return Refuse("not sent: the native key grew too old to trust while the record was being taken over")
     return None
 
 

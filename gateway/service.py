@@ -20,9 +20,11 @@ from typing import Any, TypeVar, assert_never
 from gateway import problems
 from gateway.decision import (
     Busy,
+    Late,
     Mismatch,
     Probe,
     Purged,
+    Refuse,
     Replay,
     Request,
     Resend,
@@ -32,10 +34,10 @@ from gateway.decision import (
     SendReason,
     Settlement,
     Unknown,
+    before_sending,
     decide,
     restore,
     review,
-    send_refusal,
     settle,
     settle_probe,
     take_over,
@@ -60,6 +62,9 @@ log = logging.getLogger("effect_gateway")
 
 T = TypeVar("T")
 
+# Times a gateway that fell behind its lease before sending takes the record again; more means it is
+# too overloaded to keep any lease, and the request is settled as never sent.
+RENEWALS = 3
 # Replay counts gather this long before one statement writes them: a second of counts is what a crash
 # can cost, and a busy key's replays cost Postgres one write a second instead of one each.
 REPLAY_FLUSH = 1.0
@@ -336,12 +341,10 @@ class EffectService:
         ``took`` is this process's clock from just before the statement that took the record.
         """
         fault("after-claim", policy.name)
-        assert record.read_at is not None
-        waited = timedelta(seconds=_clock() - took)
-        refusal = send_refusal(record, record.read_at, waited, policy.decision, reason)
-        if refusal is not None:
-            log.warning("effect %s: %s", record.id, refusal)
-            outcome: Outcome = NotSent(refusal)
+        record, refused = await self._ready_to_send(record, took, policy, reason)
+        if refused is not None:
+            log.warning("effect %s: %s", record.id, refused.reason)
+            outcome: Outcome = NotSent(refused.reason)
         else:
             outcome = await self._client.send(outbound, policy.timeout.total_seconds())
         fault("after-upstream", policy.name)
@@ -378,6 +381,32 @@ class EffectService:
         if settled.state is State.COMPLETED and isinstance(outcome, Answered):
             self._remember(saved, StoredResponse(outcome.status, outcome.headers, outcome.body))
         return _reply(outcome, record.id)
+
+    async def _ready_to_send(
+        self, record: EffectRecord, took: float, policy: UpstreamPolicy, reason: SendReason | None
+    ) -> tuple[EffectRecord, Refuse | None]:
+        """The attempt to send under (taken again if this gateway fell behind its lease), or a refusal."""
+        for _ in range(RENEWALS):
+            assert record.read_at is not None
+            waited = timedelta(seconds=_clock() - took)
+            check = before_sending(record, record.read_at, waited, policy.decision, reason)
+            if not isinstance(check, Late):
+                return record, check
+            log.warning("effect %s: %.1fs late to send; taking it again", record.id, waited.total_seconds())
+            took = _clock()
+            renewed = await self._store.reclaim(
+                record, take_over(record), policy.lease, "late to send", sends=True, renew=True
+            )
+            if renewed is None:
+                seen = f"not sent: {waited.total_seconds():.1f}s late, and another attempt took over"
+                await self._store.note_fenced(record, seen)
+                raise problems.Fenced(
+                    "this gateway's attempt was taken over while it was late to send; retry",
+                    headers={"Retry-After": "1"},
+                    effect_id=record.id,
+                )
+            record = renewed
+        return record, Refuse("not sent: the gateway kept falling behind its lease before sending")
 
     async def _unrecorded(
         self, record: EffectRecord, settled: Settlement, outcome: Outcome, exc: StoreRejected

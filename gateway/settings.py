@@ -173,6 +173,9 @@ class Settings(BaseSettings):
     )
 
     listen: str = "127.0.0.1:8787"
+    # Worker processes serving the one listening socket; None: one per core. Each worker has its own
+    # connection pool (pool_size) and replay cache (replay_cache_bytes).
+    workers: int | None = Field(default=None, ge=1)
     database_url: SecretStr | None = None
     data_dir: Path = Path(".effect-gateway")
     retention: Duration = timedelta(days=7)

@@ -324,11 +324,20 @@ class Store:
         return await self._run(op)
 
     async def reclaim(
-        self, record: EffectRecord, move: Transition, lease: timedelta, reason: str, *, sends: bool
+        self,
+        record: EffectRecord,
+        move: Transition,
+        lease: timedelta,
+        reason: str,
+        *,
+        sends: bool,
+        renew: bool = False,
     ) -> EffectRecord | None:
         """Take the record over for a new attempt, if nobody has since ``record`` was read.
 
         ``sends`` is false for a take-over that only probes: the audit's send times stay as they were.
+        ``renew`` is the holder taking its own record again before its request left: no attempt of its
+        reached the upstream, so the take-over adds no doubt.
         """
         return await self._one(
             f"""
@@ -336,7 +345,7 @@ class Store:
                 attempt = attempt + 1,
                 state = 'pending',
                 -- a pending record whose lease ran out may have been sent by the gateway that held it
-                may_have_sent = may_have_sent or state = 'pending',
+                may_have_sent = may_have_sent or (state = 'pending' and not $8),
                 lease_expires_at = now() + $5::interval,
                 last_sent_at = case when $6 then now() else last_sent_at end,
                 first_sent_at = coalesce(first_sent_at, now()),
@@ -351,6 +360,7 @@ class Store:
             lease,
             sends,
             _event("reclaimed", attempt=record.attempt + 1, reason=reason, was=record.state.value),
+            renew,
         )
 
     async def settle(

@@ -9,11 +9,13 @@ import pytest
 
 from gateway.decision import (
     Busy,
+    Late,
     Mismatch,
     NotAwaitingOperator,
     Policy,
     Probe,
     Purged,
+    Refuse,
     Replay,
     Request,
     Resend,
@@ -23,11 +25,11 @@ from gateway.decision import (
     SendReason,
     Settlement,
     Unknown,
+    before_sending,
     decide,
     resolution,
     restore,
     review,
-    send_refusal,
     settle,
     settle_probe,
     take_over,
@@ -317,32 +319,28 @@ WINDOW = replace(NATIVE, send_window=timedelta(seconds=5))
 
 
 @pytest.mark.parametrize(
-    ("rec", "waited", "reason", "refused"),
+    ("rec", "waited", "reason", "expected"),
     [
         # sent promptly after the claim or take-over
         (record(State.PENDING), timedelta(milliseconds=3), None, None),
         (record(State.PENDING), timedelta(seconds=5), "native_key", None),
-        # stalled between taking the record and sending: the lease no longer covers the request
-        (record(State.PENDING), timedelta(seconds=5.1), None, "more than its lease allows"),
-        (record(State.PENDING), timedelta(minutes=10), "retryable", "more than its lease allows"),
+        # stalled between taking the record and sending: the lease no longer covers the request, so the
+        # record must be taken again first
+        (record(State.PENDING), timedelta(seconds=5.1), None, Late(timedelta(seconds=5.1))),
+        (record(State.PENDING), timedelta(minutes=10), "retryable", Late(timedelta(minutes=10))),
         # a native key judged fresh before the take-over, but too old by the time of it
         (
             record(State.PENDING, first_sent_at=NOW - (timedelta(hours=24) - LEASE)),
             timedelta(0),
             "native_key",
-            "too old to trust",
+            Refuse("not sent: the native key grew too old to trust while the record was being taken over"),
         ),
         # ... which does not matter when the send is not relying on the key
         (record(State.PENDING, first_sent_at=NOW - timedelta(days=2)), timedelta(0), "never_sent", None),
     ],
 )
-def test_send_refusal(
-    rec: EffectRecord, waited: timedelta, reason: SendReason | None, refused: str | None
+def test_before_sending(
+    rec: EffectRecord, waited: timedelta, reason: SendReason | None, expected: Late | Refuse | None
 ) -> None:
     """A request leaves only within the lease's grace of its take-over, and only under a key still trusted."""
-    why = send_refusal(rec, NOW, waited, WINDOW, reason)
-    if refused is None:
-        assert why is None
-    else:
-        assert why is not None
-        assert refused in why
+    assert before_sending(rec, NOW, waited, WINDOW, reason) == expected

@@ -67,7 +67,7 @@ async def test_a_stalled_gateway_process_is_fenced_out(dsn: str, upstream: Upstr
     upstream.routes["/orders"] = order
     config = tmp_path / "a.toml"
     config.write_text(
-        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nlease_grace = "500ms"\n'
+        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nworkers = 1\nlease_grace = "500ms"\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\ntimeout = "1s"\n'
         'native_key = { header = "Idempotency-Key" }\n'
     )
@@ -114,7 +114,7 @@ async def test_a_gateway_stalled_before_sending_does_not_send_after_its_lease(
     upstream.serve_search()
     config = tmp_path / "a.toml"
     config.write_text(
-        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nlease_grace = "300ms"\n'
+        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nworkers = 1\nlease_grace = "300ms"\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\ntimeout = "700ms"\n'
         'stamp = { json_field = "client_reference" }\n'
         'probe = { path = "/orders/search?ref={key}", found = "items.0", status = 201 }\n'
@@ -150,7 +150,7 @@ async def test_a_gateway_stalled_before_sending_does_not_send_after_its_lease(
     assert len(upstream.effects()) == 1
     (row,) = await effect_rows(dsn)
     assert row["state"] == "completed"
-    assert "more than its lease allows" in row["history"][-1]["saw"]
+    assert "late, and another attempt took over" in row["history"][-1]["saw"]
 
 
 def _stopped(pid: int) -> bool:

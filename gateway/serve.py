@@ -1,0 +1,158 @@
+"""``effect-gateway serve``: one listening socket, served by N worker processes on every core.
+
+The parent binds the socket, applies the migrations once, and forks the workers; each runs the aiohttp
+application on the inherited socket (the kernel hands each new connection to one of them). A worker
+that dies is replaced; the others go on serving. SIGTERM (or SIGINT) is passed to every worker, which
+stops accepting, finishes the calls under way and records them, and exits; then the parent exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from aiohttp import web
+
+from gateway.schema import migrate
+from gateway.settings import Settings, listen_host, listen_port
+
+log = logging.getLogger("effect_gateway")
+
+# A worker that dies this soon after it started is failing at start, not crashing under load: after
+# this many such deaths in a row the gateway stops instead of restarting it for ever.
+EARLY_DEATH = 5.0
+EARLY_DEATHS_TO_STOP = 5
+# Between restarts of a worker that keeps dying: enough not to spin, short enough to serve again soon.
+RESTART_BACKOFF = 0.5
+# The kernel's queue of connections not yet accepted: a burst of agents connecting at once waits here.
+BACKLOG = 1024
+
+
+def bind(settings: Settings) -> socket.socket:
+    host, port = listen_host(settings.listen), listen_port(settings.listen)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(BACKLOG)
+    sock.setblocking(False)
+    return sock
+
+
+def announce(sock: socket.socket, settings: Settings, workers: int) -> None:
+    port = sock.getsockname()[1]  # the real port, when listen asks for port 0
+    if workers > 1:
+        log.info("%d worker processes", workers)
+    # Scripts and tests read the address as this line's last word.
+    print(f"effect-gateway listening on http://{listen_host(settings.listen)}:{port}", flush=True)
+
+
+async def _worker(settings: Settings, dsn: str, sock: socket.socket) -> None:
+    from gateway.app import make_app
+
+    app = make_app(settings, dsn)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.SockSite(runner, sock)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down: finishing calls under way")
+        await runner.cleanup()
+
+
+def run(settings: Settings, dsn: str) -> int:
+    """Serve until SIGTERM or SIGINT; returns the exit status."""
+    sock = bind(settings)
+    workers = settings.workers or os.cpu_count() or 1
+    if workers == 1:
+        announce(sock, settings, 1)
+        asyncio.run(_worker(settings, dsn, sock))
+        return 0
+    asyncio.run(migrate(dsn))  # once, before any worker starts
+    supervisor = Supervisor(lambda: _worker(settings, dsn, sock), workers)
+    return supervisor.run(lambda: announce(sock, settings, workers))
+
+
+class Supervisor:
+    """Forks the workers, replaces one that dies, and passes SIGTERM/SIGINT on to all of them."""
+
+    def __init__(self, work: Callable[[], Coroutine[Any, Any, None]], count: int) -> None:
+        self._work = work
+        self._count = count
+        self._children: dict[int, float] = {}  # pid -> when it started
+        self._stopping = False
+        self._early_deaths = 0
+
+    def run(self, ready: Callable[[], None]) -> int:
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        for _ in range(self._count):
+            self._fork()
+        ready()
+        status = 0
+        while self._children:
+            try:
+                pid, code = os.wait()
+            except ChildProcessError:
+                break
+            except InterruptedError:  # pragma: no cover - PEP 475 retries os.wait itself
+                continue
+            started = self._children.pop(pid, None)
+            if started is None or self._stopping:
+                continue
+            log.error("worker %d %s; starting another", pid, _death(code))
+            if time.monotonic() - started < EARLY_DEATH:
+                self._early_deaths += 1
+                if self._early_deaths >= EARLY_DEATHS_TO_STOP:
+                    log.error("workers keep dying as they start; stopping")
+                    self._stop(signal.SIGTERM, None)
+                    status = 1
+                    continue
+                time.sleep(RESTART_BACKOFF)
+            else:
+                self._early_deaths = 0
+            self._fork()
+        return status
+
+    def _fork(self) -> None:
+        pid = os.fork()
+        if pid == 0:  # the worker
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            code = 0
+            try:
+                asyncio.run(self._work())
+            except BaseException:
+                log.exception("worker %d failed", os.getpid())
+                code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        self._children[pid] = time.monotonic()
+
+    def _stop(self, signum: int, _frame: object) -> None:
+        self._stopping = True
+        for pid in list(self._children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+
+def _death(code: int) -> str:
+    if os.WIFSIGNALED(code):
+        return f"was killed by {signal.Signals(os.WTERMSIG(code)).name}"
+    return f"exited with status {os.waitstatus_to_exitcode(code)}"
