@@ -19,6 +19,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -148,7 +149,8 @@ def cmd_check_config(settings: Settings, args: argparse.Namespace) -> int:
             {"name": name, "base_url": policy.base_url, "timeout": timeout}
             | {"protected_by": summary, "notes": notes}
         )
-    config = str(Path(args.config).resolve()) if args.config else None
+    given = args.config or os.environ.get("EFFECT_GATEWAY_CONFIG")
+    config = str(Path(given).resolve()) if given else None
     tenants = sorted(settings.tenants)
     doc = {
         "config": config,
@@ -209,7 +211,7 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-async def purge_reporting(store: Store, retention: Any, progress: Progress) -> list[int]:
+async def purge_reporting(store: Store, retention: timedelta, progress: Progress) -> list[int]:
     """Drop bodies past the retention, reporting each batch; returns the count of each batch.
 
     Today the store purges in one statement, which is one batch here; a store that purges in batches

@@ -234,7 +234,10 @@ async def test_check_config_says_what_protects_each_upstream(
     assert "native key Idempotency-Key for 24h, then probe GET /v1/charges/search" in lines["payments"]
     assert "re-send (repeat_harmless)" in lines["search"]
     assert "nothing: an effect in doubt goes to needs_review" in lines["sms"]
-    as_json = json.loads((await in_thread(run, "check-config", "--json", config=config)).out)
+    as_json = json.loads(
+        (await in_thread(run, "check-config", "--json", env={"EFFECT_GATEWAY_CONFIG": str(config)})).out
+    )
+    assert as_json["config"] == str(config)
     assert [u["name"] for u in as_json["upstreams"]] == ["shop", "mail", "payments", "search", "sms"]
     assert as_json["tenants"] == []
 
