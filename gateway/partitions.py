@@ -20,12 +20,18 @@ BODY_DAYS_AHEAD = 7
 AUDIT_MONTHS_AHEAD = 1
 
 
+# A partition up to this size is counted exactly (a few milliseconds to read); above it, Postgres's
+# row estimate stands in (before the first ANALYZE there is none: the size over a guessed row size).
+EXACT_COUNT_BYTES = 8 * 1024 * 1024
+ROW_BYTES_GUESS = 600
+
+
 @dataclass(frozen=True, slots=True)
 class Partition:
     name: str
     lower: datetime
     upper: datetime
-    rows: int  # Postgres's estimate (pg_class.reltuples): counting would read the whole partition
+    rows: int  # counted when small, else Postgres's estimate: counting would read the whole partition
     bytes: int
 
 
@@ -67,14 +73,26 @@ async def listed(conn: Any, parent: str) -> list[Partition]:
     rows = await conn.fetch(
         """
         select c.relname as name, pg_get_expr(c.relpartbound, c.oid) as bound,
-               greatest(c.reltuples, 0)::bigint as rows, pg_total_relation_size(c.oid) as bytes
+               c.reltuples::bigint as estimate, pg_relation_size(c.oid) as heap,
+               pg_total_relation_size(c.oid) as bytes
         from pg_inherits i join pg_class c on c.oid = i.inhrelid
         where i.inhparent = $1::regclass
         order by c.relname
         """,
         parent,
     )
-    return [Partition(r["name"], *_bounds(r["bound"]), rows=r["rows"], bytes=r["bytes"]) for r in rows]
+    found = []
+    for r in rows:
+        count = await row_count(conn, f'"{r["name"]}"', r["estimate"], r["heap"])
+        found.append(Partition(r["name"], *_bounds(r["bound"]), rows=count, bytes=r["bytes"]))
+    return found
+
+
+async def row_count(conn: Any, table: str, estimate: int, heap_bytes: int, where: str = "true") -> int:
+    """Rows of ``table`` (matching ``where``): counted when the table is small, else estimated."""
+    if heap_bytes <= EXACT_COUNT_BYTES:
+        return int(await conn.fetchval(f"select count(*) from {table} where {where}"))
+    return estimate if estimate >= 0 else heap_bytes // ROW_BYTES_GUESS
 
 
 def _bounds(bound: str) -> tuple[datetime, datetime]:

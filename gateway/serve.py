@@ -74,9 +74,8 @@ async def _worker(settings: Settings, dsn: str, sock: socket.socket) -> None:
         await runner.cleanup()
 
 
-def run(settings: Settings, dsn: str) -> int:
-    """Serve until SIGTERM or SIGINT; returns the exit status."""
-    sock = bind(settings)
+def run(settings: Settings, dsn: str, sock: socket.socket) -> int:
+    """Serve on ``sock`` (see :func:`bind`) until SIGTERM or SIGINT; returns the exit status."""
     workers = settings.workers or os.cpu_count() or 1
     if workers == 1:
         announce(sock, settings, 1)

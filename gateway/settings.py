@@ -10,11 +10,14 @@ import ipaddress
 import os
 import re
 import tomllib
+from contextvars import ContextVar
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -45,6 +48,11 @@ def parse_duration(value: object) -> timedelta:
 Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
 
 
+# False while loading for a command that needs only the database (see load_settings); a context variable
+# because pydantic-settings passes no validation context to a settings class.
+_NEED_SECRETS: ContextVar[bool] = ContextVar("need_secrets", default=True)
+
+
 def resolve_secret(value: object) -> SecretStr:
     """``"env:NAME"`` reads the variable NAME at start-up; anything else is taken literally."""
     if isinstance(value, SecretStr):
@@ -54,6 +62,8 @@ def resolve_secret(value: object) -> SecretStr:
     if value.startswith("env:"):
         name = value[4:]
         if name not in os.environ:
+            if not _NEED_SECRETS.get():
+                return SecretStr(value)  # left unresolved: the command that loaded it never sends it
             raise ValueError(f"environment variable {name} is not set")
         value = os.environ[name]
     if not value:
@@ -62,6 +72,16 @@ def resolve_secret(value: object) -> SecretStr:
 
 
 Secret = Annotated[SecretStr, BeforeValidator(resolve_secret)]
+
+
+def _postgres_url(value: SecretStr | None) -> SecretStr | None:
+    """A URL asyncpg can use, checked here so that a typo is a bad setting rather than a failed connection."""
+    if value is not None:
+        url = urlsplit(value.get_secret_value())
+        if url.scheme not in ("postgresql", "postgres"):
+            raise ValueError("must be a postgresql://user:password@host:port/database URL")
+        _ = url.port  # raises ValueError for a port that is not a number
+    return value
 
 
 class _Section(BaseModel):
@@ -176,7 +196,7 @@ class Settings(BaseSettings):
     # Worker processes serving the one listening socket; None: one per core. Each worker has its own
     # connection pool (pool_size) and replay cache (replay_cache_bytes).
     workers: int | None = Field(default=None, ge=1)
-    database_url: SecretStr | None = None
+    database_url: Annotated[SecretStr | None, AfterValidator(_postgres_url)] = None
     data_dir: Path = Path(".effect-gateway")
     retention: Duration = timedelta(days=7)
     # How often serve drops bodies past the retention; an hour keeps the table small without busy work.
@@ -256,10 +276,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def load_settings(config: Path | str | None = None, **overrides: Any) -> Settings:
+def load_settings(
+    config: Path | str | None = None, *, need_secrets: bool = True, **overrides: Any
+) -> Settings:
     """Read the TOML file (``--config`` or ``EFFECT_GATEWAY_CONFIG``) and the environment.
 
-    Raises :class:`ConfigError` with one line naming the bad setting.
+    A relative ``data_dir`` in the file is relative to the file's folder (one from a variable or an
+    override, to the current directory). With ``need_secrets=False`` (commands that only read and write
+    the database) an ``env:`` secret whose variable is unset is left unresolved instead of refused.
+    Raises :class:`ConfigError` with one line naming the bad settings.
     """
     path = config or os.environ.get("EFFECT_GATEWAY_CONFIG")
     data: dict[str, Any] = {}
@@ -268,19 +293,27 @@ def load_settings(config: Path | str | None = None, **overrides: Any) -> Setting
             with open(path, "rb") as fh:
                 data = tomllib.load(fh)
         except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        if isinstance(data.get("data_dir"), str):
+            data["data_dir"] = Path(path).resolve().parent / data["data_dir"]
     data.update(overrides)
+    token = _NEED_SECRETS.set(need_secrets)
     try:
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(_one_line(exc)) from None
+    finally:
+        _NEED_SECRETS.reset(token)
 
 
 def _one_line(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "configuration"
-    message = first["msg"].removeprefix("Value error, ")
-    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return f"bad setting {where}: {message}{more}"
+    """Every bad setting, on one line: the first in full, the rest by name and message."""
+    problems = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "configuration"
+        problems.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
+    if len(problems) == 1:
+        return f"bad setting {problems[0]}"
+    return f"bad setting {problems[0]} (and {len(problems) - 1} more: {'; '.join(problems[1:])})"

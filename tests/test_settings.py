@@ -109,3 +109,61 @@ def test_the_cli_reports_a_bad_config_in_one_line_and_exit_2(tmp_path: Path) -> 
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0
     assert done.stderr.startswith("effect-gateway: bad setting upstreams.shop.timeout:")
+
+
+def test_a_relative_data_dir_in_a_file_is_relative_to_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """data_dir in a file means the file's folder, wherever the command runs; from a variable, the cwd."""
+    (tmp_path / "etc").mkdir()
+    config = tmp_path / "etc" / "gw.toml"
+    config.write_text('data_dir = "state"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert load_settings(config).data_dir == tmp_path / "etc" / "state"
+    monkeypatch.setenv("EFFECT_GATEWAY_DATA_DIR", "mine")
+    assert load_settings(config).data_dir.resolve() == elsewhere / "mine"
+
+
+def test_every_bad_setting_is_named_on_the_one_line(tmp_path: Path) -> None:
+    """Several mistakes at once: the line names each of them, not "(and 2 more)"."""
+    config = tmp_path / "bad.toml"
+    config.write_text(
+        'retention = "soon"\n[tenants.grocer]\ntoken = "env:NOPE_GROCER"\n'
+        '[upstreams.shop]\nbase_url = "http://x"\ninject_headers = { Authorization = "env:NOPE_SECRET" }\n'
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_settings(config)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("bad setting retention: ")
+    assert "(and 2 more: " in message
+    for name in ("tenants.grocer.token", "NOPE_GROCER", "upstreams.shop.inject_headers.Authorization"):
+        assert name in message
+
+
+def test_commands_that_need_only_the_database_need_no_secrets(tmp_path: Path) -> None:
+    """need_secrets=False loads a file whose secrets' variables are unset, and still checks the rest."""
+    config = tmp_path / "gw.toml"
+    config.write_text(
+        '[tenants.grocer]\ntoken = "env:NOPE_GROCER"\n[upstreams.shop]\nbase_url = "http://x"\n'
+        'inject_headers = { Authorization = "env:NOPE_SECRET" }\n'
+    )
+    settings = load_settings(config, need_secrets=False)
+    assert set(settings.upstreams) == {"shop"}
+    with pytest.raises(ConfigError, match="NOPE_GROCER"):
+        load_settings(config)
+    config.write_text('retention = "soon"\n[tenants.grocer]\ntoken = "env:NOPE_GROCER"\n')
+    with pytest.raises(ConfigError, match="retention"):
+        load_settings(config, need_secrets=False)
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [("postgres://u@db:port/x", "Port could not be cast"), ("db.example:5432", "postgresql://")],
+)
+def test_a_malformed_database_url_is_a_bad_setting(url: str, why: str) -> None:
+    """A database_url asyncpg cannot use is refused at load, naming the setting, not at the first connect."""
+    with pytest.raises(ConfigError, match=f"bad setting database_url: .*{why}"):
+        load_settings(None, database_url=url)

@@ -1,4 +1,4 @@
-"""``python -m agent_example.upstreams NAME --port N [--key-ttl 24h]``: run one demo upstream."""
+"""``python -m agent_example.upstreams NAME [--host H] --port N [--key-ttl 24h]``: run one demo upstream."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from agent_example.upstreams import mail, payments, shop
 from gateway.settings import parse_duration
 
 
-async def serve(name: str, port: int, key_ttl: float) -> None:
+async def serve(name: str, host: str, port: int, key_ttl: float) -> None:
     if name == "shop":
         app = shop.make_app()
     elif name == "mail":
@@ -21,8 +21,8 @@ async def serve(name: str, port: int, key_ttl: float) -> None:
         app = payments.make_app(key_ttl)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    print(f"{name} listening on http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
+    await web.TCPSite(runner, host, port).start()
+    print(f"{name} listening on http://{host}:{runner.addresses[0][1]}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -33,10 +33,12 @@ async def serve(name: str, port: int, key_ttl: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run one of the demo's upstreams.")
     parser.add_argument("name", choices=["shop", "mail", "payments"])
+    # Loopback unless told otherwise; a container's loopback is its own, so compose gives 0.0.0.0.
+    parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--key-ttl", default="24h", help="how long mail and payments remember keys")
     args = parser.parse_args()
-    asyncio.run(serve(args.name, args.port, parse_duration(args.key_ttl).total_seconds()))
+    asyncio.run(serve(args.name, args.host, args.port, parse_duration(args.key_ttl).total_seconds()))
 
 
 main()

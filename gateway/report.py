@@ -1,0 +1,129 @@
+"""What the operator's command line prints for a person: tables, one effect in full, an upstream's protection.
+
+Plain functions from values to lines of text; ``--json`` prints the same documents as JSON instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from gateway.policy import HttpProbe, PythonProbe, UpstreamPolicy
+
+# Bodies longer than this are cut in the readable view of an effect; --json shows them whole.
+BODY_PREVIEW = 2000
+_UNITS = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
+
+
+def duration(value: timedelta) -> str:
+    """``timedelta(days=7)`` as ``7d``, the way the configuration writes it."""
+    seconds = value.total_seconds()
+    if seconds == 0:
+        return "0s"
+    if seconds < 1:
+        return f"{round(seconds * 1000)}ms"
+    for unit, size in _UNITS:
+        # 24h reads better than 1d: days only from two on, as a key's TTL or a retention is written.
+        if seconds % size == 0 and (unit != "d" or seconds >= 2 * size):
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def when(iso: str | None) -> str:
+    """An ISO time from the audit as ``2025-06-01 12:00:03Z``: one zone, to the second."""
+    if not iso:
+        return "-"
+    return datetime.fromisoformat(iso).astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """Columns as wide as their widest cell, two spaces apart; the last column is not padded."""
+    cells = [list(headers), *(list(row) for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+
+
+def effects_table(effects: list[dict[str, Any]]) -> list[str]:
+    if not effects:
+        return ["no effects match"]
+    rows = [
+        [
+            str(e["id"]),
+            when(e["created_at"]),
+            e["state"],
+            e["upstream"],
+            str(e["response_status"] or "-"),
+            f"{e['method']} {e['path']}",
+            e["key"],
+        ]
+        for e in effects
+    ]
+    lines = table(["id", "created", "state", "upstream", "status", "request", "key"], rows)
+    waiting = sum(1 for e in effects if e["state"] in ("needs_review", "in_doubt"))
+    note = f"; {waiting} waiting for an operator (effect-gateway resolve ID)" if waiting else ""
+    return [*lines, f"{len(effects)} effects, newest first{note}"]
+
+
+def _body(doc: dict[str, Any], prefix: str) -> list[str]:
+    if doc.get(prefix + "_base64") is not None:
+        return [f"  ({len(doc[prefix + '_base64']) * 3 // 4} bytes, not text: see --json)"]
+    text = doc.get(prefix)
+    if text is None:
+        return ["  (purged after the retention)" if doc.get("response_purged") else "  (none)"]
+    lines = ["  " + line for line in text[:BODY_PREVIEW].splitlines() or [""]]
+    if len(text) > BODY_PREVIEW:
+        lines.append(f"  ... {len(text) - BODY_PREVIEW} more characters (--json shows all)")
+    return lines
+
+
+def effect_detail(doc: dict[str, Any]) -> list[str]:
+    """One effect in full: who, what, when, how it ended, its history, the request and response bodies."""
+    query = f"?{doc['query']}" if doc["query"] else ""
+    fields = [
+        ("tenant", doc["tenant"]),
+        ("upstream", doc["upstream"]),
+        ("request", f"{doc['method']} {doc['path']}{query}"),
+        ("key", doc["key"]),
+        ("derived key", doc.get("derived_key") or "-"),
+        ("run / step", f"{doc['run_id'] or '-'} / {doc['step'] or '-'}"),
+        ("created", when(doc["created_at"])),
+        ("first sent", when(doc["first_sent_at"])),
+        ("last sent", when(doc["last_sent_at"])),
+        ("completed", when(doc["completed_at"])),
+        ("response", str(doc["response_status"] or "-")),
+        ("recovered by", doc["recovered_by"] or "-"),
+        ("replays", str(doc["replays"])),
+        ("bodies purged", "the response, after the retention" if doc["response_purged"] else "-"),
+    ]
+    width = max(len(name) for name, _ in fields)
+    lines = [f"effect {doc['id']}: {doc['state']} (attempt {doc['attempt']})"]
+    lines += [f"  {name.ljust(width)}  {value}" for name, value in fields]
+    lines.append("history")
+    for event in doc.get("history") or []:
+        rest = " ".join(f"{k}={v}" for k, v in event.items() if k not in ("at", "event"))
+        lines.append(f"  {when(event.get('at'))}  {event.get('event')}  {rest}".rstrip())
+    lines += ["request body", *_body(doc, "request_body"), "response body", *_body(doc, "response_body")]
+    return lines
+
+
+def protection(policy: UpstreamPolicy) -> tuple[str, list[str]]:
+    """What recovers an effect in doubt on this upstream, in the order the gateway tries it; and warnings."""
+    steps = []
+    if policy.native_header and policy.native_ttl:
+        steps.append(f"native key {policy.native_header} for {duration(policy.native_ttl)}")
+    match policy.probe:
+        case HttpProbe() as http:
+            steps.append(f"probe {http.method} {http.path}")
+        case PythonProbe() as py:
+            steps.append(f"probe {py.entry_point} (Python)")
+    steps.append("re-send (repeat_harmless)" if policy.repeat_harmless else "needs_review")
+    summary = ", then ".join(steps)
+    if policy.stamp:
+        summary += f"; key stamped in {policy.stamp[0]} {policy.stamp[1]}"
+    notes = []
+    if policy.probe is not None and policy.stamp is None and policy.native_header is None:
+        notes.append("the probe looks for a key that is neither stamped nor sent in a native header")
+    if len(steps) == 1 and not policy.repeat_harmless:
+        summary = "nothing: an effect in doubt goes to needs_review"
+    return summary, notes
