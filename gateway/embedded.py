@@ -54,6 +54,21 @@ def _read_pid(path: Path) -> int | None:
         return None
 
 
+# Settings that suit the gateway's write pattern: two small commits per effect, random keys into one
+# index. A checkpoint writes every page it touched in full to the WAL the next time each is changed
+# (full-page images); random key inserts touch many pages, so most WAL after a checkpoint is such
+# images. Spacing checkpoints out (15 min, or 4 GB of WAL) makes each page's image rarer, and
+# compressing them (pglz: this build has no lz4) shrinks the rest. The same advice, for a Postgres of
+# one's own, is in docs/operations.md. Applied with ALTER SYSTEM and a reload: no restart needed.
+WRITE_PATTERN_SETTINGS = """
+alter system set wal_compression = 'on';
+alter system set checkpoint_timeout = '15min';
+alter system set max_wal_size = '4GB';
+alter system set checkpoint_completion_target = 0.9;
+select pg_reload_conf();
+"""
+
+
 class EmbeddedPostgres:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir.resolve()
@@ -76,6 +91,11 @@ class EmbeddedPostgres:
             raise StoreUnavailable(f"cannot start the embedded Postgres in {self.pgdata}: {exc}") from exc
         self.pid = server.get_pid()
         self.dsn = server.get_uri()
+        if not was_running:
+            try:
+                server.psql(WRITE_PATTERN_SETTINGS)
+            except Exception as exc:  # psql's exit status, or the wheel's own errors
+                log.warning("embedded Postgres kept its default settings: %s", exc)
         owner = _read_pid(self._owner_file)
         if not was_running or owner is None or not _alive(owner):
             self.owned = True
