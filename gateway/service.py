@@ -118,7 +118,13 @@ class EffectService:
         try:
             # Built before the claim: a request that cannot be sent must leave no record behind.
             outbound = build_outbound(
-                policy, scoped, inbound.method, inbound.path, inbound.query, inbound.headers, inbound.body
+                policy,
+                scoped.derived(),
+                inbound.method,
+                inbound.path,
+                inbound.query,
+                inbound.headers,
+                inbound.body,
             )
         except StampError as exc:
             raise problems.CannotStamp(str(exc)) from None

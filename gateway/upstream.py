@@ -15,7 +15,6 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
-from gateway.keys import ScopedKey
 from gateway.outcome import Answered, NoAnswer, NotSent, Outcome
 from gateway.policy import UpstreamPolicy
 from gateway.stamp import stamp_request
@@ -60,7 +59,7 @@ class Outbound:
 
 def build_outbound(
     policy: UpstreamPolicy,
-    scoped: ScopedKey | None,
+    derived_key: str | None,
     method: str,
     path: str,
     query: str,
@@ -73,12 +72,12 @@ def build_outbound(
         for name, value in headers.items()
         if name.lower() not in HOP_BY_HOP and name.lower() not in GATEWAY_REQUEST_HEADERS
     }
-    # Without a key (scoped is None) the request is forwarded as it is: no derived key, no stamp.
-    if scoped is not None and policy.native_header:
-        out[policy.native_header] = scoped.derived()
-    if scoped is not None and policy.stamp is not None:
+    # Without a key (derived_key is None) the request is forwarded as it is: no derived key, no stamp.
+    if derived_key is not None and policy.native_header:
+        out[policy.native_header] = derived_key
+    if derived_key is not None and policy.stamp is not None:
         kind, name = policy.stamp
-        query, body = stamp_request(kind, name, scoped.derived(), query=query, headers=out, body=body)
+        query, body = stamp_request(kind, name, derived_key, query=query, headers=out, body=body)
     # Injected credentials win over anything the agent sent: agents hold no secrets.
     lowered = {name.lower() for name in policy.inject.headers}
     out = {name: value for name, value in out.items() if name.lower() not in lowered}
