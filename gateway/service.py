@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, assert_never
 
 from gateway import problems
+from gateway.body import RequestBody
 from gateway.decision import (
     Busy,
     Mismatch,
@@ -59,7 +60,7 @@ class Inbound:
     path: str  # as the agent sent it, still percent-encoded, starting with "/"
     query: str
     headers: Mapping[str, str]
-    body: bytes
+    body: RequestBody
     key: str | None
     wait: float
     run_id: str | None = None
@@ -150,7 +151,7 @@ class EffectService:
                 query=inbound.query,
                 fingerprint=request.fingerprint,
                 request_headers=redacted(inbound.headers, policy),
-                request_body=inbound.body,
+                request_body=inbound.body.raw,
                 run_id=inbound.run_id,
                 step=inbound.step,
             ),

@@ -31,6 +31,8 @@ class Call:
     query: str
     headers: dict[str, str]
     body: bytes
+    # Every header as received, repeats and all (headers above keeps one value per name).
+    header_list: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -56,7 +58,12 @@ class Upstream:
         body = await request.read()
         self.calls.append(
             Call(
-                request.method, request.path, request.raw_path.partition("?")[2], dict(request.headers), body
+                request.method,
+                request.path,
+                request.raw_path.partition("?")[2],
+                dict(request.headers),
+                body,
+                list(request.headers.items()),
             )
         )
         self.received.set()
