@@ -1,4 +1,4 @@
-"""What the upstream receives: the stamp and native key are the gateway's alone; the agent's headers as sent."""
+"""What the upstream receives: the stamp and native key are the gateway's alone; agent headers as sent."""
 
 from __future__ import annotations
 
@@ -50,15 +50,17 @@ async def test_an_agent_cannot_set_the_stamp_or_native_key(
     """A header (any case), form field, query parameter or JSON field under the gateway's name: 400."""
     headers, query, content_type, body = PLANTED[where]
     cfg = {"shop": {"base_url": upstream.url, **STAMPS[where]}}
-    async with gateway_server(dsn, upstreams=cfg) as gw:
-        async with http.put(
+    async with (
+        gateway_server(dsn, upstreams=cfg) as gw,
+        http.put(
             f"{gw.url}/shop/orders{query}",
             data=body,
             headers={"Content-Type": content_type, **headers, **({"Idempotency-Key": key} if key else {})},
-        ) as resp:
-            assert resp.status == 400
-            assert resp.content_type == PROBLEM
-            assert problem(await resp.read()) == "stamp-reserved"
+        ) as resp,
+    ):
+        assert resp.status == 400
+        assert resp.content_type == PROBLEM
+        assert problem(await resp.read()) == "stamp-reserved"
     assert upstream.calls == []
     assert await effect_rows(dsn) == []
 
@@ -68,9 +70,11 @@ async def test_a_native_key_named_idempotency_key_is_no_conflict(
 ) -> None:
     """The agent's Idempotency-Key is the gateway's input: the upstream gets only the derived one."""
     cfg = {"shop": {"base_url": upstream.url, "native_key": {"header": "Idempotency-Key"}}}
-    async with gateway_server(dsn, upstreams=cfg) as gw:
-        async with http.post(f"{gw.url}/shop/orders", data=b"{}", headers={"Idempotency-Key": "mine"}) as r:
-            assert r.status == 201
+    async with (
+        gateway_server(dsn, upstreams=cfg) as gw,
+        http.post(f"{gw.url}/shop/orders", data=b"{}", headers={"Idempotency-Key": "mine"}) as r,
+    ):
+        assert r.status == 201
     sent = [v for k, v in upstream.calls[0].header_list if k.lower() == "idempotency-key"]
     assert sent == [(await effect_rows(dsn))[0]["derived_key"]]
 
