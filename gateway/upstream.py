@@ -169,7 +169,9 @@ class UpstreamClient:
                     trace_configs=[trace],
                     # Bodies are stored and replayed byte for byte, so they are never decoded on the way.
                     auto_decompress=False,
-                    skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+                    # The upstream gets the agent's headers, not aiohttp's defaults for them (Accept: */*
+                    # among them): a header the agent did not send may change what the upstream does.
+                    skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
                     cookie_jar=aiohttp.DummyCookieJar(),
                 ),
                 policy.connect_timeout.total_seconds(),

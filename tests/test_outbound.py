@@ -5,11 +5,22 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from multidict import CIMultiDict
 
+from gateway.body import read_body
+from gateway.jsonbody import JsonRefused
+from gateway.policy import UpstreamPolicy, upstream_policy
+from gateway.settings import UpstreamSettings
+from gateway.stamp import StampError, reserved_use
+from gateway.upstream import build_outbound
+from tests.strategies import FORM_BYTES, OBJECT, json_text, spelled
 from tests.support import Upstream, effect_rows, gateway_server
 
 PROBLEM = "application/problem+json"
@@ -120,3 +131,105 @@ async def _raw(url: str, head: bytes, body: bytes = b"{}") -> bytes:
     raw = await reader.read()
     writer.close()
     return raw
+
+
+# --- properties ------------------------------------------------------------------------------------------
+
+HEADER_NAMES = st.sampled_from(["X-Tag", "X-Order", "Accept", "Content-Language", "X-Hop", "Keep-Alive"])
+HEADER_VALUE = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=8)
+STAMP_KINDS = st.sampled_from([None, "header", "query_param", "form_field", "json_field"])
+
+
+@st.composite
+def agent_request(draw: st.DrawFn) -> tuple[str, list[tuple[str, str]], str, bytes]:
+    """(query, headers, content type, body) as an agent might send them."""
+    query = b"&".join(
+        draw(spelled(n)) + b"=" + draw(spelled(v))
+        for n, v in draw(st.lists(st.tuples(FORM_BYTES, FORM_BYTES), max_size=3))
+    )
+    headers = draw(st.lists(st.tuples(HEADER_NAMES, HEADER_VALUE), max_size=5))
+    if draw(st.booleans()):
+        headers.append(("Connection", "X-Hop"))
+    kind = draw(st.sampled_from(["json", "form", "opaque"]))
+    if kind == "json":
+        return query.decode(), headers, "application/json", draw(json_text(draw(OBJECT))).encode()
+    if kind == "form":
+        form = b"&".join(
+            draw(spelled(n)) + b"=" + draw(spelled(v))
+            for n, v in draw(st.lists(st.tuples(FORM_BYTES, FORM_BYTES), max_size=3))
+        )
+        return query.decode(), headers, "application/x-www-form-urlencoded", form
+    return query.decode(), headers, "application/octet-stream", draw(st.binary(max_size=20))
+
+
+def policy_for(stamp: str | None, native: bool) -> UpstreamPolicy:
+    names = {"header": "X-Ref", "query_param": "ref", "form_field": "metadata[ref]", "json_field": "meta.ref"}
+    cfg = UpstreamSettings.model_validate(
+        {
+            "base_url": "http://upstream.invalid",
+            "stamp": {stamp: names[stamp]} if stamp else None,
+            "native_key": {"header": "X-Idem"} if native else None,
+        }
+    )
+    return upstream_policy("shop", cfg, timedelta(seconds=1))
+
+
+@given(agent_request(), STAMP_KINDS, st.booleans(), st.booleans())
+def test_the_upstream_gets_the_agents_request_plus_the_stamp_and_native_key(
+    request: tuple[str, list[tuple[str, str]], str, bytes], stamp: str | None, native: bool, keyed: bool
+) -> None:
+    """Headers (repeats, order), query and body go on as sent, plus the key where configured; nothing else."""
+    query, headers, content_type, raw = request
+    headers = [("Content-Type", content_type), *headers]
+    policy = policy_for(stamp, native)
+    try:
+        body = read_body(raw, content_type, policy.json_stamp_path)
+    except JsonRefused:
+        assume(False)
+        raise
+    agent_headers = CIMultiDict(headers)
+    assume(reserved_use(policy, agent_headers, query, body) is None)
+    try:
+        out = build_outbound(policy, "eg_k" if keyed else None, "POST", "/p", query, agent_headers, body)
+    except StampError:
+        assume(False)
+        raise
+    hop = (
+        {"x-hop", "keep-alive", "connection"}
+        if ("Connection", "X-Hop") in headers
+        else {"keep-alive", "connection"}
+    )
+    expected = [(k, v) for k, v in headers if k.lower() not in hop]
+    added = {"x-idem": native and keyed, "x-ref": stamp == "header" and keyed}
+    assert [(k, v) for k, v in out.headers.items() if k.lower() not in added] == expected
+    assert [k.lower() for k, _ in out.headers.items() if k.lower() in added] == [
+        n for n, on in added.items() if on
+    ]
+    sent_query = out.url.raw_query_string
+    if keyed and stamp == "query_param":
+        assert sent_query == (query + "&" if query else "") + "ref=eg_k"
+    else:
+        assert sent_query == query
+    if keyed and stamp == "form_field":  # into a form, or an empty body
+        assert out.body == (raw + b"&" if raw else b"") + b"metadata%5Bref%5D=eg_k"
+    elif keyed and stamp == "json_field":
+        assert json.loads(out.body)["meta"]["ref"] == "eg_k"
+        assert len(out.body) > len(raw)
+    else:
+        assert out.body == raw
+
+
+@given(st.lists(st.tuples(HEADER_NAMES, HEADER_VALUE), max_size=5))
+@settings(max_examples=max(5, settings.default.max_examples // 5))
+async def test_the_upstream_gets_no_header_the_agent_did_not_send(
+    dsn: str, upstream: Upstream, headers: list[tuple[str, str]]
+) -> None:
+    """End to end, the upstream's headers are the agent's (less hop-by-hop), plus Host and Content-Length."""
+    upstream.calls.clear()
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
+        head = b"PUT /shop/doc HTTP/1.1\r\nHost: x\r\n" + b"".join(
+            f"{name}: {value}\r\n".encode() for name, value in headers
+        )
+        assert (await _raw(gw.url, head)).split(b" ", 2)[1] == b"201"
+    received = [(k, v) for k, v in upstream.calls[0].header_list if k not in ("Host", "Content-Length")]
+    assert received == [(k, v) for k, v in headers if k.lower() not in ("keep-alive", "connection")]
