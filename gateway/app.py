@@ -274,17 +274,13 @@ def to_response(reply: Reply) -> web.Response:
 
 def response_of(stored: StoredResponse, *, replayed: bool) -> web.Response:
     """The stored answer with exactly the upstream's header bytes, on the first relay and every replay."""
-    resp = RawHeadResponse(status=stored.status, body=stored.body)
-    # Stored headers replace aiohttp's defaults (Content-Type, Date, Server) so a replay is identical.
-    resp.headers.clear()
-    for name, value in stored.headers:
-        # Lengths are aiohttp's to write; stored rows from before this rule, or an operator's, may hold one.
-        if name.lower() not in UNSTORED_RESPONSE_HEADERS:
-            resp.headers.add(name, value)
+    # Lengths are aiohttp's to write; stored rows from before this rule, or an operator's, may hold one.
+    headers = [
+        (name, value) for name, value in stored.headers if name.lower() not in UNSTORED_RESPONSE_HEADERS
+    ]
     if replayed:
-        resp.headers["Idempotent-Replayed"] = "true"
+        headers.append(("Idempotent-Replayed", "true"))
     try:
-        resp.check()
+        return RawHeadResponse(stored.status, headers, stored.body)
     except HeaderRefused as exc:
         raise problems.Problem(f"the stored answer cannot be written: {exc}") from None
-    return resp

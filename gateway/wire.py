@@ -42,15 +42,27 @@ def head_bytes(status_line: str, headers: Iterable[tuple[str, str]]) -> bytes:
     return status_line.encode("ascii") + b"\r\n" + b"".join(header_line(n, v) for n, v in headers) + b"\r\n"
 
 
-class RawHeadResponse(web.Response):
-    """A response whose head is written byte for byte from its (surrogate-escaped) headers.
+# aiohttp fills these in when a response has none; an answer relayed from an upstream keeps what the
+# upstream sent (an invented Content-Type would change how the agent reads the body). Date is still
+# added when missing, as RFC 9110 section 6.6.1 asks of a server that forwards a response.
+_NOT_INVENTED = ("Content-Type", "Server")
 
-    Build it, then call :meth:`check` inside the handler, so a header that cannot be written is a
+
+class RawHeadResponse(web.Response):
+    """A response whose head is written byte for byte from the given (surrogate-escaped) headers.
+
+    Raises :class:`HeaderRefused` at once for a header that cannot be written, so that it becomes a
     problem+json answer of the handler's own instead of a failure while aiohttp sends the response.
     """
 
-    def check(self) -> None:
+    def __init__(self, status: int, headers: Iterable[tuple[str, str]], body: bytes) -> None:
+        super().__init__(status=status, body=body)
+        # Given headers replace aiohttp's defaults (Content-Type, Date, Server) so a replay is identical.
+        self.headers.clear()
+        for name, value in headers:
+            self.headers.add(name, value)
         head_bytes("HTTP/1.1 200 OK", self.headers.items())
+        self._not_invented = {name for name in _NOT_INVENTED if name not in self.headers}
 
     async def _write_headers(self) -> None:
         # aiohttp calls this once the headers are final (Content-Length, Date added); the status line
@@ -61,7 +73,8 @@ class RawHeadResponse(web.Response):
         assert writer is not None
         version = request.version
         status_line = f"HTTP/{version.major}.{version.minor} {self.status} {self.reason}"
-        put_head(writer, head_bytes(status_line, self.headers.items()))
+        headers = [(name, value) for name, value in self.headers.items() if name not in self._not_invented]
+        put_head(writer, head_bytes(status_line, headers))
 
 
 def put_head(writer: AbstractStreamWriter, head: bytes) -> None:

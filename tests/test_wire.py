@@ -110,6 +110,17 @@ async def test_a_header_that_is_not_utf8_reaches_the_agent_byte_for_byte(
     assert body == b"ok"
 
 
+async def test_the_gateway_invents_no_content_type_or_server_for_an_answer(
+    gateway: Gateway, upstream_raw: RawUpstream
+) -> None:
+    """An answer without Content-Type or Server reaches the agent without them, not as octet-stream."""
+    upstream_raw.answer = answer(b"X-Only: 1")
+    _, lines, _ = await raw_request(gateway.url, GET)
+    names = [line.split(b":")[0].lower() for line in lines]
+    assert b"content-type" not in names
+    assert b"server" not in names
+
+
 async def _serve_stored(stored: StoredResponse, *, replayed: bool) -> list[bytes]:
     """The head of ``stored`` as the gateway's response writer puts it on a real socket."""
 
