@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
+from gateway import problems
 from tests.support import Gateway, Upstream, effect_rows, gateway_server
 
 TENANTS = {"a": {"token": "env:TOKEN_A"}}
@@ -105,3 +108,13 @@ async def test_malformed_requests_and_clients_that_go_away_are_not_logged_as_our
     assert loud == [], [r.getMessage() for r in loud]
     assert any("malformed request" in r.getMessage() for r in caplog.records)
     assert any("went away" in r.getMessage() for r in caplog.records)
+
+
+def test_the_readme_lists_every_problem_type() -> None:
+    """Clients branch on problem types, so the README's list of them is kept whole and true."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    listed = readme[
+        readme.index("Errors of the gateway's own") : readme.index("Admin: `GET /_gateway/health`")
+    ]
+    names = set(re.findall(r"`([a-z]+(?:-[a-z]+)*)`", listed)) - {"type"}
+    assert names == set(problems.problem_types()) | {"internal"}
