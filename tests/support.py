@@ -153,6 +153,18 @@ async def gateway_server(dsn: str, **settings: Any) -> AsyncIterator[Gateway]:
         await runner.cleanup()
 
 
+async def raw_exchange(url: str, head: bytes, body: bytes = b"{}") -> bytes:
+    """Send ``head`` (request line and headers, each ending in CRLF) and ``body`` over a plain socket to
+    ``url``; the answer's bytes exactly as they came, once the server closes the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    answer = await reader.read()
+    writer.close()
+    return answer
+
+
 def other_database(dsn: str, name: str) -> str:
     """The same server as ``dsn``, another database (for tests that must not touch the shared one)."""
     parts = urlsplit(dsn)

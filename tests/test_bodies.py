@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
+from tests.strategies import DIFFERENT_NUMBERS
 from tests.support import Gateway, Upstream, effect_rows, gateway_server
 
 PROBLEM = "application/problem+json"
@@ -61,15 +62,7 @@ async def test_the_upstream_gets_the_agents_json_bytes_with_only_the_stamp_added
     assert upstream.calls[0].body == body[:-2] + b',"metadata":{"ref":"' + derived.encode() + b'"} }'
 
 
-@pytest.mark.parametrize(
-    ("first", "second"),
-    [
-        (b'{"p":10.50}', b'{"p":10.5}'),
-        (b'{"p":0.1}', b'{"p":0.10000000000000000555}'),
-        (b'{"p":-0}', b'{"p":0}'),
-        (b'{"p":1e400}', b'{"p":2e400}'),
-    ],
-)
+@pytest.mark.parametrize(("first", "second"), DIFFERENT_NUMBERS)
 async def test_numbers_written_differently_are_different_requests(
     stamped: Gateway, upstream: Upstream, http: aiohttp.ClientSession, first: bytes, second: bytes
 ) -> None:

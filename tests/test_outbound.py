@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -21,7 +20,7 @@ from gateway.settings import UpstreamSettings
 from gateway.stamp import StampError, reserved_use
 from gateway.upstream import build_outbound
 from tests.strategies import FORM_BYTES, OBJECT, json_text, spelled
-from tests.support import Upstream, effect_rows, gateway_server
+from tests.support import Upstream, effect_rows, gateway_server, raw_exchange
 
 PROBLEM = "application/problem+json"
 
@@ -94,10 +93,14 @@ async def test_a_fragment_in_the_target_is_refused(dsn: str, upstream: Upstream)
     """'#' would hide a query stamp added after it, so the target is refused and nothing is sent."""
     cfg = {"shop": {"base_url": upstream.url, "stamp": {"query_param": "ref"}}}
     async with gateway_server(dsn, upstreams=cfg) as gw:
-        raw = await _raw(gw.url, b"POST /shop/orders?a=1#frag HTTP/1.1\r\nHost: x\r\nIdempotency-Key: h\r\n")
+        raw = await raw_exchange(
+            gw.url, b"POST /shop/orders?a=1#frag HTTP/1.1\r\nHost: x\r\nIdempotency-Key: h\r\n"
+        )
         assert raw.split(b" ", 2)[1] == b"400"
         assert b"problems/path-refused" in raw
-        raw = await _raw(gw.url, b"POST /shop/caf\xc3\xa9 HTTP/1.1\r\nHost: x\r\nIdempotency-Key: u\r\n")
+        raw = await raw_exchange(
+            gw.url, b"POST /shop/caf\xc3\xa9 HTTP/1.1\r\nHost: x\r\nIdempotency-Key: u\r\n"
+        )
         assert raw.split(b" ", 2)[1] == b"400"
     assert upstream.calls == []
 
@@ -109,7 +112,7 @@ async def test_headers_reach_the_upstream_as_the_agent_sent_them(
     monkeypatch.setenv("SHOP_SECRET", "Bearer sk_injected")
     cfg = {"shop": {"base_url": upstream.url, "inject_headers": {"Authorization": "env:SHOP_SECRET"}}}
     async with gateway_server(dsn, upstreams=cfg) as gw:
-        raw = await _raw(
+        raw = await raw_exchange(
             gw.url,
             b"POST /shop/orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: hh\r\nX-Tag: a\r\nX-Tag: b\r\n"
             b"Connection: keep-alive, X-Hop\r\nX-Hop: secret\r\nKeep-Alive: timeout=5\r\n"
@@ -121,16 +124,6 @@ async def test_headers_reach_the_upstream_as_the_agent_sent_them(
     assert not [k for k, _ in sent if k.lower() in ("x-hop", "keep-alive")]
     assert "X-Hop" not in " ".join(v for k, v in sent if k.lower() == "connection")
     assert [v for k, v in sent if k.lower() == "authorization"] == ["Bearer sk_injected"]
-
-
-async def _raw(url: str, head: bytes, body: bytes = b"{}") -> bytes:
-    host, port = url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
-    await writer.drain()
-    raw = await reader.read()
-    writer.close()
-    return raw
 
 
 # --- properties ------------------------------------------------------------------------------------------
@@ -230,6 +223,6 @@ async def test_the_upstream_gets_no_header_the_agent_did_not_send(
         head = b"PUT /shop/doc HTTP/1.1\r\nHost: x\r\n" + b"".join(
             f"{name}: {value}\r\n".encode() for name, value in headers
         )
-        assert (await _raw(gw.url, head)).split(b" ", 2)[1] == b"201"
+        assert (await raw_exchange(gw.url, head)).split(b" ", 2)[1] == b"201"
     received = [(k, v) for k, v in upstream.calls[0].header_list if k not in ("Host", "Content-Length")]
     assert received == [(k, v) for k, v in headers if k.lower() not in ("keep-alive", "connection")]

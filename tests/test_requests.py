@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway import problems
-from tests.support import Gateway, Upstream, effect_rows, gateway_server
+from tests.support import Gateway, Upstream, effect_rows, gateway_server, raw_exchange
 
 TENANTS = {"a": {"token": "env:TOKEN_A"}}
 
@@ -28,13 +28,7 @@ async def gateway(dsn: str, upstream: Upstream, monkeypatch: pytest.MonkeyPatch)
 
 
 async def raw(gw: Gateway, head: bytes, body: bytes = b"{}") -> bytes:
-    host, port = gw.url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
-    await writer.drain()
-    answer = await reader.read()
-    writer.close()
-    return answer
+    return await raw_exchange(gw.url, head, body)
 
 
 def status_and_type(answer: bytes) -> tuple[int, str | None]:

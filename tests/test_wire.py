@@ -18,7 +18,7 @@ from gateway.admin import parse_resolution
 from gateway.app import response_of
 from gateway.record import StoredResponse
 from gateway.upstream import storable_headers
-from tests.support import Gateway, effect_rows, gateway_server
+from tests.support import Gateway, effect_rows, gateway_server, raw_exchange
 
 
 @dataclass
@@ -58,13 +58,7 @@ async def raw_upstream() -> AsyncIterator[RawUpstream]:
 
 async def raw_request(url: str, head: bytes, body: bytes = b"{}") -> tuple[bytes, list[bytes], bytes]:
     """(status line, header lines, body) exactly as the bytes came."""
-    host, port = url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
-    await writer.drain()
-    raw = await reader.read()
-    writer.close()
-    head_bytes, _, rest = raw.partition(b"\r\n\r\n")
+    head_bytes, _, rest = (await raw_exchange(url, head, body)).partition(b"\r\n\r\n")
     status, *lines = head_bytes.split(b"\r\n")
     return status, lines, rest
 
