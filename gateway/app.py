@@ -40,6 +40,9 @@ _ENCODED_TRICKS = re.compile(r"%(2f|5c|2e|00)", re.IGNORECASE)
 # A request target is printable ASCII (RFC 9112 section 3.2); anything else is percent-encoded by a
 # client that means it, and would be re-encoded on the way upstream, differently by each library.
 _TARGET = re.compile(r"[\x21-\x7e]*")
+# After refusing a request whose body has not all come (408, 413), aiohttp reads and drops the rest
+# for this long so the agent can read the answer: a live agent sends even max_body_bytes far faster,
+# and a stalled one would otherwise hold the socket for aiohttp's default of 10 s.
 LINGER_SECONDS = 2.0
 # Past this size a body is parsed off the event loop: the parse then takes milliseconds, which the
 # other requests in flight should not wait for.
@@ -62,9 +65,6 @@ def make_app(settings: Settings, dsn: str) -> web.Application:
             # aiohttp closes a connection that has not delivered a whole request head this long after
             # it opened or after its previous answer: the head timeout (see the setting).
             "keepalive_timeout": settings.request_head_timeout.total_seconds(),
-            # After refusing a request whose body has not all come (408, 413), aiohttp reads and drops
-            # the rest for this long so the agent can read the answer; a stalled peer would hold the
-            # socket the whole time, and a live one sends a body of max_body_bytes far faster.
             "lingering_time": LINGER_SECONDS,
             "logger": ServerLog(logging.getLogger("aiohttp.server")),
         },
