@@ -12,12 +12,12 @@ from aiohttp import web
 
 from gateway import audit_page, jsonbody, problems
 from gateway.decision import resolution
+from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.record import EffectRecord, StoredResponse
 from gateway.runtime import RUNTIME, Runtime, is_admin, read_request_body, tenant_of
 from gateway.settings import parse_duration
 from gateway.states import State
 from gateway.store import EffectFilter
-from gateway.upstream import UNSTORED_RESPONSE_HEADERS
 from gateway.wire import HeaderRefused, header_line
 
 # A page of the audit: enough to scan by eye, small enough to render at once.

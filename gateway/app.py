@@ -16,6 +16,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from gateway import admin, codings, problems
 from gateway.body import RequestBody, read_body
 from gateway.errors import StoreUnavailable
+from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.jsonbody import JsonRefused
 from gateway.keys import KeySyntaxError, parse_key
 from gateway.policy import UpstreamPolicy, upstream_policies
@@ -26,7 +27,7 @@ from gateway.service import EffectService, Inbound, Reply
 from gateway.settings import Settings
 from gateway.stamp import reserved_use
 from gateway.store import Store, migrate
-from gateway.upstream import UNSTORED_RESPONSE_HEADERS, UpstreamClient
+from gateway.upstream import UpstreamClient
 from gateway.wire import HeaderRefused, RawHeadResponse
 
 log = logging.getLogger("effect_gateway")

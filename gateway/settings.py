@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -26,6 +27,24 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from gateway.errors import ConfigError
+from gateway.headers import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP
+
+# RFC 9110 section 5.6.2: what a header name may be.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# Where the gateway cannot put its key: headers that stop at a hop or that it sets or drops itself. The
+# agent's Idempotency-Key is never forwarded, so the upstream's native header may share its name.
+_NOT_FOR_KEYS = (HOP_BY_HOP | GATEWAY_REQUEST_HEADERS) - {"idempotency-key"}
+
+
+def key_header(value: str) -> str:
+    if not _TOKEN.fullmatch(value):
+        raise ValueError(f"{value!r} is not a header name")
+    if value.lower() in _NOT_FOR_KEYS:
+        raise ValueError(f"{value!r} cannot carry the key: the gateway sets or drops that header itself")
+    return value
+
+
+KeyHeader = Annotated[str, AfterValidator(key_header)]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -78,7 +97,7 @@ class _Section(BaseModel):
 
 
 class NativeKeySettings(_Section):
-    header: str = "Idempotency-Key"
+    header: KeyHeader = "Idempotency-Key"
     # Stripe prunes keys once they are 24 h old; most APIs that honour keys do the same or less.
     ttl: Duration = timedelta(hours=24)
 
@@ -87,7 +106,7 @@ class StampSettings(_Section):
     json_field: str | None = None
     form_field: str | None = None
     query_param: str | None = None
-    header: str | None = None
+    header: KeyHeader | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StampSettings:

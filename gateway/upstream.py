@@ -17,44 +17,18 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from gateway.body import RequestBody
+from gateway.headers import (
+    GATEWAY_REQUEST_HEADERS,
+    HOP_BY_HOP,
+    UNSTORED_RESPONSE_HEADERS,
+    connection_scoped,
+)
 from gateway.outcome import Answered, NoAnswer, NotSent, Outcome
 from gateway.policy import UpstreamPolicy
 from gateway.stamp import stamp_request
 
-# RFC 9110 section 7.6.1: meaningful for one connection only, so never forwarded nor stored; so are the
-# headers a message's own Connection header names.
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "proxy-connection",
-    }
-)
-# Headers that belong to the gateway (or that aiohttp computes itself) and are not forwarded upstream.
-# Expect belongs to the agent's connection (aiohttp answered it); the body goes upstream decoded, so its
-# Content-Encoding stays here (see gateway.codings).
-GATEWAY_REQUEST_HEADERS = frozenset(
-    {
-        "host",
-        "content-length",
-        "content-encoding",
-        "expect",
-        "idempotency-key",
-        "effect-gateway-token",
-        "effect-gateway-run",
-        "effect-gateway-step",
-        "prefer",
-    }
-)
-# Not stored for replay: lengths are recomputed, a cookie is a credential the audit must not keep, and
-# only the gateway says whether an answer is a replay.
-UNSTORED_RESPONSE_HEADERS = HOP_BY_HOP | {"content-length", "set-cookie", "idempotent-replayed"}
+# Re-exported: the service keeps them out of the audit.
+__all__ = ["GATEWAY_REQUEST_HEADERS", "HOP_BY_HOP", "UNSTORED_RESPONSE_HEADERS", "Outbound", "UpstreamClient"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,17 +38,6 @@ class Outbound:
     url: URL
     headers: CIMultiDict[str]
     body: bytes
-
-
-def connection_scoped(headers: Iterable[tuple[str, str]]) -> frozenset[str]:
-    """Lower-cased names that must not cross the gateway: hop-by-hop ones and those Connection names."""
-    named = {
-        token.strip().lower()
-        for name, value in headers
-        if name.lower() == "connection"
-        for token in value.split(",")
-    }
-    return HOP_BY_HOP | named
 
 
 def build_outbound(
