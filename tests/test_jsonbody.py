@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from gateway import jsonbody
 from gateway.jsonbody import JsonRefused
-from tests.strategies import OBJECT, json_text
+from tests.strategies import OBJECT, TREE, json_text
 
 DEEP = b"[" * 10_000 + b"]" * 10_000
 
@@ -119,3 +119,28 @@ def test_stamping_never_produces_invalid_json_nor_changes_the_rest(
     prefix = next((i for i, (x, y) in enumerate(zip(text, stamped, strict=False)) if x != y), len(text))
     assert stamped.startswith(text[:prefix])
     assert stamped.endswith(text[prefix:]), "one insertion; the rest of the agent's bytes unchanged"
+
+
+@given(st.text(alphabet='{}[]",:0123456789.eE-+ \nabtrufalsNIy\\', max_size=24) | st.builds(json.dumps, TREE))
+def test_the_strict_parser_accepts_exactly_what_json_loads_reads_unambiguously(text: str) -> None:
+    """Whatever we accept, the standard parser reads alike; we refuse only bad JSON or ambiguous JSON."""
+    objects: list[list[tuple[str, Any]]] = []
+    constants: list[str] = []
+
+    def remember(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        objects.append(pairs)
+        return dict(pairs)
+
+    try:
+        json.loads(text, object_pairs_hook=remember, parse_constant=constants.append)
+        readable = True
+    except (ValueError, RecursionError):
+        readable = False
+    try:
+        ours = jsonbody.parse(text.encode()).value
+    except JsonRefused:
+        ambiguous = bool(constants) or any(len(dict(pairs)) != len(pairs) for pairs in objects)
+        assert not readable or ambiguous, "refused a document the standard parser reads plainly"
+        return
+    assert readable, "accepted something the standard parser refuses"
+    assert json.loads(jsonbody.compact(ours)) == json.loads(text)
