@@ -23,13 +23,14 @@ class RequestBody:
     raw: bytes
     kind: BodyKind = "opaque"
     json: JsonDocument | None = None
+    form: tuple[urlencoded.Pair, ...] = ()
 
     def canonical(self) -> bytes:
         """What the fingerprint sees: one spelling per document (see jsonbody and urlencoded)."""
         if self.json is not None:
             return self.json.canonical()
         if self.kind == "form":
-            return urlencoded.canonical(self.raw)
+            return urlencoded.canonical(self.form)
         return self.raw
 
 
@@ -51,5 +52,5 @@ def read_body(raw: bytes, content_type: str, json_path: Sequence[str] = ()) -> R
     if raw and (json_path or is_json(media)):
         return RequestBody(raw, "json", jsonbody.parse(raw, json_path))
     if media == FORM:
-        return RequestBody(raw, "form")
+        return RequestBody(raw, "form", form=urlencoded.pairs(raw))
     return RequestBody(raw)

@@ -22,7 +22,7 @@ NEVER_FINGERPRINTED = frozenset(
 
 def canonical_query(query: str) -> str:
     """The query's pairs in their order, each byte spelled one way (``+`` is a space)."""
-    return urlencoded.canonical(query.encode("utf-8", "surrogateescape")).decode()
+    return urlencoded.canonical(urlencoded.pairs(query.encode("utf-8", "surrogateescape"))).decode()
 
 
 def fingerprint(

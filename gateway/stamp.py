@@ -69,9 +69,9 @@ def reserved_use(
     if policy.stamp is None:
         return None
     kind, name = policy.stamp
-    if kind == "query_param" and urlencoded.has_name(query.encode(), name):
+    if kind == "query_param" and urlencoded.has_name(urlencoded.pairs(query.encode()), name):
         return f"the query parameter {name}"
-    if kind == "form_field" and body.kind == "form" and urlencoded.has_name(body.raw, name):
+    if kind == "form_field" and urlencoded.has_name(body.form, name):
         return f"the form field {name}"
     if kind == "json_field" and body.json is not None and isinstance(body.json.site, Taken):
         return f"the JSON field {name}"

@@ -23,29 +23,27 @@ _BARE_PERCENT_MARK = b"%%"
 class Pair:
     name: bytes  # percent-decoded
     value: bytes | None  # percent-decoded; None when the pair has no "=" at all
+    canonical: bytes  # the pair spelled the one way (see canonical())
 
 
-def pairs(raw: bytes) -> list[Pair]:
+def pairs(raw: bytes) -> tuple[Pair, ...]:
     """Every ``&``-separated pair, in order, empty ones included."""
     found = []
     for segment in raw.split(b"&"):
         name, eq, value = segment.partition(b"=")
-        found.append(Pair(_decode(name), _decode(value) if eq else None))
-    return found
+        spelled = _canonical(name) + (b"=" + _canonical(value) if eq else b"")
+        found.append(Pair(_decode(name), _decode(value) if eq else None, spelled))
+    return tuple(found)
 
 
-def canonical(raw: bytes) -> bytes:
+def canonical(parsed: tuple[Pair, ...]) -> bytes:
     """One spelling for every way of writing the same pairs in the same order."""
-    out = []
-    for segment in raw.split(b"&"):
-        name, eq, value = segment.partition(b"=")
-        out.append(_canonical(name) + (b"=" + _canonical(value) if eq else b""))
-    return b"&".join(out)
+    return b"&".join(pair.canonical for pair in parsed)
 
 
-def has_name(raw: bytes, name: str) -> bool:
+def has_name(parsed: tuple[Pair, ...], name: str) -> bool:
     wanted = name.encode()
-    return any(pair.name == wanted for pair in pairs(raw))
+    return any(pair.name == wanted for pair in parsed)
 
 
 def append(raw: bytes, name: str, value: str) -> bytes:
