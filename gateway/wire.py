@@ -80,9 +80,10 @@ class RawHeadResponse(web.Response):
 def put_head(writer: AbstractStreamWriter, head: bytes) -> None:
     """Send the head before aiohttp writes the body.
 
-    The one use of aiohttp's private API is overriding ``StreamResponse._write_headers`` above (its
-    public writer only takes text it encodes itself). The head goes straight to the transport: with
-    nothing buffered by write_headers(), aiohttp's writer sends the body right behind it.
+    aiohttp's private API is used in this module only: ``RawHeadResponse._write_headers`` overrides
+    StreamResponse's and reads its ``_req`` and ``_payload_writer`` (the public writer only takes text
+    that it encodes itself). The head goes straight to the transport: with nothing buffered by
+    write_headers(), aiohttp's writer sends the body right behind it.
     tests/test_wire.py reads the exact bytes from a socket, so a change in aiohttp fails it loudly.
     """
     transport = writer.transport
