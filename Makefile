@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest serve demo bench clean
+.PHONY: test lint typecheck pytest fuzz serve demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ typecheck: $(STAMP)
 
 pytest: $(STAMP)
 	$(BIN)/pytest
+
+# The property tests with thousands of examples each (`make test` runs a few): long, not for CI.
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/pytest -q tests/test_jsonbody.py tests/test_fingerprint.py tests/test_outbound.py tests/test_wire.py
 
 # The main job: the crash matrix of the reference article, on the embedded Postgres, with real SIGKILLs.
 demo: $(STAMP)

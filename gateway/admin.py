@@ -4,22 +4,31 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import re
 from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 
-from gateway import audit_page, operators, problems
+from gateway import audit_page, jsonbody, operators, problems
 from gateway.decision import NotAwaitingOperator
+from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.record import EffectRecord, StoredResponse
-from gateway.runtime import RUNTIME, Runtime, is_admin, tenant_of
+from gateway.runtime import RUNTIME, Runtime, is_admin, read_request_body, tenant_of
 from gateway.settings import parse_duration
 from gateway.states import State
 from gateway.store import EffectFilter
+from gateway.wire import HeaderRefused, header_line
 
 # A page of the audit: enough to scan by eye, small enough to render at once.
 DEFAULT_PAGE = 50
 MAX_PAGE = 500
+# Effect ids are Postgres bigints.
+MAX_ID = 2**63 - 1
+# ASCII digits only (str.isdigit() also takes '²' and other scripts' digits, which int() then refuses),
+# and few enough that int() never meets its own limit.
+_WHOLE_NUMBER = re.compile(r"[0-9]{1,19}")
 
 
 def add_routes(app: web.Application) -> None:
@@ -49,14 +58,26 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Up or down for anyone (a load balancer holds no token); the counts for who may read them.
+
+    Up means this worker serves and Postgres answers; the effect tables are not read for it, so a
+    readiness probe costs the same at a billion effects as at none. The counts (open states exact,
+    completed estimated; a tenant sees its own open ones) need a token.
+    """
     runtime = _runtime(request)
-    counts = await runtime.store.state_counts()
+    await runtime.store.ping()  # down (503) when the store is
+    try:
+        viewer = _viewer(request, runtime)
+    except problems.Problem:
+        return _json({"status": "ok"})
+    counts = await runtime.store.state_counts(viewer)
     return _json(
         {
             "status": "ok",
             "effects": counts,
             "needs_review": counts[State.NEEDS_REVIEW.value],
             "upstreams": sorted(runtime.policies),
+            "worker": os.getpid(),
         }
     )
 
@@ -122,20 +143,33 @@ def effect_json(record: EffectRecord, *, full: bool) -> dict[str, Any]:
 
 
 def _since(value: str) -> datetime:
+    """An ISO time (UTC when it names no zone) or a duration back from now, such as ``1h``."""
     try:
-        return datetime.fromisoformat(value)
+        when = datetime.fromisoformat(value)
     except ValueError:
         pass
+    else:
+        return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
     try:
         return datetime.now(UTC) - parse_duration(value)
-    except ValueError:
-        raise problems.BadRequest(f"since={value!r} is neither an ISO time nor a duration like 1h") from None
+    except (ValueError, OverflowError):
+        raise problems.BadRequest(
+            f"since={value!r} is neither an ISO time nor a duration like 1h (at most a century)"
+        ) from None
+
+
+def whole_number(value: str, low: int, high: int) -> int | None:
+    """``value`` as an int from ``low`` to ``high``, or None when it is anything else."""
+    if not _WHOLE_NUMBER.fullmatch(value) or not low <= int(value) <= high:
+        return None
+    return int(value)
 
 
 def _int(value: str, name: str, low: int, high: int) -> int:
-    if not value.isdigit() or not low <= int(value) <= high:
+    number = whole_number(value, low, high)
+    if number is None:
         raise problems.BadRequest(f"{name} must be a whole number from {low} to {high}")
-    return int(value)
+    return number
 
 
 def parse_filter(query: dict[str, str], tenant: str | None) -> EffectFilter:
@@ -148,7 +182,7 @@ def parse_filter(query: dict[str, str], tenant: str | None) -> EffectFilter:
         upstream=query.get("upstream"),
         run_id=query.get("run"),
         since=_since(query["since"]) if "since" in query else None,
-        before_id=_int(query["before"], "before", 1, 2**62) if "before" in query else None,
+        before_id=_int(query["before"], "before", 1, MAX_ID) if "before" in query else None,
         limit=_int(query["limit"], "limit", 1, MAX_PAGE) if "limit" in query else DEFAULT_PAGE,
     )
 
@@ -179,9 +213,10 @@ async def audit(request: web.Request) -> web.Response:
 async def _load(request: web.Request, tenant: str | None) -> EffectRecord:
     runtime = _runtime(request)
     raw = request.match_info["id"]
-    if not raw.isdigit():
-        raise problems.NotFound(f"no effect {raw!r}")
-    record = await runtime.store.get(int(raw), tenant)
+    effect_id = whole_number(raw, 1, MAX_ID)
+    if effect_id is None:
+        raise problems.BadRequest(f"an effect id is a whole number from 1 to {MAX_ID}, not {raw!r}")
+    record = await runtime.store.get(effect_id, tenant)
     if record is None:
         raise problems.NotFound(f"no effect {raw}")
     return record
@@ -211,6 +246,13 @@ def parse_resolution(doc: Any) -> tuple[bool, StoredResponse | None]:
         headers = [(str(k), str(v)) for k, v in headers_in]
     else:
         raise problems.BadRequest("response.headers must be an object or a list of [name, value]")
+    for name, value in headers:
+        if name.lower() in UNSTORED_RESPONSE_HEADERS:
+            raise problems.BadRequest(f"response.headers may not set {name}: the gateway writes it itself")
+        try:
+            header_line(name, value)
+        except HeaderRefused as exc:
+            raise problems.BadRequest(f"response.headers: {exc}") from None
     if "json" in response:
         body = json.dumps(response["json"]).encode()
         if not any(k.lower() == "content-type" for k, _ in headers):
@@ -229,9 +271,9 @@ async def resolve_effect(request: web.Request) -> web.Response:
         raise problems.AdminTokenRequired("resolving an effect needs the admin token")
     record = await _load(request, None)
     try:
-        doc = await request.json()
-    except ValueError:
-        raise problems.BadRequest("the body must be JSON") from None
+        doc = jsonbody.loads(await read_request_body(request, runtime.settings))
+    except jsonbody.JsonRefused as exc:
+        raise problems.BadRequest(f"the body must be JSON: {exc}") from None
     happened, response = parse_resolution(doc)
     try:
         resolved = await operators.resolve(

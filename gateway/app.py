@@ -6,22 +6,30 @@ import asyncio
 import contextlib
 import logging
 import re
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from gateway import admin, problems
+from gateway import admin, codings, problems
+from gateway.body import RequestBody, read_body
 from gateway.errors import StoreRejected, StoreUnavailable
+from gateway.headers import UNSTORED_RESPONSE_HEADERS
+from gateway.jsonbody import JsonRefused
 from gateway.keys import KeySyntaxError, parse_key
-from gateway.policy import upstream_policies
+from gateway.policy import UpstreamPolicy, upstream_policies
 from gateway.probes import Prober
 from gateway.record import StoredResponse
-from gateway.runtime import RUNTIME, Runtime, tenant_of
+from gateway.runtime import RUNTIME, ClientGone, Runtime, check_headers, read_request_body, tenant_of
 from gateway.schema import migrate
 from gateway.service import EffectService, Inbound, Reply
 from gateway.settings import Settings
+from gateway.stamp import reserved_use
 from gateway.store import Store, StoreLimits
 from gateway.upstream import UpstreamClient
+from gateway.wire import HeaderRefused, RawHeadResponse
 
 log = logging.getLogger("effect_gateway")
 
@@ -29,6 +37,16 @@ log = logging.getLogger("effect_gateway")
 MAX_LABEL = 255
 # An encoded slash, backslash, dot or NUL lets a path mean one thing to us and another upstream.
 _ENCODED_TRICKS = re.compile(r"%(2f|5c|2e|00)", re.IGNORECASE)
+# A request target is printable ASCII (RFC 9112 section 3.2); anything else is percent-encoded by a
+# client that means it, and would be re-encoded on the way upstream, differently by each library.
+_TARGET = re.compile(r"[\x21-\x7e]*")
+# After refusing a request whose body has not all come (408, 413), aiohttp reads and drops the rest
+# for this long so the agent can read the answer: a live agent sends even max_body_bytes far faster,
+# and a stalled one would otherwise hold the socket for aiohttp's default of 10 s.
+LINGER_SECONDS = 2.0
+# Past this size a body is parsed off the event loop: the parse then takes milliseconds, which the
+# other requests in flight should not wait for.
+OFF_LOOP_BYTES = 64 * 1024
 _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\d+)", re.IGNORECASE)
 
 
@@ -37,7 +55,20 @@ DSN = web.AppKey("dsn", str)
 
 def make_app(settings: Settings, dsn: str) -> web.Application:
     """The gateway as an aiohttp application; ``dsn`` is the Postgres to use (already running)."""
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[problem_middleware])
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[problem_middleware],
+        # Options of the HTTP server under the app, whichever runner serves it (cli, tests, bench).
+        handler_args={
+            # Bodies are decoded by gateway.codings, which knows the gateway's rule and its limits.
+            "auto_decompress": False,
+            # aiohttp closes a connection that has not delivered a whole request head this long after
+            # it opened or after its previous answer: the head timeout (see the setting).
+            "keepalive_timeout": settings.request_head_timeout.total_seconds(),
+            "lingering_time": LINGER_SECONDS,
+            "logger": ServerLog(logging.getLogger("aiohttp.server")),
+        },
+    )
     app[DSN] = dsn
     app.cleanup_ctx.append(_runtime(settings))
     admin.add_routes(app)
@@ -49,9 +80,9 @@ def _runtime(settings: Settings) -> Callable[[web.Application], AsyncIterator[No
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         await migrate(app[DSN])
         store = await Store.connect(app[DSN], max_size=settings.pool_size, limits=store_limits(settings))
-        client = UpstreamClient(settings.max_response_bytes)
-        prober = Prober(client.session)
         policies = upstream_policies(settings)
+        client = UpstreamClient(policies.values(), settings.max_response_bytes)
+        prober = Prober(client)
         for policy in policies.values():
             prober.check(policy)
         secret = settings.key_secret.get_secret_value().encode() if settings.key_secret else None
@@ -98,6 +129,23 @@ def store_limits(settings: Settings) -> StoreLimits:
     )
 
 
+class ServerLog(logging.LoggerAdapter[logging.Logger]):
+    """aiohttp's server log, less the tracebacks of other peers' mistakes.
+
+    aiohttp logs a request it cannot parse (a bad header, a bad Content-Length) at ERROR with a
+    traceback, as if the gateway had failed; one line at INFO says what the peer did. Everything else
+    it logs, the gateway's real failures among them, is passed on as it is.
+    """
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if isinstance(exc, HttpProcessingError):
+            first_line = (exc.message or "").strip().splitlines()[:1]
+            self.info("refused a malformed request (%s %s)", exc.code, " ".join(first_line).rstrip(":"))
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -105,9 +153,14 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 async def problem_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The one place where errors become problem+json."""
     try:
+        check_headers(request)
         return await handler(request)
     except problems.Problem as problem:
-        return problems.render(problem, instance=request.path_qs if request.path_qs.isascii() else None)
+        response = problems.render(problem, instance=request.path_qs if request.path_qs.isascii() else None)
+        if isinstance(problem, problems.RequestTimeout):
+            # What is left of the body may still come: it must not be read as the next request.
+            response.force_close()
+        return response
     except web.HTTPRequestEntityTooLarge as exc:
         return problems.render(problems.BodyTooLarge(exc.text or "the request body is too large"))
     except web.HTTPMethodNotAllowed:
@@ -116,6 +169,12 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
         )
     except web.HTTPNotFound:
         return problems.render(problems.NotFound(f"nothing at {request.path}"))
+    except ClientGone as exc:
+        # Not a failure of ours; the answer below goes nowhere and aiohttp drops it quietly.
+        log.info(
+            "%s %s: the client went away before its request was whole (%s)", request.method, request.path, exc
+        )
+        return problems.render(problems.BadRequest("the request was cut short"))
     except StoreUnavailable as exc:
         # Raised before anything was sent: a failure after sending is answered by the service itself.
         log.error("store unavailable: %s", exc)
@@ -134,6 +193,11 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
 
 def split_target(raw_path: str) -> tuple[str, str, str]:
     """(upstream, path, query) from the raw request target; refuses anything that could escape."""
+    if not _TARGET.fullmatch(raw_path):
+        raise problems.PathRefused("the request target must be printable ASCII; percent-encode other bytes")
+    if "#" in raw_path:
+        # A fragment is never sent to a server; one here would hide a query stamp added after it.
+        raise problems.PathRefused("'#' is refused in the request target; percent-encode it as %23")
     path, _, query = raw_path.partition("?")
     if not path.startswith("/") or path.startswith("//") or "://" in path:
         raise problems.PathRefused("absolute URLs are not accepted; send /<upstream>/<path>")
@@ -144,14 +208,6 @@ def split_target(raw_path: str) -> tuple[str, str, str]:
     if any(segment in (".", "..") for segment in rest.split("/")):
         raise problems.PathRefused("'.' and '..' are refused in paths")
     return upstream, rest, query
-
-
-def _check_headers(request: web.Request) -> None:
-    for name, value in request.headers.items():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise problems.BadRequest(f"header {name} is not valid UTF-8") from None
 
 
 def _label(request: web.Request, header: str) -> str | None:
@@ -175,7 +231,6 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     if policy is None:
         raise problems.UnknownUpstream(f"no upstream named {upstream_name!r} is configured")
     tenant = tenant_of(request, runtime.settings)
-    _check_headers(request)
     raw_key = request.headers.get("Idempotency-Key")
     key = None
     if raw_key is not None:
@@ -183,7 +238,12 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             key = parse_key(raw_key)
         except KeySyntaxError as exc:
             raise problems.KeyMalformed(str(exc)) from None
-    body = await request.read()
+    body = await _body(request, runtime.settings, policy)
+    taken = reserved_use(policy, request.headers, query, body)
+    if taken is not None:
+        raise problems.StampReserved(
+            f"{taken} is where the gateway puts its key for {policy.name}; the request may not set it"
+        )
     reply = await runtime.service.handle(
         Inbound(
             tenant=tenant,
@@ -202,16 +262,41 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     return to_response(reply)
 
 
+async def _body(request: web.Request, settings: Settings, policy: UpstreamPolicy) -> RequestBody:
+    """The body as the gateway reads it: decoded of any Content-Encoding, parsed once."""
+    raw = await read_request_body(request, settings)
+    try:
+        raw = codings.decode(
+            raw, codings.codings_of(request.headers.getall("Content-Encoding", ())), settings.max_body_bytes
+        )
+    except codings.UnsupportedCoding as exc:
+        raise problems.EncodingUnsupported(str(exc)) from None
+    except codings.DecodedTooLarge as exc:
+        raise problems.BodyTooLarge(str(exc)) from None
+    except codings.BadCoding as exc:
+        raise problems.BodyMalformed(str(exc)) from None
+    content_type = request.headers.get("Content-Type", "")
+    try:
+        if len(raw) > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(read_body, raw, content_type, policy.json_stamp_path)
+        return read_body(raw, content_type, policy.json_stamp_path)
+    except JsonRefused as exc:
+        raise problems.BodyMalformed(f"{exc}; nothing was sent") from None
+
+
 def to_response(reply: Reply) -> web.Response:
     return response_of(reply.response, replayed=reply.replayed)
 
 
 def response_of(stored: StoredResponse, *, replayed: bool) -> web.Response:
-    resp = web.Response(status=stored.status, body=stored.body)
-    # Stored headers replace aiohttp's defaults (Content-Type, Date, Server) so a replay is identical.
-    resp.headers.clear()
-    for name, value in stored.headers:
-        resp.headers.add(name, value)
+    """The stored answer with exactly the upstream's header bytes, on the first relay and every replay."""
+    # Lengths are aiohttp's to write; stored rows from before this rule, or an operator's, may hold one.
+    headers = [
+        (name, value) for name, value in stored.headers if name.lower() not in UNSTORED_RESPONSE_HEADERS
+    ]
     if replayed:
-        resp.headers["Idempotent-Replayed"] = "true"
-    return resp
+        headers.append(("Idempotent-Replayed", "true"))
+    try:
+        return RawHeadResponse(stored.status, headers, stored.body)
+    except HeaderRefused as exc:
+        raise problems.Problem(f"the stored answer cannot be written: {exc}") from None

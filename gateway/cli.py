@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-import aiohttp
 import asyncpg
 
 from gateway import admin, embedded, operators, problems, report
@@ -36,6 +35,7 @@ from gateway.record import EffectRecord, StoredResponse
 from gateway.schema import migrate
 from gateway.settings import Settings, load_settings
 from gateway.store import Store, opened
+from gateway.upstream import UpstreamClient
 
 log = logging.getLogger("effect_gateway")
 
@@ -297,10 +297,13 @@ async def _probed_response(settings: Settings, record: EffectRecord) -> StoredRe
             f"upstream {record.upstream} has no probe: give the response with --status and --body, "
             "--json-body or --body-file"
         )
-    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
-        prober = Prober(session)
+    client = UpstreamClient([policy], settings.max_response_bytes)
+    try:
+        prober = Prober(client)
         prober.check(policy)
         found = await prober.probe(policy, record.derived_key)
+    finally:
+        await client.close()
     if found is None:
         raise UsageError(
             f"the probe of {record.upstream} found no effect with this key; "

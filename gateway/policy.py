@@ -52,11 +52,15 @@ class UpstreamPolicy:
     fingerprint_headers: tuple[str, ...]
     # What an unsafe request without a key gets, by method; methods not listed are audited.
     keyless: dict[str, KeylessMode]
+    max_connections: int
+    connect_timeout: timedelta
 
     # Derived once at start-up (see upstream_policy), not on every request.
     decision: decision.Policy
     # Request headers that must never reach the database: the secret ones and the injected ones.
     never_stored: frozenset[str]
+    # The dotted path of a JSON stamp, split once; () for any other stamp.
+    json_stamp_path: tuple[str, ...] = ()
 
 
 def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) -> UpstreamPolicy:
@@ -90,6 +94,8 @@ def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) ->
         secret_headers=secret,
         fingerprint_headers=tuple(cfg.fingerprint_headers),
         keyless={**KEYLESS_DEFAULTS, **cfg.keyless},
+        max_connections=cfg.max_connections,
+        connect_timeout=cfg.connect_timeout,
         decision=decision.Policy(
             lease=lease,
             native_key_ttl=cfg.native_key.ttl if cfg.native_key else None,
@@ -99,6 +105,7 @@ def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) ->
             send_window=lease_grace,
         ),
         never_stored=secret | {name.lower() for name in cfg.inject_headers},
+        json_stamp_path=tuple(stamp[1].split(".")) if stamp and stamp[0] == "json_field" else (),
     )
 
 

@@ -17,9 +17,12 @@ from urllib.parse import quote
 import aiohttp
 from yarl import URL
 
+from gateway import jsonbody
 from gateway.errors import ConfigError, ProbeFailed
+from gateway.jsonbody import JsonRefused
 from gateway.policy import HttpProbe, PythonProbe, UpstreamPolicy
 from gateway.record import StoredResponse
+from gateway.upstream import UpstreamClient, read_limited
 
 ENTRY_POINT_GROUP = "effect_gateway.probes"
 JSON = ("Content-Type", "application/json")
@@ -52,7 +55,7 @@ def load_python_probe(name: str) -> PythonProbeFn:
 def dig(doc: Any, path: str) -> Any | None:
     """Follow ``items.0.id``-style paths into JSON; None where the path leads nowhere."""
     for part in path.split(".") if path else ():
-        if isinstance(doc, list) and part.isdigit():
+        if isinstance(doc, list) and part.isascii() and part.isdigit():
             index = int(part)
             doc = doc[index] if index < len(doc) else None
         elif isinstance(doc, dict):
@@ -65,8 +68,14 @@ def dig(doc: Any, path: str) -> Any | None:
 
 
 class Prober:
-    def __init__(self, session: aiohttp.ClientSession) -> None:
-        self._session = session
+    """Probes go through the upstream's own connections, and their answers obey max_response_bytes.
+
+    A probe's answer becomes the stored response of the effect, so it is read and kept within the same
+    limit as any upstream answer; a larger one is a failed probe, never stored.
+    """
+
+    def __init__(self, client: UpstreamClient) -> None:
+        self._client = client
         self._python: dict[str, PythonProbeFn] = {}
 
     def check(self, policy: UpstreamPolicy) -> None:
@@ -86,20 +95,23 @@ class Prober:
 
     async def _http(self, policy: UpstreamPolicy, http: HttpProbe, derived_key: str) -> StoredResponse | None:
         url = URL(policy.base_url + http.path.replace("{key}", quote(derived_key, safe="")), encoded=True)
+        limit = self._client.max_response_bytes
         try:
-            async with self._session.request(
+            async with self._client.session(policy.name).request(
                 http.method,
                 url,
                 headers=policy.inject.headers,
                 timeout=aiohttp.ClientTimeout(total=policy.timeout.total_seconds()),
                 allow_redirects=False,
             ) as resp:
-                body = await resp.read()
+                body = await read_limited(resp, limit)
                 status = resp.status
         except TimeoutError:
             raise ProbeFailed(f"the probe of {policy.name} did not answer in time") from None
         except (aiohttp.ClientError, OSError) as exc:
             raise ProbeFailed(f"the probe of {policy.name} failed: {type(exc).__name__}: {exc}") from None
+        if body is None:
+            raise ProbeFailed(f"the probe of {policy.name} answered more than {limit} bytes")
         if status == 404:
             return None
         if not 200 <= status < 300:
@@ -108,13 +120,16 @@ class Prober:
             # No JSON to look into: a 2xx means the effect exists, and there is nothing more to replay.
             return StoredResponse(http.status, (JSON,), b"{}")
         try:
-            doc = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise ProbeFailed(f"the probe of {policy.name} answered something that is not JSON") from None
+            # Strict, and numbers kept as written: the item found is stored as the effect's answer.
+            doc = jsonbody.parse(body).value
+        except JsonRefused as exc:
+            raise ProbeFailed(
+                f"the probe of {policy.name} answered something that is not JSON: {exc}"
+            ) from None
         found = dig(doc, http.found)
         if found is None:
             return None
-        return StoredResponse(http.status, (JSON,), json.dumps(found).encode())
+        return self._stored(http.status, jsonbody.compact(found).encode(), f"the probe of {policy.name}")
 
     async def _call_python(
         self, policy: UpstreamPolicy, py: PythonProbe, derived_key: str
@@ -125,7 +140,7 @@ class Prober:
             upstream=policy.name,
             base_url=policy.base_url,
             headers=dict(policy.inject.headers),
-            session=self._session,
+            session=self._client.session(policy.name),
             timeout=policy.timeout.total_seconds(),
         )
         try:
@@ -137,7 +152,13 @@ class Prober:
         if found is None:
             return None
         try:
-            body = json.dumps(found).encode()
+            body = json.dumps(found, allow_nan=False).encode()
         except (TypeError, ValueError):
             raise ProbeFailed(f"the probe {py.entry_point} returned something that is not JSON") from None
-        return StoredResponse(py.status, (JSON,), body)
+        return self._stored(py.status, body, f"the probe {py.entry_point}")
+
+    def _stored(self, status: int, body: bytes, probe: str) -> StoredResponse:
+        """The effect as found, as the response to replay; within the limit of any stored answer."""
+        if len(body) > self._client.max_response_bytes:
+            raise ProbeFailed(f"{probe} found an effect larger than {self._client.max_response_bytes} bytes")
+        return StoredResponse(status, (JSON,), body)

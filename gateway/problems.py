@@ -70,6 +70,14 @@ class CannotStamp(Problem):
     status, type, title = 400, "cannot-stamp", "The request has no place for the stamped key"
 
 
+class BodyMalformed(Problem):
+    status, type, title = 400, "body-malformed", "The request body cannot be read unambiguously"
+
+
+class StampReserved(Problem):
+    status, type, title = 400, "stamp-reserved", "The request sets a name the gateway sets upstream"
+
+
 class TokenRequired(Problem):
     status, type, title = 401, "token-required", "Effect-Gateway-Token is missing or wrong"
 
@@ -88,6 +96,10 @@ class NotFound(Problem):
 
 class MethodNotAllowed(Problem):
     status, type, title = 405, "method-not-allowed", "Method not allowed"
+
+
+class RequestTimeout(Problem):
+    status, type, title = 408, "request-timeout", "The request body did not arrive in time"
 
 
 class InFlight(Problem):
@@ -112,6 +124,10 @@ class ResponsePurged(Problem):
 
 class BodyTooLarge(Problem):
     status, type, title = 413, "body-too-large", "Request body too large"
+
+
+class EncodingUnsupported(Problem):
+    status, type, title = 415, "encoding-unsupported", "The request's Content-Encoding is not decoded here"
 
 
 class KeyReused(Problem):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from dataclasses import dataclass
 
@@ -24,6 +25,55 @@ class Runtime:
 
 RUNTIME = web.AppKey("runtime", Runtime)
 
+# Headers read as one value: a second copy would let the gateway act on one and the upstream (or a
+# log) on the other. Content-Type decides how the body is parsed for the fingerprint and the stamp.
+SINGLE_HEADERS = (
+    "Idempotency-Key",
+    "Effect-Gateway-Token",
+    "Effect-Gateway-Run",
+    "Effect-Gateway-Step",
+    "Content-Type",
+)
+
+
+def check_headers(request: web.Request) -> None:
+    """Refuse headers the gateway cannot read unambiguously, before any route looks at them."""
+    for name, value in request.headers.items():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # aiohttp keeps bytes that are not UTF-8 as lone surrogates
+            raise problems.BadRequest(f"header {name} is not valid UTF-8") from None
+    for name in SINGLE_HEADERS:
+        count = len(request.headers.getall(name, ()))
+        if count > 1:
+            detail = f"{name} is sent {count} times; send it once"
+            raise (problems.KeyMalformed if name == "Idempotency-Key" else problems.BadRequest)(detail)
+
+
+class ClientGone(Exception):
+    """The agent hung up before its request was whole: nobody is left to answer, and nothing was sent."""
+
+
+async def read_request_body(request: web.Request, settings: Settings) -> bytes:
+    """The body as sent, within ``request_body_timeout`` (408 after it) and ``max_body_bytes`` (413)."""
+    try:
+        async with asyncio.timeout(settings.request_body_timeout.total_seconds()):
+            return await request.read()
+    except TimeoutError:
+        raise problems.RequestTimeout(
+            f"the body did not arrive within {settings.request_body_timeout.total_seconds():g}s; "
+            "nothing was sent"
+        ) from None
+    except web.RequestPayloadError as exc:  # e.g. broken chunked encoding
+        raise problems.BodyMalformed(f"the body could not be read: {exc}") from None
+    except ConnectionError as exc:
+        raise ClientGone(str(exc)) from None
+
+
+def _same_secret(given: str, secret: str) -> bool:
+    # Bytes that are not UTF-8 arrive as lone surrogates; surrogateescape turns them back, never raises.
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), secret.encode())
+
 
 def tenant_of(request: web.Request, settings: Settings) -> str:
     if not settings.tenants:
@@ -32,7 +82,7 @@ def tenant_of(request: web.Request, settings: Settings) -> str:
     found = None
     for name, tenant in settings.tenants.items():
         # compare_digest on every tenant: the time taken says nothing about which token is close.
-        if hmac.compare_digest(token.encode(), tenant.token.get_secret_value().encode()):
+        if _same_secret(token, tenant.token.get_secret_value()):
             found = name
     if found is None:
         raise problems.TokenRequired("send this tenant's token in the Effect-Gateway-Token header")
@@ -44,5 +94,6 @@ def is_admin(request: web.Request, settings: Settings) -> bool:
     if token is None:
         # No admin token: only a single-tenant gateway, which listens on loopback alone, is open.
         return not settings.tenants
-    given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    return hmac.compare_digest(given.encode(), token.get_secret_value().encode())
+    scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+    # RFC 6750: "Bearer" (any case) and the token; a bare token is refused, so it never works by accident.
+    return scheme.lower() == "bearer" and _same_secret(given.strip(), token.get_secret_value())

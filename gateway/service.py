@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar, assert_never
 
 from gateway import problems
+from gateway.body import RequestBody
 from gateway.decision import (
     Busy,
     Late,
@@ -81,7 +82,7 @@ class Inbound:
     path: str  # as the agent sent it, still percent-encoded, starting with "/"
     query: str
     headers: Mapping[str, str]
-    body: bytes
+    body: RequestBody
     key: str | None
     wait: float
     run_id: str | None = None
@@ -547,7 +548,7 @@ def _new_effect(
         query=inbound.query,
         fingerprint=fingerprint,
         request_headers=redacted(inbound.headers, inbound.upstream),
-        request_body=inbound.body,
+        request_body=inbound.body.raw,
         run_id=inbound.run_id,
         step=inbound.step,
         keyless=keyless,

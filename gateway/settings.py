@@ -29,20 +29,46 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from gateway.errors import ConfigError
+from gateway.headers import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP
+
+# RFC 9110 section 5.6.2: what a header name may be.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# Where the gateway cannot put its key: headers that stop at a hop or that it sets or drops itself. The
+# agent's Idempotency-Key is never forwarded, so the upstream's native header may share its name.
+_NOT_FOR_KEYS = (HOP_BY_HOP | GATEWAY_REQUEST_HEADERS) - {"idempotency-key"}
+
+
+def key_header(value: str) -> str:
+    if not _TOKEN.fullmatch(value):
+        raise ValueError(f"{value!r} is not a header name")
+    if value.lower() in _NOT_FOR_KEYS:
+        raise ValueError(f"{value!r} cannot carry the key: the gateway sets or drops that header itself")
+    return value
+
+
+KeyHeader = Annotated[str, AfterValidator(key_header)]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+# A century: past any retention or look-back anyone means, and far inside what timedelta and datetime
+# arithmetic can hold (a huge duration would otherwise overflow where it is used).
+MAX_DURATION = timedelta(days=36525)
 
 
 def parse_duration(value: object) -> timedelta:
     """Read ``"90s"``, ``"24h"``, ``"7d"`` (or a number of seconds) as a timedelta."""
     if isinstance(value, timedelta):
         return value
+    seconds: float | None = None
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return timedelta(seconds=value)
-    if isinstance(value, str) and (match := _DURATION.match(value)):
-        return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
-    raise ValueError(f"{value!r} is not a duration like '500ms', '90s', '10m', '24h' or '7d'")
+        seconds = value
+    elif isinstance(value, str) and (match := _DURATION.match(value)):
+        seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if seconds is None:
+        raise ValueError(f"{value!r} is not a duration like '500ms', '90s', '10m', '24h' or '7d'")
+    if not 0 <= seconds <= MAX_DURATION.total_seconds():
+        raise ValueError(f"{value!r} is not a duration from 0 to {MAX_DURATION.days} days")
+    return timedelta(seconds=seconds)
 
 
 Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
@@ -90,7 +116,7 @@ class _Section(BaseModel):
 
 
 class NativeKeySettings(_Section):
-    header: str = "Idempotency-Key"
+    header: KeyHeader = "Idempotency-Key"
     # Stripe prunes keys once they are 24 h old; most APIs that honour keys do the same or less.
     ttl: Duration = timedelta(hours=24)
 
@@ -99,7 +125,7 @@ class StampSettings(_Section):
     json_field: str | None = None
     form_field: str | None = None
     query_param: str | None = None
-    header: str | None = None
+    header: KeyHeader | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StampSettings:
@@ -161,6 +187,13 @@ class UpstreamSettings(_Section):
     # Requests without an Idempotency-Key, by method: "refuse" (400), "audit" (forwarded once, with an
     # audit row; a retry is a new request) or "forward" (untracked: no row at all).
     keyless: dict[str, KeylessMode] = Field(default_factory=dict)
+    # Connections this gateway opens to the upstream at once (probes included); each upstream has its
+    # own, so one that hangs cannot starve the others. 100 is aiohttp's own default for a whole client,
+    # more effects in flight to one API than an agent fleet behind one sidecar makes.
+    max_connections: int = Field(default=100, ge=1)
+    # How long a request waits for one of those connections (or to open one) before it is refused
+    # unsent (502 upstream-unreachable, safe to retry): a healthy upstream frees one in milliseconds.
+    connect_timeout: Duration = timedelta(seconds=5)
 
     @model_validator(mode="after")
     def _check(self) -> UpstreamSettings:
@@ -171,8 +204,8 @@ class UpstreamSettings(_Section):
                 raise ValueError(f"keyless: {method} always passes through; only unsafe methods are listed")
         if not re.match(r"^https?://[^/?#\s]+(/[^?#\s]*)?$", self.base_url):
             raise ValueError(f"base_url {self.base_url!r} must be an http:// or https:// URL without query")
-        if self.timeout <= timedelta(0):
-            raise ValueError("timeout must be positive")
+        if self.timeout <= timedelta(0) or self.connect_timeout <= timedelta(0):
+            raise ValueError("timeout and connect_timeout must be positive")
         return self
 
 
@@ -224,6 +257,16 @@ class Settings(BaseSettings):
     # and kept in the database, which every gateway on it shares. Changing it changes the keys of new
     # effects only (each record keeps the key it was sent with).
     key_secret: Secret | None = None
+    # A connection must deliver a whole request head within this time of opening (or of its previous
+    # answer), else it is closed: a peer that stalls mid-head holds a socket no longer. It is also how
+    # long an idle keep-alive connection stays open (aiohttp has one timer for both), longer than the
+    # 5 s and 15 s that httpx and aiohttp clients keep theirs, so the client closes first and never
+    # reuses a connection the gateway has just closed. Apache's default for a request head is 20 s.
+    request_head_timeout: Duration = timedelta(seconds=20)
+    # The whole body (at most max_body_bytes) must arrive within this time of its head, else 408 and
+    # nothing is claimed or sent. 1 MiB in 20 s is 50 KiB/s, far below any agent's link to its sidecar;
+    # it also bounds how long a stalled upload can hold a shutdown.
+    request_body_timeout: Duration = timedelta(seconds=20)
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
     admin: AdminSettings = Field(default_factory=AdminSettings)
     upstreams: dict[str, UpstreamSettings] = Field(default_factory=dict)
@@ -243,6 +286,8 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Settings:
         listen_host(self.listen)  # raises with a clear message
+        if self.request_head_timeout <= timedelta(0) or self.request_body_timeout <= timedelta(0):
+            raise ValueError("request_head_timeout and request_body_timeout must be positive")
         for name in self.upstreams:
             if not _UPSTREAM_NAME.match(name) or name.startswith("_"):
                 raise ValueError(f"upstream name {name!r} must be lower-case letters, digits, - or _")

@@ -1,12 +1,24 @@
-"""Stamping the derived key into a request, where a probe can find the effect later."""
+"""Stamping the derived key into a request, where a probe can find the effect later.
+
+The stamp and the native key are the gateway's alone: an agent's request that already carries a value
+under either name is refused (see :func:`reserved_use`), keyed or not, or the upstream would see two
+values and might believe the agent's (a keyless request could plant another tenant's derived key).
+"""
 
 from __future__ import annotations
 
-import json
-from typing import Any
-from urllib.parse import quote, urlencode
+from collections.abc import Mapping
 
-from gateway.policy import StampKind
+from multidict import CIMultiDict
+
+from gateway import jsonbody, urlencoded
+from gateway.body import RequestBody
+from gateway.jsonbody import JsonRefused, Taken
+from gateway.policy import StampKind, UpstreamPolicy
+
+# The agent's own key is the gateway's input and never forwarded, so a native header of this name
+# (Stripe's) is the gateway's to set without any conflict.
+AGENT_KEY_HEADER = "idempotency-key"
 
 
 class StampError(ValueError):
@@ -14,33 +26,53 @@ class StampError(ValueError):
 
 
 def stamp_request(
-    kind: StampKind, name: str, value: str, *, query: str, headers: dict[str, str], body: bytes
+    kind: StampKind,
+    name: str,
+    value: str,
+    *,
+    query: str,
+    headers: CIMultiDict[str],
+    body: RequestBody,
 ) -> tuple[str, bytes]:
     """Return (query, body) with the key stamped; header stamps are written into ``headers``."""
+    raw = body.raw
     if kind == "header":
         headers[name] = value
     elif kind == "query_param":
-        query = f"{query}&{urlencode({name: value})}" if query else urlencode({name: value})
+        query = urlencoded.append(query.encode(), name, value).decode()
     elif kind == "json_field":
-        body = _stamp_json(body, name, value)
+        document = body.json or jsonbody.parse(b"{}", name.split("."))
+        try:
+            raw = document.stamped(value)
+        except JsonRefused as exc:
+            raise StampError(str(exc)) from None
     elif kind == "form_field":
-        pair = f"{quote(name, safe='')}={quote(value, safe='')}"
-        body = (body + b"&" + pair.encode()) if body else pair.encode()
-    return query, body
+        if raw and body.kind != "form":
+            raise StampError(
+                "the body is not a form (application/x-www-form-urlencoded) to stamp a field into"
+            )
+        raw = urlencoded.append(raw, name, value)
+    return query, raw
 
 
-def _stamp_json(body: bytes, dotted: str, value: str) -> bytes:
-    try:
-        doc: Any = json.loads(body or b"{}")
-    except (ValueError, UnicodeDecodeError):
-        raise StampError("the body is not JSON, so the key cannot be stamped into a JSON field") from None
-    if not isinstance(doc, dict):
-        raise StampError("the JSON body is not an object, so the key cannot be stamped into it")
-    target = doc
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        target = target.setdefault(part, {})
-        if not isinstance(target, dict):
-            raise StampError(f"the JSON field {part!r} is not an object")
-    target[leaf] = value
-    return json.dumps(doc, separators=(",", ":")).encode()
+def reserved_use(
+    policy: UpstreamPolicy, headers: Mapping[str, str], query: str, body: RequestBody
+) -> str | None:
+    """What in the agent's request takes a name the gateway sets upstream, or None when nothing does."""
+    reserved = {policy.native_header.lower()} if policy.native_header else set()
+    if policy.stamp is not None and policy.stamp[0] == "header":
+        reserved.add(policy.stamp[1].lower())
+    reserved.discard(AGENT_KEY_HEADER)
+    for header in headers:
+        if header.lower() in reserved:
+            return f"the header {header}"
+    if policy.stamp is None:
+        return None
+    kind, name = policy.stamp
+    if kind == "query_param" and urlencoded.has_name(urlencoded.pairs(query.encode()), name):
+        return f"the query parameter {name}"
+    if kind == "form_field" and urlencoded.has_name(body.form, name):
+        return f"the form field {name}"
+    if kind == "json_field" and body.json is not None and isinstance(body.json.site, Taken):
+        return f"the JSON field {name}"
+    return None

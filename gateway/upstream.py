@@ -7,53 +7,36 @@ request headers were written, not by guessing from exception types.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
+from multidict import CIMultiDict
 from yarl import URL
 
+from gateway.body import RequestBody
+from gateway.headers import (
+    GATEWAY_REQUEST_HEADERS,
+    HOP_BY_HOP,
+    UNSTORED_RESPONSE_HEADERS,
+    connection_scoped,
+)
 from gateway.outcome import Answered, NoAnswer, NotSent, Outcome
 from gateway.policy import UpstreamPolicy
 from gateway.stamp import stamp_request
 
-# RFC 9110 section 7.6.1: meaningful for one connection only, so never forwarded nor stored.
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "proxy-connection",
-    }
-)
-# Headers that belong to the gateway (or that aiohttp computes itself) and are not forwarded upstream.
-GATEWAY_REQUEST_HEADERS = frozenset(
-    {
-        "host",
-        "content-length",
-        "idempotency-key",
-        "effect-gateway-token",
-        "effect-gateway-run",
-        "effect-gateway-step",
-        "prefer",
-    }
-)
-# Not stored for replay: lengths are recomputed, and a cookie is a credential the audit must not keep.
-UNSTORED_RESPONSE_HEADERS = HOP_BY_HOP | {"content-length", "set-cookie"}
+# Re-exported: the service keeps them out of the audit.
+__all__ = ["GATEWAY_REQUEST_HEADERS", "HOP_BY_HOP", "UNSTORED_RESPONSE_HEADERS", "Outbound", "UpstreamClient"]
 
 
 @dataclass(frozen=True, slots=True)
 class Outbound:
+    upstream: str
     method: str
     url: URL
-    headers: dict[str, str]
+    headers: CIMultiDict[str]
     body: bytes
 
 
@@ -64,30 +47,54 @@ def build_outbound(
     path: str,
     query: str,
     headers: Mapping[str, str],
-    body: bytes,
+    body: RequestBody,
 ) -> Outbound:
-    """The request the upstream receives: the agent's, with the derived key, stamp and credentials."""
-    out = {
-        name: value
-        for name, value in headers.items()
-        if name.lower() not in HOP_BY_HOP and name.lower() not in GATEWAY_REQUEST_HEADERS
-    }
-    # Without a key (derived_key is None) the request is forwarded as it is: no native key, no stamp.
+    """The request the upstream receives: the agent's, with the derived key, stamp and credentials.
+
+    Repeated agent headers stay repeated (``headers`` may be a multidict, and its items() gives each).
+    """
+    dropped = connection_scoped(headers.items()) | GATEWAY_REQUEST_HEADERS
+    out = CIMultiDict((name, value) for name, value in headers.items() if name.lower() not in dropped)
+    raw = body.raw
+    # Without a key (derived_key is None) the request is forwarded as it is: no derived key, no stamp.
     if derived_key is not None and policy.native_header:
         out[policy.native_header] = derived_key
     if derived_key is not None and policy.stamp is not None:
         kind, name = policy.stamp
-        query, body = stamp_request(kind, name, derived_key, query=query, headers=out, body=body)
-    # Injected credentials win over anything the agent sent: agents hold no secrets.
-    lowered = {name.lower() for name in policy.inject.headers}
-    out = {name: value for name, value in out.items() if name.lower() not in lowered}
-    out.update(policy.inject.headers)
+        query, raw = stamp_request(kind, name, derived_key, query=query, headers=out, body=body)
+    # Injected credentials replace whatever the agent sent under any spelling: agents hold no secrets.
+    for name in policy.inject.headers:
+        out.popall(name, None)
+    out.extend(policy.inject.headers)
     target = policy.base_url + path + (f"?{query}" if query else "")
-    return Outbound(method=method, url=URL(target, encoded=True), headers=out, body=body)
+    return Outbound(policy.name, method, URL(target, encoded=True), out, raw)
 
 
-def storable_headers(headers: Mapping[str, str] | Any) -> tuple[tuple[str, str], ...]:
-    return tuple((k, v) for k, v in headers.items() if k.lower() not in UNSTORED_RESPONSE_HEADERS)
+def storable_headers(raw_headers: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[str, str], ...]:
+    """End-to-end response headers as the upstream sent them, losslessly as text.
+
+    Each name and value is the raw bytes decoded 'utf-8' with 'surrogateescape', so encoding it back the
+    same way (gateway.wire) gives the upstream's exact bytes: a value such as ``caf\xe9`` survives.
+    """
+    decoded = [
+        (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
+        for name, value in raw_headers
+    ]
+    unstored = connection_scoped(decoded) | UNSTORED_RESPONSE_HEADERS
+    return tuple((name, value) for name, value in decoded if name.lower() not in unstored)
+
+
+async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The whole body, or None as soon as it passes ``limit`` bytes (the rest is never read)."""
+    chunks: list[bytes] = []
+    size = 0
+    # 64 KiB: aiohttp's own read size; a chunk never overshoots the limit by more than that.
+    async for chunk in resp.content.iter_chunked(64 * 1024):
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _headers_sent(_session: Any, ctx: SimpleNamespace, _params: Any) -> Any:
@@ -101,64 +108,80 @@ async def _noop() -> None:
     return None
 
 
-class UpstreamClient:
-    """One aiohttp session for all upstreams; call :meth:`close` at shutdown."""
+@dataclass(frozen=True, slots=True)
+class _Pool:
+    session: aiohttp.ClientSession
+    connect_timeout: float
 
-    def __init__(self, max_response_bytes: int) -> None:
+
+class UpstreamClient:
+    """One aiohttp session per upstream, so one that hangs holds its own connections and no other's.
+
+    Call :meth:`close` at shutdown.
+    """
+
+    def __init__(self, policies: Iterable[UpstreamPolicy], max_response_bytes: int) -> None:
         trace = aiohttp.TraceConfig()
         trace.on_request_headers_sent.append(_headers_sent)
-        self._session = aiohttp.ClientSession(
-            # Shorter than any common server's idle timeout, so a pooled connection is rarely found
-            # closed by the peer; a POST on such a connection would be left in doubt.
-            connector=aiohttp.TCPConnector(limit=200, keepalive_timeout=10),
-            trace_configs=[trace],
-            # Bodies are stored and replayed byte for byte, so they are never decoded on the way.
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
-        self._max_response_bytes = max_response_bytes
+        self._pools = {
+            policy.name: _Pool(
+                aiohttp.ClientSession(
+                    # Shorter than any common server's idle timeout, so a pooled connection is rarely
+                    # found closed by the peer; a POST on such a connection would be left in doubt.
+                    connector=aiohttp.TCPConnector(limit=policy.max_connections, keepalive_timeout=10),
+                    trace_configs=[trace],
+                    # Bodies are stored and replayed byte for byte, so they are never decoded on the way.
+                    auto_decompress=False,
+                    # The upstream gets the agent's headers, not aiohttp's defaults for them (Accept: */*
+                    # among them): a header the agent did not send may change what the upstream does.
+                    skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+                    cookie_jar=aiohttp.DummyCookieJar(),
+                ),
+                policy.connect_timeout.total_seconds(),
+            )
+            for policy in policies
+        }
+        self.max_response_bytes = max_response_bytes
 
     async def close(self) -> None:
-        await self._session.close()
+        for pool in self._pools.values():
+            await pool.session.close()
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        return self._session
+    def session(self, upstream: str) -> aiohttp.ClientSession:
+        """The upstream's own session (probes use it too, so they count against its connections)."""
+        return self._pools[upstream].session
 
     async def send(self, request: Outbound, timeout: float) -> Outcome:
+        pool = self._pools[request.upstream]
         flag = SimpleNamespace(sent=False)
         try:
-            async with self._session.request(
+            async with pool.session.request(
                 request.method,
                 request.url,
                 headers=request.headers,
                 data=request.body or None,
-                timeout=aiohttp.ClientTimeout(total=timeout),
+                # connect covers the wait for a free pooled connection as well as making one: a request
+                # that gets none in time never left, and the agent may simply retry it.
+                timeout=aiohttp.ClientTimeout(total=timeout, connect=min(pool.connect_timeout, timeout)),
                 allow_redirects=False,
                 trace_request_ctx=flag,
             ) as resp:
-                body = await self._read_limited(resp)
+                if resp.status < 200:
+                    # A 1xx that aiohttp hands over as final (101 Switching Protocols) says nothing of
+                    # the effect, and the connection is no longer HTTP: drop it.
+                    resp.close()
+                    return NoAnswer(f"the upstream answered {resp.status}, which is not a final answer")
+                body = await read_limited(resp, self.max_response_bytes)
                 if body is None:
                     return NoAnswer(
-                        f"the response is larger than {self._max_response_bytes} bytes", too_large=True
+                        f"the response is larger than {self.max_response_bytes} bytes", too_large=True
                     )
-                return Answered(status=resp.status, headers=storable_headers(resp.headers), body=body)
+                return Answered(status=resp.status, headers=storable_headers(resp.raw_headers), body=body)
         except TimeoutError:
             if not flag.sent:
-                return NotSent(f"could not connect within {timeout:g}s")
+                return NotSent(f"could not connect within {min(pool.connect_timeout, timeout):g}s")
             return NoAnswer(f"no answer within {timeout:g}s", timed_out=True)
         except (aiohttp.ClientError, OSError) as exc:
             if not flag.sent:
                 return NotSent(f"could not send: {type(exc).__name__}: {exc}")
             return NoAnswer(f"the connection broke after sending: {type(exc).__name__}: {exc}")
-
-    async def _read_limited(self, resp: aiohttp.ClientResponse) -> bytes | None:
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in resp.content.iter_chunked(64 * 1024):
-            size += len(chunk)
-            if size > self._max_response_bytes:
-                return None
-            chunks.append(chunk)
-        return b"".join(chunks)

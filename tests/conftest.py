@@ -8,10 +8,22 @@ from collections.abc import AsyncIterator, Iterator
 
 import asyncpg
 import pytest
+from hypothesis import HealthCheck, settings
 
 from gateway.embedded import EmbeddedPostgres
 from gateway.schema import migrate
 from tests.support import CRASH_MATRIX, Upstream, upstream_server
+
+# Property tests: a few examples each in `make test` (the whole suite stays fast), many in `make fuzz`.
+# Choose with HYPOTHESIS_PROFILE; tests that start servers take their count from the profile as well.
+# Function-scoped fixtures (a gateway, an upstream) are shared by a test's examples on purpose.
+settings.register_profile(
+    "ci", max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+settings.register_profile(
+    "fuzz", max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

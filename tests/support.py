@@ -31,6 +31,8 @@ class Call:
     query: str
     headers: dict[str, str]
     body: bytes
+    # Every header as received, repeats and all (headers above keeps one value per name).
+    header_list: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -56,7 +58,12 @@ class Upstream:
         body = await request.read()
         self.calls.append(
             Call(
-                request.method, request.path, request.raw_path.partition("?")[2], dict(request.headers), body
+                request.method,
+                request.path,
+                request.raw_path.partition("?")[2],
+                dict(request.headers),
+                body,
+                list(request.headers.items()),
             )
         )
         self.received.set()
@@ -144,6 +151,18 @@ async def gateway_server(dsn: str, **settings: Any) -> AsyncIterator[Gateway]:
         yield Gateway(f"http://127.0.0.1:{runner.addresses[0][1]}", app)
     finally:
         await runner.cleanup()
+
+
+async def raw_exchange(url: str, head: bytes, body: bytes = b"{}") -> bytes:
+    """Send ``head`` (request line and headers, each ending in CRLF) and ``body`` over a plain socket to
+    ``url``; the answer's bytes exactly as they came, once the server closes the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    answer = await reader.read()
+    writer.close()
+    return answer
 
 
 def other_database(dsn: str, name: str) -> str:

@@ -74,7 +74,7 @@ async def test_one_effect_in_full(dsn: str, upstream: Upstream, http: aiohttp.Cl
         async with http.get(f"{gw.url}/_gateway/effects/999") as resp:
             assert resp.status == 404
         async with http.get(f"{gw.url}/_gateway/effects/abc") as resp:
-            assert resp.status == 404
+            assert resp.status == 400  # not an effect id at all
     assert effect["state"] == "completed"
     assert effect["response_status"] == 201
     assert effect["replays"] == 1

@@ -388,7 +388,9 @@ async def test_compose_comes_up_as_processes(compose_database: str, tmp_path: Pa
     every service with status 0."""
     doc = compose()
     services = doc["services"]
-    token = service_env(services["gateway"], shell={})["GROCER_TOKEN"]
+    gateway_env = service_env(services["gateway"], shell={})
+    token = gateway_env["GROCER_TOKEN"]
+    admin = {"Authorization": f"Bearer {gateway_env['EFFECT_GATEWAY_ADMIN_TOKEN']}"}
     order = {"Effect-Gateway-Token": token, "Idempotency-Key": "run-1:4", "Content-Type": "application/json"}
     work = tmp_path / "app"
     work.mkdir()
@@ -399,7 +401,7 @@ async def test_compose_comes_up_as_processes(compose_database: str, tmp_path: Pa
         "logs": str(tmp_path),
         "services": process_plan(services, compose_database, work),
         "requests": [
-            {"method": "GET", "url": "http://gateway:8787/_gateway/health", "headers": {}},
+            {"method": "GET", "url": "http://gateway:8787/_gateway/health", "headers": admin},
             *[
                 {
                     "method": "POST",

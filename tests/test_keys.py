@@ -1,15 +1,13 @@
-"""Key syntax, scoping and derived keys; fingerprints. Property tests where a property is the point."""
+"""Key syntax, scoping and derived keys. Property tests where a property is the point."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.fingerprint import canonical_query, fingerprint
 from gateway.keys import MAX_KEY_LENGTH, KeySyntaxError, ScopedKey, parse_key
 
 visible = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=255)
@@ -66,45 +64,3 @@ def test_derived_keys_cannot_be_computed_without_the_secret() -> None:
 
 
 SECRET = b"s" * 32
-
-JSONISH = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-    max_leaves=10,
-)
-
-
-@given(st.dictionaries(st.text(max_size=8), JSONISH, max_size=6))
-def test_json_key_order_and_spacing_do_not_change_the_fingerprint(doc: dict[str, object]) -> None:
-    """Two serialisations of one JSON document are one request."""
-    compact = json.dumps(doc, separators=(",", ":")).encode()
-    spaced = json.dumps(dict(reversed(list(doc.items()))), indent=2).encode()
-    headers = {"Content-Type": "application/json"}
-    assert fingerprint("POST", "/o", "", compact, headers, ["content-type"]) == fingerprint(
-        "POST", "/o", "", spaced, headers, ["content-type"]
-    )
-
-
-def test_fingerprint_sees_what_changes_the_effect_and_never_credentials() -> None:
-    """Method, path, query, body and chosen headers count; Authorization and secrets do not."""
-    base = ("POST", "/orders", "a=1", b'{"x":1}', {"Content-Type": "application/json", "Authorization": "A"})
-    fp = fingerprint(*base, ["content-type", "authorization"])
-    assert fingerprint("PUT", *base[1:], ["content-type"]) != fp
-    assert fingerprint(base[0], "/other", *base[2:], ["content-type"]) != fp
-    assert fingerprint(*base[:2], "a=2", *base[3:], ["content-type"]) != fp
-    assert fingerprint(*base[:3], b'{"x":2}', base[4], ["content-type"]) != fp
-    rotated = {"Content-Type": "application/json", "Authorization": "B"}
-    assert fingerprint(*base[:4], rotated, ["content-type", "authorization"]) == fp
-    assert fingerprint(*base[:4], {**rotated, "X-Secret": "s"}, ["x-secret"], ["x-secret"]) == fingerprint(
-        *base[:4], rotated, ["x-secret"], ["x-secret"]
-    )
-
-
-@given(st.lists(st.tuples(st.sampled_from("abc"), st.text(max_size=3)), max_size=6))
-def test_canonical_query_keeps_the_order_of_repeated_names(pairs: list[tuple[str, str]]) -> None:
-    """Sorting by name must not reorder values of one name: a[]=1&a[]=2 is not a[]=2&a[]=1."""
-    from urllib.parse import parse_qsl, urlencode
-
-    canon = parse_qsl(canonical_query(urlencode(pairs)), keep_blank_values=True)
-    for name in "abc":
-        assert [v for k, v in canon if k == name] == [v for k, v in pairs if k == name]

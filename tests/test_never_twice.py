@@ -17,6 +17,7 @@ import asyncpg
 import pytest
 from aiohttp import web
 
+from gateway.body import read_body
 from gateway.decision import settle, take_over
 from gateway.fingerprint import fingerprint
 from gateway.outcome import Answered
@@ -366,7 +367,12 @@ def _effect(key: str) -> NewEffect:
         query="",
         # what the gateway computes for call()'s request, so that a retry is the same request
         fingerprint=fingerprint(
-            "POST", "/orders", "", BODY, {"Content-Type": "application/json"}, ["content-type"]
+            "POST",
+            "/orders",
+            "",
+            read_body(BODY, "application/json"),
+            {"Content-Type": "application/json"},
+            ["content-type"],
         ),
         request_headers={},
         request_body=BODY,

@@ -75,6 +75,12 @@ def test_the_config_variable_names_the_file(tmp_path: Path, monkeypatch: pytest.
         ('listen = "nonsense"', "HOST:PORT"),
         ("this is = = not toml", "not valid TOML"),
         ('[upstreams._gateway]\nbase_url = "http://x"', "_gateway"),
+        ('retention = "99999999999d"', "retention"),
+        ('[upstreams.shop]\nbase_url = "http://x"\nstamp = { header = "Connection" }', "stamp.header"),
+        ('[upstreams.shop]\nbase_url = "http://x"\nnative_key = { header = "X Key" }', "native_key.header"),
+        ('[upstreams.shop]\nbase_url = "http://x"\nmax_connections = 0', "max_connections"),
+        ('[upstreams.shop]\nbase_url = "http://x"\nconnect_timeout = "0s"', "upstreams.shop"),
+        ('request_body_timeout = "0s"', "request_body_timeout"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_it(tmp_path: Path, text: str, names: str) -> None:

@@ -1,0 +1,76 @@
+"""Request bodies sent with a ``Content-Encoding``: decoded here, within the body limit, or refused.
+
+The gateway fingerprints, stamps, stores and forwards the decoded body (without ``Content-Encoding``):
+a stamp cannot be spliced into compressed bytes, and a fingerprint of compressed bytes would tell two
+compressors' output of one document apart. aiohttp's server would decode gzip, deflate (and br or zstd
+when their optional packages are installed) itself but keep the header, and pass any other coding
+through; the gateway turns that off (see :mod:`gateway.app`) so that the rule lives here, in one place.
+
+The decoded size is bounded as it is produced, so a small bomb is refused (413) before it fills memory.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+
+# RFC 9110 section 8.4.1; x-gzip is the same coding by another name.
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+DECODED = frozenset(_WBITS)
+
+
+class UnsupportedCoding(ValueError):
+    """A content coding the gateway does not decode."""
+
+
+class BadCoding(ValueError):
+    """The body is not valid data of its declared coding."""
+
+
+class DecodedTooLarge(ValueError):
+    """Decoded, the body would pass the limit."""
+
+
+def codings_of(values: Iterable[str]) -> list[str]:
+    """The codings of ``Content-Encoding`` header values, in the order they were applied."""
+    found = [c.strip().lower() for value in values for c in value.split(",")]
+    return [c for c in found if c and c != "identity"]
+
+
+def decode(body: bytes, codings: list[str], limit: int) -> bytes:
+    """Undo ``codings`` (the last applied is undone first), never producing more than ``limit`` bytes."""
+    for coding in reversed(codings):
+        if coding not in _WBITS:
+            raise UnsupportedCoding(
+                f"Content-Encoding {coding!r} is not decoded here; send {', '.join(sorted(DECODED))} or none"
+            )
+        body = _inflate(body, coding, limit)
+    return body
+
+
+def _inflate(data: bytes, coding: str, limit: int) -> bytes:
+    out = bytearray()
+    # A gzip body may be several members one after another (RFC 1952 section 2.2).
+    while True:
+        inflater = _inflater(data, coding)
+        try:
+            out += inflater.decompress(data, limit + 1 - len(out))
+        except zlib.error as exc:
+            raise BadCoding(f"the body is not valid {coding} data: {exc}") from None
+        if len(out) > limit or inflater.unconsumed_tail:
+            raise DecodedTooLarge(f"the body decodes to more than {limit} bytes")
+        if not inflater.eof:
+            raise BadCoding(f"the {coding} body is cut short")
+        data = inflater.unused_data
+        if not data:
+            return bytes(out)
+        if coding == "deflate":
+            raise BadCoding("something follows the deflate stream")
+
+
+def _inflater(data: bytes, coding: str) -> zlib._Decompress:
+    wbits = _WBITS[coding]
+    # Some clients send raw deflate without the zlib wrapper RFC 9110 asks for; its first byte tells.
+    if coding == "deflate" and data[:1] and data[0] & 0x0F != 8:
+        wbits = -zlib.MAX_WBITS
+    return zlib.decompressobj(wbits)

@@ -1,0 +1,61 @@
+"""Query strings and ``application/x-www-form-urlencoded`` bodies, read as bytes and never decoded lossily.
+
+A decode to text would turn ``%FF`` and ``%FE`` into the same U+FFFD, and two different requests into
+one fingerprint. Here a component is percent-decoded to bytes (``+`` as a space, as forms mean it) and
+re-encoded one way, so only spellings of the same bytes meet. Pairs keep their order: a decoder that
+builds arrays of objects from ``items[][a]=1&items[][b]=2`` reads another document when names move.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import quote, quote_from_bytes, unquote_to_bytes
+
+# A "%" that starts no escape is kept by form decoders as a literal "%", but some upstreams refuse it;
+# it is therefore kept apart from a "%25" in the canonical form.
+_BARE_PERCENT = re.compile(rb"%(?![0-9A-Fa-f]{2})")
+# Never in quote_from_bytes' output, where every "%" starts an escape: it stands for a bare "%".
+_BARE_PERCENT_MARK = b"%%"
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    name: bytes  # percent-decoded
+    value: bytes | None  # percent-decoded; None when the pair has no "=" at all
+    canonical: bytes  # the pair spelled the one way (see canonical())
+
+
+def pairs(raw: bytes) -> tuple[Pair, ...]:
+    """Every ``&``-separated pair, in order, empty ones included."""
+    found = []
+    for segment in raw.split(b"&"):
+        name, eq, value = segment.partition(b"=")
+        spelled = _canonical(name) + (b"=" + _canonical(value) if eq else b"")
+        found.append(Pair(_decode(name), _decode(value) if eq else None, spelled))
+    return tuple(found)
+
+
+def canonical(parsed: tuple[Pair, ...]) -> bytes:
+    """One spelling for every way of writing the same pairs in the same order."""
+    return b"&".join(pair.canonical for pair in parsed)
+
+
+def has_name(parsed: tuple[Pair, ...], name: str) -> bool:
+    wanted = name.encode()
+    return any(pair.name == wanted for pair in parsed)
+
+
+def append(raw: bytes, name: str, value: str) -> bytes:
+    """``raw`` with ``name=value`` added at the end, everything before it left as it was."""
+    pair = f"{quote(name, safe='')}={quote(value, safe='')}".encode()
+    return raw + b"&" + pair if raw else pair
+
+
+def _decode(component: bytes) -> bytes:
+    return unquote_to_bytes(component.replace(b"+", b" "))
+
+
+def _canonical(component: bytes) -> bytes:
+    pieces = _BARE_PERCENT.split(component)
+    return _BARE_PERCENT_MARK.join(quote_from_bytes(_decode(piece), safe="").encode() for piece in pieces)

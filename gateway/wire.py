@@ -1,0 +1,97 @@
+"""Writing a relayed or replayed response's head with exactly the bytes the upstream sent.
+
+Stored header names and values are the upstream's bytes decoded 'utf-8' with 'surrogateescape', which
+loses nothing (see :func:`gateway.upstream.storable_headers`). aiohttp's own head writer cannot put them
+back: it encodes every character as UTF-8, and its C version silently drops lone surrogates, so a value
+``caf\\xe9`` would reach the agent as ``caf`` (its Python version raises instead). So the response
+below writes its own head, and refuses what would split it (CR, LF, NUL and the other controls).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+
+# RFC 9110 section 5.6.2.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# RFC 9110 section 5.5: a field value is visible characters, spaces, tabs and obs-text (bytes >= 0x80).
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+class HeaderRefused(ValueError):
+    """A header that cannot be written without breaking (or injecting into) the response head."""
+
+
+def header_line(name: str, value: str) -> bytes:
+    """``name: value`` and CRLF, as the bytes the (surrogate-escaped) text stands for."""
+    if not _TOKEN.fullmatch(name):
+        raise HeaderRefused(f"{name!r} is not a header name")
+    if _CONTROL.search(value):
+        raise HeaderRefused(f"the value of {name} holds a control character")
+    try:
+        raw = value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate that stands for no byte (only an operator can send one)
+        raise HeaderRefused(f"the value of {name} is not text nor escaped bytes") from None
+    return name.encode("ascii") + b": " + raw + b"\r\n"
+
+
+def head_bytes(status_line: str, headers: Iterable[tuple[str, str]]) -> bytes:
+    return status_line.encode("ascii") + b"\r\n" + b"".join(header_line(n, v) for n, v in headers) + b"\r\n"
+
+
+# aiohttp fills these in when a response has none; an answer relayed from an upstream keeps what the
+# upstream sent (an invented Content-Type would change how the agent reads the body). Date is still
+# added when missing, as RFC 9110 section 6.6.1 asks of a server that forwards a response.
+_NOT_INVENTED = ("Content-Type", "Server")
+
+
+class RawHeadResponse(web.Response):
+    """A response whose head is written byte for byte from the given (surrogate-escaped) headers.
+
+    Raises :class:`HeaderRefused` at once for a header that cannot be written, so that it becomes a
+    problem+json answer of the handler's own instead of a failure while aiohttp sends the response.
+    """
+
+    def __init__(self, status: int, headers: Iterable[tuple[str, str]], body: bytes) -> None:
+        super().__init__(status=status, body=body)
+        # Given headers replace aiohttp's defaults (Content-Type, Date, Server) so a replay is identical.
+        self.headers.clear()
+        for name, value in headers:
+            self.headers.add(name, value)
+        head_bytes("HTTP/1.1 200 OK", self.headers.items())
+        self._not_invented = {name for name in _NOT_INVENTED if name not in self.headers}
+
+    async def _write_headers(self) -> None:
+        # aiohttp calls this once the headers are final (Content-Length, Date added); the status line
+        # is built as aiohttp builds it.
+        request = self._req
+        writer = self._payload_writer
+        assert request is not None
+        assert writer is not None
+        version = request.version
+        status_line = f"HTTP/{version.major}.{version.minor} {self.status} {self.reason}"
+        headers = [(name, value) for name, value in self.headers.items() if name not in self._not_invented]
+        put_head(writer, head_bytes(status_line, headers))
+
+
+def put_head(writer: AbstractStreamWriter, head: bytes) -> None:
+    """Send the head before aiohttp writes the body.
+
+    aiohttp's private API is used in this module only: ``RawHeadResponse._write_headers`` overrides
+    StreamResponse's and reads its ``_req`` and ``_payload_writer`` (the public writer only takes text
+    that it encodes itself). The head goes straight to the transport: with nothing buffered by
+    write_headers(), aiohttp's writer sends the body right behind it.
+    tests/test_wire.py reads the exact bytes from a socket, so a change in aiohttp fails it loudly.
+    """
+    transport = writer.transport
+    if transport is None or transport.is_closing():
+        raise ConnectionResetError("the agent went away before the response could be written")
+    transport.write(head)
+
+
+# Fail at import, not silently on the wire, if aiohttp stops calling the method overridden above.
+if not callable(getattr(web.StreamResponse, "_write_headers", None)):  # pragma: no cover
+    raise ImportError("aiohttp no longer has StreamResponse._write_headers; see gateway/wire.py")

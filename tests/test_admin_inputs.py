@@ -1,0 +1,109 @@
+"""The admin surface's inputs and access: bounds on ids and filters, strict JSON, health for anyone."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.support import Gateway, Upstream, gateway_server
+
+ADMIN = {"Authorization": "Bearer adm-1"}
+
+
+@pytest.fixture
+async def gateway(dsn: str, upstream: Upstream, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Gateway]:
+    monkeypatch.setenv("TOKEN_A", "tok-a")
+    monkeypatch.setenv("ADMIN", "adm-1")
+    async with gateway_server(
+        dsn,
+        upstreams={"shop": {"base_url": upstream.url}},
+        tenants={"a": {"token": "env:TOKEN_A"}},
+        admin={"token": "env:ADMIN"},
+    ) as gw:
+        yield gw
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def get(http: aiohttp.ClientSession, url: str, headers: dict[str, str] = ADMIN) -> tuple[int, Any]:
+    async with http.get(url, headers=headers) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/_gateway/effects/%C2%B2",  # '²' passes str.isdigit()
+        f"/_gateway/effects/{2**63}",
+        "/_gateway/effects/" + "9" * 5000,
+        "/_gateway/effects?limit=%C2%B2",
+        "/_gateway/effects?limit=" + "9" * 5000,
+        f"/_gateway/effects?before={2**63}",
+        "/_gateway/effects?since=99999999999d",
+        "/_gateway/effects?since=" + "9" * 400 + "s",
+    ],
+)
+async def test_ids_and_filters_out_of_range_are_a_400(
+    gateway: Gateway, http: aiohttp.ClientSession, target: str
+) -> None:
+    """Ids past int64, non-ASCII digits, huge limits and durations: 400 problem+json, never a 500."""
+    async with http.get(gateway.url + target, headers=ADMIN) as resp:
+        assert resp.status == 400
+        assert resp.content_type == "application/problem+json"
+
+
+@pytest.mark.parametrize("since", ["9999-12-31T00:00:00Z", "2020-01-01T00:00:00", "2020-01-01"])
+async def test_since_takes_far_future_and_zoneless_times(
+    gateway: Gateway, http: aiohttp.ClientSession, since: str
+) -> None:
+    """A time without a zone is read as UTC; one far in the future simply finds nothing."""
+    await _order(http, gateway, "s1")
+    status, page = await get(http, f"{gateway.url}/_gateway/effects?since={since}")
+    assert status == 200
+    assert len(page["effects"]) == (0 if since.startswith("9999") else 1)
+
+
+async def _order(http: aiohttp.ClientSession, gw: Gateway, key: str) -> None:
+    async with http.post(
+        f"{gw.url}/shop/orders", data=b"{}", headers={"Idempotency-Key": key, "Effect-Gateway-Token": "tok-a"}
+    ) as resp:
+        assert resp.status == 201
+
+
+async def test_a_resolution_nested_10000_deep_is_a_400(gateway: Gateway, http: aiohttp.ClientSession) -> None:
+    """The resolve body is read strictly: 10,000 levels of nesting are refused, not a RecursionError."""
+    await _order(http, gateway, "deep")
+    deep = b'{"happened":' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+    async with http.post(f"{gateway.url}/_gateway/effects/1/resolve", data=deep, headers=ADMIN) as resp:
+        assert resp.status == 400
+        assert resp.content_type == "application/problem+json"
+
+
+async def test_health_says_up_to_anyone_and_counts_only_to_who_may_read_them(
+    gateway: Gateway, http: aiohttp.ClientSession
+) -> None:
+    """Without a valid token, health is {"status":"ok"}; the admin sees all counts, a tenant its own."""
+    await _order(http, gateway, "h")
+    for headers in ({}, {"Authorization": "adm-1"}, {"Effect-Gateway-Token": "wrong"}):
+        assert await get(http, f"{gateway.url}/_gateway/health", headers) == (200, {"status": "ok"})
+    status, admin = await get(http, f"{gateway.url}/_gateway/health")
+    assert (status, admin["effects"]["completed"]) == (200, 1)
+    status, tenant = await get(http, f"{gateway.url}/_gateway/health", {"Effect-Gateway-Token": "tok-a"})
+    # a tenant's counts are its open effects (counting its completed ones would read the whole table)
+    assert (status, tenant["needs_review"], "completed" in tenant["effects"]) == (200, 0, False)
+
+
+async def test_the_admin_token_counts_only_as_a_bearer_token(
+    gateway: Gateway, http: aiohttp.ClientSession
+) -> None:
+    """`Authorization: Bearer <token>` opens the audit; the bare token does not."""
+    assert (await get(http, f"{gateway.url}/_gateway/effects", {"Authorization": "adm-1"}))[0] == 401
+    assert (await get(http, f"{gateway.url}/_gateway/effects", {"Authorization": "bearer adm-1"}))[0] == 200
+    assert (await get(http, f"{gateway.url}/_gateway/effects"))[0] == 200

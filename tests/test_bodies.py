@@ -1,0 +1,192 @@
+"""Request bodies end to end: the upstream gets the agent's bytes plus the stamp, and nothing else."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from tests.strategies import DIFFERENT_NUMBERS
+from tests.support import Gateway, Upstream, effect_rows, gateway_server
+
+PROBLEM = "application/problem+json"
+JSON = "application/json"
+FORM = "application/x-www-form-urlencoded"
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@pytest.fixture
+async def stamped(dsn: str, upstream: Upstream) -> AsyncIterator[Gateway]:
+    """A gateway whose shop takes its key in a nested JSON field, metadata.ref."""
+    cfg = {"shop": {"base_url": upstream.url, "timeout": "2s", "stamp": {"json_field": "metadata.ref"}}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        yield gw
+
+
+async def send(
+    http: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    content_type: str = JSON,
+    key: str | None = "k1",
+    **more: str,
+) -> tuple[int, bytes]:
+    headers = {"Content-Type": content_type, **{k.replace("_", "-"): v for k, v in more.items()}}
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    async with http.post(url, data=body, headers=headers) as resp:
+        return resp.status, await resp.read()
+
+
+def problem(body: bytes) -> str:
+    return str(json.loads(body)["type"]).rsplit("/", 1)[1]
+
+
+async def test_the_upstream_gets_the_agents_json_bytes_with_only_the_stamp_added(
+    stamped: Gateway, upstream: Upstream, http: aiohttp.ClientSession, dsn: str
+) -> None:
+    """Numbers, key order, escapes and whitespace arrive as sent; the stamp is the only addition."""
+    body = b'{ "amount": 12345678901234567.89, "price": 10.50, "big": 1e400,\n  "note": "caf\\u00e9" }'
+    status, _ = await send(http, f"{stamped.url}/shop/orders", body)
+    assert status == 201
+    derived = (await effect_rows(dsn))[0]["derived_key"]
+    assert upstream.calls[0].body == body[:-2] + b',"metadata":{"ref":"' + derived.encode() + b'"} }'
+
+
+@pytest.mark.parametrize(("first", "second"), DIFFERENT_NUMBERS)
+async def test_numbers_written_differently_are_different_requests(
+    stamped: Gateway, upstream: Upstream, http: aiohttp.ClientSession, first: bytes, second: bytes
+) -> None:
+    """The same key with 10.50 and then 10.5 (or -0 and 0) is a reused key: 422, one effect."""
+    assert (await send(http, f"{stamped.url}/shop/orders", first))[0] == 201
+    status, body = await send(http, f"{stamped.url}/shop/orders", second)
+    assert status == 422
+    assert problem(body) == "key-reused"
+    assert len(upstream.effects()) == 1
+
+
+async def test_the_same_document_respelled_is_the_same_request(
+    stamped: Gateway, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """Key order and whitespace are all a retry may change: it is replayed, not refused."""
+    assert (await send(http, f"{stamped.url}/shop/orders", b'{"a":1,"b":[1.50,"x"]}'))[0] == 201
+    status, _ = await send(http, f"{stamped.url}/shop/orders", b'{ "b" : [ 1.50, "\\u0078" ],\n"a":1 }')
+    assert status == 201
+    assert len(upstream.effects()) == 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"a":1,"a":2}',
+        b'{"a":NaN}',
+        b'{"a":Infinity}',
+        b'{"a":-Infinity}',
+        b"[" * 10_000 + b"]" * 10_000,
+        b'{"a":"caf\xe9"}',
+        b'{"a":1} trailing',
+    ],
+    ids=["duplicate-key", "nan", "infinity", "minus-infinity", "10000-deep", "not-utf8", "trailing"],
+)
+@pytest.mark.parametrize("key", ["k", None], ids=["keyed", "keyless"])
+async def test_json_that_parsers_read_differently_is_refused_and_nothing_is_sent(
+    stamped: Gateway, upstream: Upstream, http: aiohttp.ClientSession, dsn: str, body: bytes, key: str | None
+) -> None:
+    """Ambiguous JSON is a 400 body-malformed (never a 500): nothing recorded, nothing sent."""
+    async with http.put(
+        f"{stamped.url}/shop/orders",
+        data=body,
+        headers={"Content-Type": JSON, **({"Idempotency-Key": key} if key else {})},
+    ) as resp:
+        assert resp.status == 400
+        assert resp.content_type == PROBLEM
+        assert problem(await resp.read()) == "body-malformed"
+    assert upstream.calls == []
+    assert await effect_rows(dsn) == []
+
+
+async def test_form_bytes_and_query_bytes_are_compared_exactly(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """%FF and %FE are different requests (never both U+FFFD); the stamp is appended to the form."""
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"form_field": "metadata[idempotency_key]"}}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        url = f"{gw.url}/shop/charges"
+        assert (await send(http, url, b"amount=1&note=%FF", FORM, key="f"))[0] == 201
+        status, body = await send(http, url, b"amount=1&note=%FE", FORM, key="f")
+        assert (status, problem(body)) == (422, "key-reused")
+        assert (await send(http, url + "?q=%FF", b"", FORM, key="q"))[0] == 201
+        status, body = await send(http, url + "?q=%FE", b"", FORM, key="q")
+        assert (status, problem(body)) == (422, "key-reused")
+    derived = (await effect_rows(dsn))[0]["derived_key"]
+    assert upstream.calls[0].body == b"amount=1&note=%FF&metadata%5Bidempotency_key%5D=" + derived.encode()
+    assert len(upstream.effects()) == 2
+
+
+async def test_a_query_stamp_is_appended_to_the_agents_query(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """The query arrives as sent, byte for byte, with the stamp as one more parameter."""
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"query_param": "ref"}}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        assert (await send(http, f"{gw.url}/shop/orders?b=%FF&a=1+2&a=3", b"{}"))[0] == 201
+    derived = (await effect_rows(dsn))[0]["derived_key"]
+    assert upstream.calls[0].query == f"b=%FF&a=1+2&a=3&ref={derived}"
+
+
+# --- Content-Encoding ---------------------------------------------------------------------------------------
+
+
+async def test_a_gzip_body_is_decoded_stamped_and_forwarded_plain(
+    stamped: Gateway, upstream: Upstream, http: aiohttp.ClientSession, dsn: str
+) -> None:
+    """A gzip body reaches the upstream decoded, stamped, without Content-Encoding; a plain retry replays."""
+    plain = b'{"items":["atta"],"total":10.50}'
+    status, _ = await send(http, f"{stamped.url}/shop/orders", gzip.compress(plain), Content_Encoding="gzip")
+    assert status == 201
+    call = upstream.calls[0]
+    assert "Content-Encoding" not in call.headers
+    derived = (await effect_rows(dsn))[0]["derived_key"]
+    assert call.body == plain[:-1] + b',"metadata":{"ref":"' + derived.encode() + b'"}}'
+    deflated = zlib.compress(plain)
+    status, _ = await send(http, f"{stamped.url}/shop/orders", deflated, Content_Encoding="deflate")
+    assert status == 201  # the same document, however it was compressed: a replay
+    assert (await send(http, f"{stamped.url}/shop/orders", plain))[0] == 201
+    assert len(upstream.effects()) == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "coding", "status", "kind"),
+    [
+        (gzip.compress(b"0" * 5_000_000), "gzip", 413, "body-too-large"),
+        (b"\x1f\x8b not really gzip", "gzip", 400, "body-malformed"),
+        (gzip.compress(b"{}")[:-4], "gzip", 400, "body-malformed"),
+        (b"{}", "compress", 415, "encoding-unsupported"),
+        (b"{}", "br", 415, "encoding-unsupported"),
+    ],
+    ids=["bomb", "garbage", "cut-short", "compress", "br"],
+)
+async def test_a_body_that_cannot_be_decoded_within_the_limit_is_refused(
+    stamped: Gateway,
+    upstream: Upstream,
+    http: aiohttp.ClientSession,
+    dsn: str,
+    body: bytes,
+    coding: str,
+    status: int,
+    kind: str,
+) -> None:
+    """A decompression bomb is a 413, bad data a 400, an unknown coding a 415: nothing claimed or sent."""
+    got, answer = await send(http, f"{stamped.url}/shop/orders", body, Content_Encoding=coding)
+    assert (got, problem(answer)) == (status, kind)
+    assert upstream.calls == []
+    assert await effect_rows(dsn) == []

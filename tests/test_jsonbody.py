@@ -1,0 +1,146 @@
+"""Strict JSON bodies: what is refused, and stamps spliced into the agent's own bytes (hypothesis)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway import jsonbody
+from gateway.jsonbody import JsonRefused
+from tests.strategies import OBJECT, TREE, json_text
+
+DEEP = b"[" * 10_000 + b"]" * 10_000
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b'{"a":1,"a":2}', "appears twice"),
+        (b'{"a":1,"\\u0061":2}', "appears twice"),
+        (b'{"a":NaN}', "NaN"),
+        (b'{"a":Infinity}', "Infinity"),
+        (b'{"a":-Infinity}', "Infinity"),
+        (DEEP, "deeper than 128"),
+        (b'{"a":' * 10_000 + b"1" + b"}" * 10_000, "deeper than 128"),
+        (b'{"a":"caf\xe9"}', "not UTF-8"),
+        (b'{"a":1} x', "follows the JSON document"),
+        (b'{"a":1}{}', "follows the JSON document"),
+        (b"\xef\xbb\xbf{}", "expected a JSON value"),
+        (b"", "expected a JSON value"),
+        (b'{"a":1,}', "expected a key"),
+        (b"[01]", "not JSON"),
+    ],
+)
+def test_documents_parsers_disagree_on_are_refused(body: bytes, why: str) -> None:
+    """Duplicates, NaN/Infinity, deep nesting, bad UTF-8 and trailing bytes: refused, never guessed at."""
+    with pytest.raises(JsonRefused, match=why):
+        jsonbody.parse(body, ("ref",))
+
+
+def test_nesting_is_checked_before_any_recursion() -> None:
+    """10,000 levels are refused at once: no RecursionError, no second spent."""
+    started = time.perf_counter()
+    with pytest.raises(JsonRefused):
+        jsonbody.parse(DEEP)
+    assert time.perf_counter() - started < 1
+    assert len(jsonbody.parse(b"[" * 128 + b"]" * 128).value) == 1  # the limit itself is fine
+
+
+def test_the_stamp_keeps_every_byte_of_the_agents_document() -> None:
+    """Numbers, key order, escapes and whitespace stay as sent; only "field":"value" is added."""
+    body = '{ "amount": 12345678901234567.89, "price" : 10.50, "big": 1e400, "s": "caf\\u00e9 \u00e9" }\n'
+    stamped = jsonbody.parse(body.encode(), ("metadata", "ref")).stamped("eg_1")
+    assert stamped == body.replace('\u00e9" }', '\u00e9","metadata":{"ref":"eg_1"} }').encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "path", "why"),
+    [
+        (b"[1]", ("ref",), "not an object"),
+        (b'"x"', ("ref",), "not an object"),
+        (b'{"metadata":3}', ("metadata", "ref"), "'metadata' is not an object"),
+    ],
+)
+def test_a_document_without_room_for_the_stamp_cannot_be_stamped(
+    body: bytes, path: tuple[str, ...], why: str
+) -> None:
+    """A body that is not an object, or a parent that is not one, has no place for the key."""
+    with pytest.raises(JsonRefused, match=why):
+        jsonbody.parse(body, path).stamped("k")
+
+
+def test_loads_gives_plain_values_and_refuses_what_python_cannot_hold() -> None:
+    """The admin API reads strict JSON into Python; a number too large for a float is refused."""
+    assert jsonbody.loads(b'{"a":[1,2.5,"x",null,true]}') == {"a": [1, 2.5, "x", None, True]}
+    with pytest.raises(JsonRefused):
+        jsonbody.loads(b"[1e400]")
+
+
+# --- properties ------------------------------------------------------------------------------------------
+
+PATH = st.lists(st.sampled_from(["a", "b", "ref", "metadata"]), min_size=1, max_size=3).map(tuple)
+
+
+def has_room(tree: dict[str, Any], path: tuple[str, ...]) -> bool:
+    """Whether a field can go at ``path``: free, and every parent an object or missing."""
+    node: Any = tree
+    for part in path[:-1]:
+        if part not in node:
+            return True
+        node = node[part]
+        if not isinstance(node, dict):
+            return False
+    return path[-1] not in node
+
+
+@given(OBJECT, PATH, st.data())
+def test_stamping_never_produces_invalid_json_nor_changes_the_rest(
+    tree: dict[str, Any], path: tuple[str, ...], data: st.DataObject
+) -> None:
+    """The stamped body is valid JSON with the key at the path, and the agent's bytes around one insertion."""
+    text = data.draw(json_text(tree))
+    document = jsonbody.parse(text.encode(), path)
+    if not has_room(tree, path):
+        with pytest.raises(JsonRefused):
+            document.stamped("eg_k")
+        return
+    stamped = document.stamped("eg_k").decode()
+    parsed = json.loads(stamped)  # the standard library reads it, and so does the gateway
+    jsonbody.parse(stamped.encode())
+    node = parsed
+    for part in path:
+        node = node[part]
+    assert node == "eg_k"
+    prefix = next((i for i, (x, y) in enumerate(zip(text, stamped, strict=False)) if x != y), len(text))
+    assert stamped.startswith(text[:prefix])
+    assert stamped.endswith(text[prefix:]), "one insertion; the rest of the agent's bytes unchanged"
+
+
+@given(st.text(alphabet='{}[]",:0123456789.eE-+ \nabtrufalsNIy\\', max_size=24) | st.builds(json.dumps, TREE))
+def test_the_strict_parser_accepts_exactly_what_json_loads_reads_unambiguously(text: str) -> None:
+    """Whatever we accept, the standard parser reads alike; we refuse only bad JSON or ambiguous JSON."""
+    objects: list[list[tuple[str, Any]]] = []
+    constants: list[str] = []
+
+    def remember(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        objects.append(pairs)
+        return dict(pairs)
+
+    try:
+        json.loads(text, object_pairs_hook=remember, parse_constant=constants.append)
+        readable = True
+    except (ValueError, RecursionError):
+        readable = False
+    try:
+        ours = jsonbody.parse(text.encode()).value
+    except JsonRefused:
+        ambiguous = bool(constants) or any(len(dict(pairs)) != len(pairs) for pairs in objects)
+        assert not readable or ambiguous, "refused a document the standard parser reads plainly"
+        return
+    assert readable, "accepted something the standard parser refuses"
+    assert json.loads(jsonbody.compact(ours)) == json.loads(text)

@@ -1,0 +1,228 @@
+"""What the upstream receives: the stamp and native key are the gateway's alone; agent headers as sent."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import aiohttp
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from multidict import CIMultiDict
+
+from gateway.body import read_body
+from gateway.jsonbody import JsonRefused
+from gateway.policy import UpstreamPolicy, upstream_policy
+from gateway.settings import UpstreamSettings
+from gateway.stamp import StampError, reserved_use
+from gateway.upstream import build_outbound
+from tests.strategies import FORM_BYTES, OBJECT, json_text, spelled
+from tests.support import Upstream, effect_rows, gateway_server, raw_exchange
+
+PROBLEM = "application/problem+json"
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def problem(body: bytes) -> str:
+    return str(json.loads(body)["type"]).rsplit("/", 1)[1]
+
+
+STAMPS: dict[str, dict[str, Any]] = {
+    "header": {"stamp": {"header": "X-Ref"}},
+    "native": {"native_key": {"header": "X-Idem"}},
+    "form": {"stamp": {"form_field": "metadata[idempotency_key]"}},
+    "query": {"stamp": {"query_param": "ref"}},
+    "json": {"stamp": {"json_field": "metadata.ref"}},
+}
+# A request of the agent's that sets the name the gateway sets: (headers, query, content type, body).
+PLANTED: dict[str, tuple[dict[str, str], str, str, bytes]] = {
+    "header": ({"x-ref": "eg_forged"}, "", "application/json", b"{}"),
+    "native": ({"X-IDEM": "eg_forged"}, "", "application/json", b"{}"),
+    "form": ({}, "", "application/x-www-form-urlencoded", b"a=1&metadata%5Bidempotency_key%5D=eg_forged"),
+    "query": ({}, "?a=1&r%65f=eg_forged", "application/json", b"{}"),
+    "json": ({}, "", "application/json", b'{"metadata":{"a":1,"ref":"eg_forged"}}'),
+}
+
+
+@pytest.mark.parametrize("where", sorted(STAMPS))
+@pytest.mark.parametrize("key", ["k", None], ids=["keyed", "keyless"])
+async def test_an_agent_cannot_set_the_stamp_or_native_key(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, where: str, key: str | None
+) -> None:
+    """A header (any case), form field, query parameter or JSON field under the gateway's name: 400."""
+    headers, query, content_type, body = PLANTED[where]
+    cfg = {"shop": {"base_url": upstream.url, **STAMPS[where]}}
+    async with (
+        gateway_server(dsn, upstreams=cfg) as gw,
+        http.put(
+            f"{gw.url}/shop/orders{query}",
+            data=body,
+            headers={"Content-Type": content_type, **headers, **({"Idempotency-Key": key} if key else {})},
+        ) as resp,
+    ):
+        assert resp.status == 400
+        assert resp.content_type == PROBLEM
+        assert problem(await resp.read()) == "stamp-reserved"
+    assert upstream.calls == []
+    assert await effect_rows(dsn) == []
+
+
+async def test_a_native_key_named_idempotency_key_is_no_conflict(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """The agent's Idempotency-Key is the gateway's input: the upstream gets only the derived one."""
+    cfg = {"shop": {"base_url": upstream.url, "native_key": {"header": "Idempotency-Key"}}}
+    async with (
+        gateway_server(dsn, upstreams=cfg) as gw,
+        http.post(f"{gw.url}/shop/orders", data=b"{}", headers={"Idempotency-Key": "mine"}) as r,
+    ):
+        assert r.status == 201
+    sent = [v for k, v in upstream.calls[0].header_list if k.lower() == "idempotency-key"]
+    assert sent == [(await effect_rows(dsn))[0]["derived_key"]]
+
+
+async def test_a_fragment_in_the_target_is_refused(dsn: str, upstream: Upstream) -> None:
+    """'#' would hide a query stamp added after it, so the target is refused and nothing is sent."""
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"query_param": "ref"}}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        raw = await raw_exchange(
+            gw.url, b"POST /shop/orders?a=1#frag HTTP/1.1\r\nHost: x\r\nIdempotency-Key: h\r\n"
+        )
+        assert raw.split(b" ", 2)[1] == b"400"
+        assert b"problems/path-refused" in raw
+        raw = await raw_exchange(
+            gw.url, b"POST /shop/caf\xc3\xa9 HTTP/1.1\r\nHost: x\r\nIdempotency-Key: u\r\n"
+        )
+        assert raw.split(b" ", 2)[1] == b"400"
+    assert upstream.calls == []
+
+
+async def test_headers_reach_the_upstream_as_the_agent_sent_them(
+    dsn: str, upstream: Upstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Repeated headers stay repeated; hop-by-hop and Connection-named ones stop here; credentials win."""
+    monkeypatch.setenv("SHOP_SECRET", "Bearer sk_injected")
+    cfg = {"shop": {"base_url": upstream.url, "inject_headers": {"Authorization": "env:SHOP_SECRET"}}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        raw = await raw_exchange(
+            gw.url,
+            b"POST /shop/orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: hh\r\nX-Tag: a\r\nX-Tag: b\r\n"
+            b"Connection: keep-alive, X-Hop\r\nX-Hop: secret\r\nKeep-Alive: timeout=5\r\n"
+            b"authorization: Bearer agent\r\nAUTHORIZATION: Bearer agent2\r\n",
+        )
+        assert raw.split(b" ", 2)[1] == b"201", raw
+    sent = upstream.calls[0].header_list
+    assert [v for k, v in sent if k == "X-Tag"] == ["a", "b"]
+    assert not [k for k, _ in sent if k.lower() in ("x-hop", "keep-alive")]
+    assert "X-Hop" not in " ".join(v for k, v in sent if k.lower() == "connection")
+    assert [v for k, v in sent if k.lower() == "authorization"] == ["Bearer sk_injected"]
+
+
+# --- properties ------------------------------------------------------------------------------------------
+
+HEADER_NAMES = st.sampled_from(["X-Tag", "X-Order", "Accept", "Content-Language", "X-Hop", "Keep-Alive"])
+HEADER_VALUE = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=8)
+STAMP_KINDS = st.sampled_from([None, "header", "query_param", "form_field", "json_field"])
+
+
+@st.composite
+def agent_request(draw: st.DrawFn) -> tuple[str, list[tuple[str, str]], str, bytes]:
+    """(query, headers, content type, body) as an agent might send them."""
+    query = b"&".join(
+        draw(spelled(n)) + b"=" + draw(spelled(v))
+        for n, v in draw(st.lists(st.tuples(FORM_BYTES, FORM_BYTES), max_size=3))
+    )
+    headers = draw(st.lists(st.tuples(HEADER_NAMES, HEADER_VALUE), max_size=5))
+    if draw(st.booleans()):
+        headers.append(("Connection", "X-Hop"))
+    kind = draw(st.sampled_from(["json", "form", "opaque"]))
+    if kind == "json":
+        return query.decode(), headers, "application/json", draw(json_text(draw(OBJECT))).encode()
+    if kind == "form":
+        form = b"&".join(
+            draw(spelled(n)) + b"=" + draw(spelled(v))
+            for n, v in draw(st.lists(st.tuples(FORM_BYTES, FORM_BYTES), max_size=3))
+        )
+        return query.decode(), headers, "application/x-www-form-urlencoded", form
+    return query.decode(), headers, "application/octet-stream", draw(st.binary(max_size=20))
+
+
+def policy_for(stamp: str | None, native: bool) -> UpstreamPolicy:
+    names = {"header": "X-Ref", "query_param": "ref", "form_field": "metadata[ref]", "json_field": "meta.ref"}
+    cfg = UpstreamSettings.model_validate(
+        {
+            "base_url": "http://upstream.invalid",
+            "stamp": {stamp: names[stamp]} if stamp else None,
+            "native_key": {"header": "X-Idem"} if native else None,
+        }
+    )
+    return upstream_policy("shop", cfg, timedelta(seconds=1))
+
+
+@given(agent_request(), STAMP_KINDS, st.booleans(), st.booleans())
+def test_the_upstream_gets_the_agents_request_plus_the_stamp_and_native_key(
+    request: tuple[str, list[tuple[str, str]], str, bytes], stamp: str | None, native: bool, keyed: bool
+) -> None:
+    """Headers (repeats, order), query and body go on as sent, plus the key where configured; nothing else."""
+    query, headers, content_type, raw = request
+    headers = [("Content-Type", content_type), *headers]
+    policy = policy_for(stamp, native)
+    try:
+        body = read_body(raw, content_type, policy.json_stamp_path)
+    except JsonRefused:
+        assume(False)
+        raise
+    agent_headers = CIMultiDict(headers)
+    assume(reserved_use(policy, agent_headers, query, body) is None)
+    try:
+        out = build_outbound(policy, "eg_k" if keyed else None, "POST", "/p", query, agent_headers, body)
+    except StampError:
+        assume(False)
+        raise
+    hop = (
+        {"x-hop", "keep-alive", "connection"}
+        if ("Connection", "X-Hop") in headers
+        else {"keep-alive", "connection"}
+    )
+    expected = [(k, v) for k, v in headers if k.lower() not in hop]
+    added = {"x-idem": native and keyed, "x-ref": stamp == "header" and keyed}
+    assert [(k, v) for k, v in out.headers.items() if k.lower() not in added] == expected
+    assert [k.lower() for k, _ in out.headers.items() if k.lower() in added] == [
+        n for n, on in added.items() if on
+    ]
+    sent_query = out.url.raw_query_string
+    if keyed and stamp == "query_param":
+        assert sent_query == (query + "&" if query else "") + "ref=eg_k"
+    else:
+        assert sent_query == query
+    if keyed and stamp == "form_field":  # into a form, or an empty body
+        assert out.body == (raw + b"&" if raw else b"") + b"metadata%5Bref%5D=eg_k"
+    elif keyed and stamp == "json_field":
+        assert json.loads(out.body)["meta"]["ref"] == "eg_k"
+        assert len(out.body) > len(raw)
+    else:
+        assert out.body == raw
+
+
+@given(st.lists(st.tuples(HEADER_NAMES, HEADER_VALUE), max_size=5))
+@settings(max_examples=max(5, settings.default.max_examples // 5))
+async def test_the_upstream_gets_no_header_the_agent_did_not_send(
+    dsn: str, upstream: Upstream, headers: list[tuple[str, str]]
+) -> None:
+    """End to end, the upstream's headers are the agent's (less hop-by-hop), plus Host and Content-Length."""
+    upstream.calls.clear()
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
+        head = b"PUT /shop/doc HTTP/1.1\r\nHost: x\r\n" + b"".join(
+            f"{name}: {value}\r\n".encode() for name, value in headers
+        )
+        assert (await raw_exchange(gw.url, head)).split(b" ", 2)[1] == b"201"
+    received = [(k, v) for k, v in upstream.calls[0].header_list if k not in ("Host", "Content-Length")]
+    assert received == [(k, v) for k, v in headers if k.lower() not in ("keep-alive", "connection")]

@@ -1,0 +1,114 @@
+"""Requests the gateway cannot read unambiguously: a 400 each, never a 500, never logged as our error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from gateway import problems
+from tests.support import Gateway, Upstream, effect_rows, gateway_server, raw_exchange
+
+TENANTS = {"a": {"token": "env:TOKEN_A"}}
+
+
+@pytest.fixture
+async def gateway(dsn: str, upstream: Upstream, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Gateway]:
+    monkeypatch.setenv("TOKEN_A", "secret-a")
+    monkeypatch.setenv("ADMIN", "adm-1")
+    async with gateway_server(
+        dsn, upstreams={"shop": {"base_url": upstream.url}}, tenants=TENANTS, admin={"token": "env:ADMIN"}
+    ) as gw:
+        yield gw
+
+
+async def raw(gw: Gateway, head: bytes, body: bytes = b"{}") -> bytes:
+    return await raw_exchange(gw.url, head, body)
+
+
+def status_and_type(answer: bytes) -> tuple[int, str | None]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    kind = json.loads(body)["type"].rsplit("/", 1)[1] if b"problem+json" in head else None
+    return status, kind
+
+
+POST = b"POST /shop/orders HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+TOKEN = b"Effect-Gateway-Token: secret-a\r\n"
+KEY = b"Idempotency-Key: k1\r\n"
+
+
+@pytest.mark.parametrize(
+    ("extra", "kind"),
+    [
+        (KEY + b"Idempotency-Key: k2\r\n" + TOKEN, "key-malformed"),
+        (KEY + TOKEN + b"Effect-Gateway-Token: other\r\n", "bad-request"),
+        (KEY + TOKEN + b"Effect-Gateway-Run: r1\r\nEffect-Gateway-Run: r2\r\n", "bad-request"),
+        (KEY + TOKEN + b"Effect-Gateway-Step: 1\r\nEffect-Gateway-Step: 2\r\n", "bad-request"),
+        # aiohttp's parser refuses this one itself (a plain 400) before the gateway sees it.
+        (KEY + TOKEN + b"Content-Type: text/plain\r\n", None),
+    ],
+    ids=["key", "token", "run", "step", "content-type"],
+)
+async def test_a_header_read_as_one_value_sent_twice_is_refused(
+    gateway: Gateway, upstream: Upstream, dsn: str, extra: bytes, kind: str | None
+) -> None:
+    """Two Idempotency-Keys, tokens, runs, steps or content types: 400, not the first one silently."""
+    assert status_and_type(await raw(gateway, POST + extra)) == (400, kind)
+    assert upstream.calls == []
+    assert await effect_rows(dsn) == []
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        POST + KEY + b"Effect-Gateway-Token: secret-\xff\r\n",
+        b"GET /_gateway/effects HTTP/1.1\r\nHost: x\r\nEffect-Gateway-Token: \xfe\xff\r\n",
+        b"GET /_gateway/effects HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer adm-\xff\r\n",
+    ],
+    ids=["proxy-token", "admin-token", "admin-bearer"],
+)
+async def test_token_headers_that_are_not_utf8_are_a_400(
+    gateway: Gateway, upstream: Upstream, head: bytes
+) -> None:
+    """Bytes that are not UTF-8 in a token header are refused, never a 500 from the token compare."""
+    assert status_and_type(await raw(gateway, head)) == (400, "bad-request")
+    assert upstream.calls == []
+
+
+async def test_malformed_requests_and_clients_that_go_away_are_not_logged_as_our_errors(
+    gateway: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer's bad request or hang-up is one line at INFO at most; ERROR and tracebacks are for our bugs."""
+    caplog.set_level(logging.DEBUG)
+    for bad in (
+        b"POST /shop/x HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"GET / HTTP/1.1\r\nX: \x00\r\n\r\n",
+    ):
+        assert (await raw(gateway, bad, b"")).startswith(b"HTTP/1.")
+    host, port = gateway.url.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(POST + KEY + TOKEN + b"Content-Length: 100\r\n\r\n{")  # and then hangs up mid-body
+    await writer.drain()
+    await asyncio.sleep(0.1)
+    writer.close()
+    await asyncio.sleep(0.2)
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert loud == [], [r.getMessage() for r in loud]
+    assert any("malformed request" in r.getMessage() for r in caplog.records)
+    assert any("went away" in r.getMessage() for r in caplog.records)
+
+
+def test_the_readme_lists_every_problem_type() -> None:
+    """Clients branch on problem types, so the README's list of them is kept whole and true."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    listed = readme[
+        readme.index("Errors of the gateway's own") : readme.index("Admin: `GET /_gateway/health`")
+    ]
+    names = set(re.findall(r"`([a-z]+(?:-[a-z]+)*)`", listed)) - {"type"}
+    assert names == set(problems.problem_types()) | {"internal"}

@@ -1,0 +1,218 @@
+"""Upstream answers relayed and replayed byte for byte, read from raw sockets at both ends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway import problems
+from gateway.admin import parse_resolution
+from gateway.app import response_of
+from gateway.record import StoredResponse
+from gateway.upstream import storable_headers
+from tests.support import Gateway, effect_rows, gateway_server, raw_exchange
+
+
+@dataclass
+class RawUpstream:
+    """A server that answers every request with bytes a test chose, exactly as given."""
+
+    answer: bytes = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    url: str = ""
+    requests: list[bytes] = field(default_factory=list)
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            (
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            ),
+            0,
+        )
+        self.requests.append(head + await reader.readexactly(length))
+        writer.write(self.answer)
+        await writer.drain()
+        writer.close()
+
+
+@asynccontextmanager
+async def raw_upstream() -> AsyncIterator[RawUpstream]:
+    upstream = RawUpstream()
+    server = await asyncio.start_server(upstream.serve, "127.0.0.1", 0)
+    upstream.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        yield upstream
+    finally:
+        server.close()
+
+
+async def raw_request(url: str, head: bytes, body: bytes = b"{}") -> tuple[bytes, list[bytes], bytes]:
+    """(status line, header lines, body) exactly as the bytes came."""
+    head_bytes, _, rest = (await raw_exchange(url, head, body)).partition(b"\r\n\r\n")
+    status, *lines = head_bytes.split(b"\r\n")
+    return status, lines, rest
+
+
+GET = b"GET /shop/x HTTP/1.1\r\nHost: x\r\n"
+
+
+def post(key: str) -> bytes:
+    return b"POST /shop/x HTTP/1.1\r\nHost: x\r\nIdempotency-Key: " + key.encode() + b"\r\n"
+
+
+def answer(*lines: bytes, status: bytes = b"201 Created") -> bytes:
+    return (
+        b"HTTP/1.1 "
+        + status
+        + b"\r\n"
+        + b"".join(x + b"\r\n" for x in lines)
+        + b"Content-Length: 2\r\n\r\nok"
+    )
+
+
+@pytest.fixture
+async def upstream_raw() -> AsyncIterator[RawUpstream]:
+    async with raw_upstream() as upstream:
+        yield upstream
+
+
+@pytest.fixture
+async def gateway(dsn: str, upstream_raw: RawUpstream) -> AsyncIterator[Gateway]:
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream_raw.url, "timeout": "2s"}}) as gw:
+        yield gw
+
+
+async def test_a_header_that_is_not_utf8_reaches_the_agent_byte_for_byte(
+    gateway: Gateway, upstream_raw: RawUpstream
+) -> None:
+    """X-Bin: caf\\xe9 from the upstream is X-Bin: caf\\xe9 at the agent, not 'caf'."""
+    upstream_raw.answer = answer(b"X-Bin: caf\xe9", b"X-Text: caf\xc3\xa9")
+    status, lines, body = await raw_request(gateway.url, GET)
+    assert status.startswith(b"HTTP/1.1 201")
+    assert b"X-Bin: caf\xe9" in lines
+    assert b"X-Text: caf\xc3\xa9" in lines
+    assert body == b"ok"
+
+
+async def test_the_gateway_invents_no_content_type_or_server_for_an_answer(
+    gateway: Gateway, upstream_raw: RawUpstream
+) -> None:
+    """An answer without Content-Type or Server reaches the agent without them, not as octet-stream."""
+    upstream_raw.answer = answer(b"X-Only: 1")
+    _, lines, _ = await raw_request(gateway.url, GET)
+    names = [line.split(b":")[0].lower() for line in lines]
+    assert b"content-type" not in names
+    assert b"server" not in names
+
+
+async def _serve_stored(stored: StoredResponse, *, replayed: bool) -> list[bytes]:
+    """The head of ``stored`` as the gateway's response writer puts it on a real socket."""
+
+    async def handler(_: web.Request) -> web.StreamResponse:
+        return response_of(stored, replayed=replayed)
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        _, lines, _ = await raw_request(
+            f"http://127.0.0.1:{runner.addresses[0][1]}", b"GET / HTTP/1.1\r\nHost: x\r\n"
+        )
+    finally:
+        await runner.cleanup()
+    return lines
+
+
+async def test_a_stored_answer_is_replayed_with_the_upstreams_bytes() -> None:
+    """A replay writes the stored header bytes (surrogate escapes) exactly, plus Idempotent-Replayed."""
+    headers = storable_headers([(b"X-Bin", b"caf\xe9"), (b"X-Multi", b"a"), (b"X-Multi", b"b")])
+    lines = await _serve_stored(StoredResponse(201, headers, b"ok"), replayed=True)
+    assert lines[:4] == [b"X-Bin: caf\xe9", b"X-Multi: a", b"X-Multi: b", b"Idempotent-Replayed: true"]
+
+
+async def test_a_keyed_answer_with_raw_header_bytes_is_recorded_and_replayed_identically(
+    gateway: Gateway, upstream_raw: RawUpstream
+) -> None:
+    """First relay and replay carry the same header bytes; the upstream is called once."""
+    upstream_raw.answer = answer(b"X-Bin: caf\xe9")
+    first = await raw_request(gateway.url, post("bin"))
+    second = await raw_request(gateway.url, post("bin"))
+    assert b"X-Bin: caf\xe9" in first[1]
+    assert [line for line in second[1] if line.startswith(b"X-")] == [b"X-Bin: caf\xe9"]
+    assert len(upstream_raw.requests) == 1
+
+
+async def test_only_the_gateway_says_replayed_and_connection_named_headers_stop_here(
+    gateway: Gateway, upstream_raw: RawUpstream
+) -> None:
+    """The upstream's Idempotent-Replayed and the headers its Connection names go no further."""
+    upstream_raw.answer = answer(
+        b"Idempotent-Replayed: true", b"Connection: X-Hop", b"X-Hop: 1", b"X-Keep: 1"
+    )
+    _, first, _ = await raw_request(gateway.url, post("rep"))
+    _, second, _ = await raw_request(gateway.url, post("rep"))
+    names = [line.split(b":")[0].lower() for line in first]
+    assert b"idempotent-replayed" not in names
+    assert b"x-hop" not in names
+    assert b"X-Keep: 1" in first
+    assert [line for line in second if line.lower().startswith(b"idempotent-replayed")] == [
+        b"Idempotent-Replayed: true"
+    ]
+
+
+async def test_a_1xx_final_answer_is_no_answer_and_leaves_the_effect_in_doubt(
+    gateway: Gateway, upstream_raw: RawUpstream, dsn: str
+) -> None:
+    """101 says nothing of the effect: 502 upstream-broken, in doubt, never a completed 101 to replay."""
+    upstream_raw.answer = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n"
+    status, _, body = await raw_request(gateway.url, post("switch"))
+    assert status.startswith(b"HTTP/1.1 502")
+    assert json.loads(body)["type"].endswith("/upstream-broken")
+    assert [r["state"] for r in await effect_rows(dsn)] == ["in_doubt"]
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"X-A": "1\r\nX-Injected: 1"}, {"X-A": "a\x00b"}, {"Bad Name": "1"}, {"Content-Length": "5"}],
+    ids=["crlf", "nul", "bad-name", "content-length"],
+)
+def test_an_operator_cannot_store_headers_that_would_split_a_replay(headers: dict[str, str]) -> None:
+    """A resolution whose headers hold CR, LF, NUL, a bad name or a length is refused with a 400."""
+    with pytest.raises(problems.BadRequest):
+        parse_resolution({"happened": True, "response": {"status": 200, "headers": headers}})
+
+
+# --- properties ------------------------------------------------------------------------------------------
+
+HEADER_NAME = st.from_regex(r"X-[A-Za-z0-9-]{1,8}", fullmatch=True)
+# Visible ASCII, obs-text (any byte from 0x80) and inner spaces and tabs: what RFC 9110 lets a value hold.
+HEADER_VALUE = st.binary(min_size=1, max_size=12).map(
+    lambda raw: bytes(b if b >= 0x80 or 0x21 <= b <= 0x7E else 0x21 + b % 94 for b in raw)
+) | st.sampled_from([b"caf\xe9", b"a b\tc", b"\xff\xfe", b"\xed\xa0\x80"])
+
+
+@given(st.lists(st.tuples(HEADER_NAME, HEADER_VALUE), min_size=1, max_size=5))
+@settings(max_examples=max(5, settings.default.max_examples // 5))
+async def test_any_header_bytes_are_relayed_and_replayed_byte_for_byte(
+    gateway: Gateway, upstream_raw: RawUpstream, headers: list[tuple[str, bytes]]
+) -> None:
+    """Whatever bytes an upstream puts in its headers, the agent gets exactly them, relayed and replayed."""
+    sent = [name.encode() + b": " + value for name, value in headers]
+    upstream_raw.answer = answer(*sent)
+    _, relayed, _ = await raw_request(gateway.url, GET)
+    assert [line for line in relayed if line.startswith(b"X-")] == sent
+    stored = storable_headers([(name.encode(), value) for name, value in headers])
+    replayed = await _serve_stored(StoredResponse(201, stored, b"ok"), replayed=True)
+    assert [line for line in replayed if line.startswith(b"X-")] == sent
