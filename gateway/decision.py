@@ -261,7 +261,8 @@ def settle_probe(
 
     A probe only proves absence for effects its upstream's search can still see: past the probe's
     horizon (less the margin, as for a native key's TTL), "not found" proves nothing and an operator
-    must look.
+    must look. ``now`` must be the database's clock read after the probe answered (a gateway may stall
+    between taking the record and probing); the margin then covers the send that follows.
     """
     pending = State.PENDING
     match result:

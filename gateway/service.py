@@ -442,21 +442,25 @@ class EffectService:
     async def _probe(self, record: EffectRecord, policy: UpstreamPolicy, outbound: Outbound) -> Reply:
         """Probe under the take-over ``record`` holds; then send, complete, or leave it for later."""
         result = await self._look(policy, record)
-        assert record.read_at is not None
-        # The clock read by the take-over, before the probe ran: the margin covers the probe's own time.
-        verdict = settle_probe(record, result, record.read_at, policy.decision)
-        if isinstance(verdict, Send):
-            # A fresh take-over before sending: the probe may have used up most of the lease, and a
-            # request must be over at the upstream when its lease ends.
-            log.info("probe: effect %s not found upstream, sending", record.id)
+        if isinstance(result, NotFound):
+            # Taken again once the probe has answered: the new attempt's lease covers the send (the
+            # probe may have used up most of the old one), and the take-over reads the database's clock
+            # after the probe, which is when "not found" must still be within the probe's horizon.
             took = _clock()
-            claimed = await self._store.reclaim(
-                record, take_over(record), policy.lease, "the probe found nothing", sends=True
+            again = await self._store.reclaim(
+                record, take_over(record), policy.lease, "the probe found nothing", sends=True, renew=True
             )
-            if claimed is None:
+            if again is None:
                 await self._store.note_fenced(record, "the probe found nothing")
                 raise problems.Fenced("a newer attempt took over while probing; retry", effect_id=record.id)
-            return await self._attempt(claimed, took, policy, outbound, reason=None)
+            record = again
+            assert record.read_at is not None
+            if isinstance(settle_probe(record, result, record.read_at, policy.decision), Send):
+                log.info("probe: effect %s not found upstream, sending", record.id)
+                return await self._attempt(record, took, policy, outbound, reason=None)
+        assert record.read_at is not None
+        verdict = settle_probe(record, result, record.read_at, policy.decision)
+        assert isinstance(verdict, Settlement), "a send was decided above"
         found = result.response if isinstance(result, Found) else None
         note = {
             State.COMPLETED: "found by probe",
