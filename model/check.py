@@ -234,6 +234,13 @@ def plan(
         for name, what in broken.items()
     ]
     if not short:
+        # The native key's margin at its edge: with a lease of 4 ticks, the longest time from judging the
+        # key fresh to the re-send landing is 3 ticks (model/README.md). 3 must hold, 2 must not.
+        edge = ["-DKIND=0", "-DTIMEOUT=2", "-DGRACE=2", "-DTTL=7"]
+        runs += [
+            Run("margin of 3 ticks, lease of 4", [*edge, "-DMARGIN_TICKS=3"], False, optimise=True),
+            Run("margin of 2 ticks, lease of 4", [*edge, "-DMARGIN_TICKS=2"], True, what="half a lease"),
+        ]
         runs += [
             Run(f"WITNESS={n}", [*size, f"-DWITNESS={n}"], expect_error=True, what=what)
             for n, what in WITNESSES.items()

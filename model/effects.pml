@@ -43,6 +43,8 @@
 
 #ifdef MUTATION_MARGIN_ZERO
 #define MARGIN 0
+#elif defined(MARGIN_TICKS)
+#define MARGIN MARGIN_TICKS  /* to find the smallest margin that holds (model/README.md) */
 #else
 #define MARGIN LEASE   /* the design: a native key counts as fresh while its age < TTL - one lease */
 #endif
