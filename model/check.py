@@ -41,6 +41,7 @@ MUTATIONS = {
     "MUTATION_FAILED_PROBE_DOUBT": "a failed probe leaves a purged completed record in doubt",
     "MUTATION_HORIZON_IGNORED": "the probe's horizon is ignored: not found always means send",
     "MUTATION_PURGED_NATIVE_RESEND": "a purged completed record is sent again under its native key",
+    "MUTATION_HORIZON_AT_CLAIM": "the probe's horizon is judged at its re-claim, not when the probe runs",
 }
 
 # The code as it stood when the model was written (gateway/store.py, gateway/service.py).

@@ -358,6 +358,8 @@ end:	atomic {
 #define P_BLIND 4        /* past the horizon: "not found" tells nothing */
 #ifdef MUTATION_HORIZON_IGNORED
 #define WITHIN_HORIZON 1
+#elif defined(MUTATION_HORIZON_AT_CLAIM)
+#define WITHIN_HORIZON young     /* judged when the probe's re-claim was taken, not when the probe ran */
 #else
 #define WITHIN_HORIZON (sent_age < HORIZON)
 #endif
@@ -471,6 +473,9 @@ proctype Client(byte h) {
 	mtype why;                  /* why a request is sent */
 	byte a;                     /* the attempt read, then the attempt held */
 	bool earlier;               /* may_have_sent when the attempt was taken: doubt is sticky */
+#ifdef MUTATION_HORIZON_AT_CLAIM
+	bool young;                 /* the record was within the probe's horizon at the re-claim */
+#endif
 	byte out, oid, pr;          /* what came back, a response id, the probe's answer (then a state) */
 
 next:
@@ -519,7 +524,11 @@ reclaim:
 			if :: why == resend_native_key -> REACH(W_NATIVE_RESEND) :: else -> skip fi;
 			printf("gw%d re-claims (", h); printm(why); printf("): attempt %d\n", att + 1);
 			mhs = mhs || st == pending; set_state(pending); att++; lease_left = LEASE;
-			a = att; earlier = mhs; dl[h] = GRACE
+			a = att; earlier = mhs; dl[h] = GRACE;
+#ifdef MUTATION_HORIZON_AT_CLAIM
+			young = sent_age < HORIZON;
+#endif
+			skip
 		:: att == a && KEY_STILL_FRESH && why == resend_purged ->
 			earlier = 1              /* (mutation only) sent under the completed record's attempt, no lease */
 		:: else ->
