@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from gateway import admin, problems
+from gateway import admin, audit_routes, problems
 from gateway.errors import StoreRejected, StoreUnavailable
 from gateway.keys import KeySyntaxError, parse_key
 from gateway.policy import upstream_policies
@@ -41,6 +41,7 @@ def make_app(settings: Settings, dsn: str) -> web.Application:
     app[DSN] = dsn
     app.cleanup_ctx.append(_runtime(settings))
     admin.add_routes(app)
+    audit_routes.add_routes(app)
     app.router.add_route("*", "/{tail:.*}", proxy)
     return app
 

@@ -6,10 +6,18 @@ make on its own (a foreign Origin, a forged token) and the session rules themsel
 
 from __future__ import annotations
 
+import re
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
-from gateway.sessions import ADMIN, LIFETIME, Principal, SessionKeys, holder
+import aiohttp
+import pytest
+from aiohttp import web
 
+from gateway.sessions import ADMIN, COOKIE, LIFETIME, Principal, SessionKeys, holder
+from tests.support import Upstream, effect_rows, gateway_server
+
+AUDIT = "/_gateway/audit"
 NOW = datetime(2026, 11, 2, 9, 0, tzinfo=UTC)
 TOKENS = {ADMIN: "adm-1", Principal("a"): "tok-a"}
 
@@ -60,3 +68,193 @@ def test_only_a_configured_token_signs_in_and_csrf_tokens_are_per_session() -> N
     assert keys.csrf_ok(one, keys.csrf(one))
     assert not keys.csrf_ok(two, keys.csrf(one))
     assert not keys.csrf_ok(one, "")
+
+
+# --- over HTTP ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    # No cookie jar: each test sends exactly the cookie (and Origin) it means to.
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        yield session
+
+
+@pytest.fixture
+def tokens(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    monkeypatch.setenv("ADMIN", "adm-1")
+    monkeypatch.setenv("TA", "tok-a")
+    return {"admin": {"token": "env:ADMIN"}, "tenants": {"a": {"token": "env:TA"}}}
+
+
+async def _sign_in(
+    http: aiohttp.ClientSession, url: str, token: str, **headers: str
+) -> aiohttp.ClientResponse:
+    async with http.post(
+        f"{url}{AUDIT}/sign-in",
+        data={"token": token, "next": AUDIT},
+        headers={"Origin": url, **headers},
+        allow_redirects=False,
+    ) as resp:
+        return resp
+
+
+def _cookie(resp: aiohttp.ClientResponse) -> str:
+    return resp.cookies[COOKIE].value
+
+
+async def _page(http: aiohttp.ClientSession, url: str, cookie: str | None = None) -> tuple[int, str]:
+    headers = {"Cookie": f"{COOKIE}={cookie}"} if cookie else {}
+    async with http.get(url, headers=headers, allow_redirects=False) as resp:
+        return resp.status, await resp.text()
+
+
+async def test_signing_in_sets_a_strict_http_only_cookie_for_the_audit_pages(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
+) -> None:
+    """The cookie is HttpOnly, SameSite=Strict, scoped to the audit, 8 hours; Secure behind https."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
+        status, _ = await _page(http, gw.url + AUDIT)
+        assert status == 401
+        resp = await _sign_in(http, gw.url, "adm-1")
+        assert (resp.status, resp.headers["Location"]) == (303, AUDIT)
+        morsel = resp.cookies[COOKIE]
+        assert morsel["httponly"] is True
+        assert morsel["samesite"] == "Strict"
+        assert morsel["path"] == AUDIT
+        assert morsel["max-age"] == str(8 * 3600)
+        assert not morsel["secure"]
+        assert (await _page(http, gw.url + AUDIT, _cookie(resp)))[0] == 200
+        tls = {"X-Forwarded-Proto": "https", "Origin": gw.url.replace("http:", "https:")}
+        behind_tls = await _sign_in(http, gw.url, "adm-1", **tls)
+        assert behind_tls.cookies[COOKIE]["secure"] is True
+        wrong = await _sign_in(http, gw.url, "adm-2")
+        assert wrong.status == 401
+        assert COOKIE not in wrong.cookies
+
+
+async def test_every_gateway_on_the_database_accepts_a_session_until_its_token_changes(
+    dsn: str,
+    upstream: Upstream,
+    http: aiohttp.ClientSession,
+    tokens: dict[str, object],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second gateway process (another worker) takes the cookie; one with a rotated token does not."""
+    shop = {"shop": {"base_url": upstream.url}}
+    async with gateway_server(dsn, upstreams=shop, **tokens) as one:
+        cookie = _cookie(await _sign_in(http, one.url, "adm-1"))
+    async with gateway_server(dsn, upstreams=shop, **tokens) as two:
+        assert (await _page(http, two.url + AUDIT, cookie))[0] == 200
+    monkeypatch.setenv("ADMIN", "adm-rotated")
+    async with gateway_server(dsn, upstreams=shop, **tokens) as rotated:
+        status, _ = await _page(http, rotated.url + AUDIT, cookie)
+    assert status == 401
+
+
+async def test_the_json_routes_take_no_cookie_and_the_pages_allow_no_script(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
+) -> None:
+    """The JSON API still wants its tokens; every page forbids scripts and caching."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
+        cookie = _cookie(await _sign_in(http, gw.url, "adm-1"))
+        async with http.get(f"{gw.url}/_gateway/effects", headers={"Cookie": f"{COOKIE}={cookie}"}) as resp:
+            assert resp.status == 401
+        async with http.get(gw.url + AUDIT, headers={"Authorization": "Bearer adm-1"}) as resp:
+            assert resp.status == 200
+            policy = resp.headers["Content-Security-Policy"]
+            assert resp.headers["Cache-Control"] == "no-store"
+            assert resp.headers["X-Content-Type-Options"] == "nosniff"
+        async with http.get(gw.url + AUDIT, headers={"Effect-Gateway-Token": "tok-a"}) as resp:
+            assert resp.status == 200
+    assert "default-src 'none'" in policy
+    assert "form-action 'self'" in policy
+    assert "script-src" not in policy
+    assert "unsafe" not in policy
+
+
+async def test_an_open_single_tenant_gateway_needs_no_sign_in(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """Without tenants and an admin token (loopback only) the page opens as it always did."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
+        assert (await _page(http, gw.url + AUDIT))[0] == 200
+
+
+async def test_signing_in_never_sends_a_person_to_another_site(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
+) -> None:
+    """``next`` goes to an audit page only; a sign-in posted from another site is refused."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
+        for target in ("https://evil.example/", "//evil.example/_gateway/audit", f"{AUDIT}\\@evil"):
+            async with http.post(
+                f"{gw.url}{AUDIT}/sign-in",
+                data={"token": "adm-1", "next": target},
+                headers={"Origin": gw.url},
+                allow_redirects=False,
+            ) as resp:
+                assert resp.headers["Location"] == AUDIT
+        foreign = await _sign_in(http, gw.url, "adm-1", Origin="http://localhost:1")
+        assert foreign.status == 403
+        assert COOKIE not in foreign.cookies
+
+
+async def _needs_review(http: aiohttp.ClientSession, url: str, upstream: Upstream) -> None:
+    """An effect the upstream answered 500 to, retried: nothing can tell, so it waits for an operator."""
+
+    async def boom(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="boom")
+
+    upstream.routes["/orders"] = boom
+    for _ in range(2):
+        async with http.post(
+            f"{url}/shop/orders",
+            data=b"{}",
+            headers={"Idempotency-Key": "k1", "Effect-Gateway-Token": "tok-a"},
+        ) as resp:
+            await resp.read()
+
+
+async def test_a_cross_site_resolve_is_refused_and_a_same_site_one_with_its_token_is_carried_out(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
+) -> None:
+    """With the cookie: no CSRF token, a wrong one, a foreign Origin, or none at all: 403; then it works."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
+        await _needs_review(http, gw.url, upstream)
+        cookie = _cookie(await _sign_in(http, gw.url, "adm-1"))
+        _, page = await _page(http, f"{gw.url}{AUDIT}/1", cookie)
+        found = re.search(r'name="csrf" value="([^"]+)"', page)
+        assert found is not None
+        csrf = found.group(1)
+        attempts = [
+            ({"Origin": gw.url}, {}),
+            ({"Origin": gw.url}, {"csrf": "A" * len(csrf)}),
+            ({"Origin": "http://localhost:1"}, {"csrf": csrf}),
+            ({"Origin": "null"}, {"csrf": csrf}),
+            ({}, {"csrf": csrf}),
+        ]
+        for headers, fields in attempts:
+            async with http.post(
+                f"{gw.url}{AUDIT}/1/resolve",
+                data={**fields, "happened": "no"},
+                headers={"Cookie": f"{COOKIE}={cookie}", **headers},
+                allow_redirects=False,
+            ) as resp:
+                assert resp.status == 403, (headers, fields)
+        assert [r["state"] for r in await effect_rows(dsn)] == ["needs_review"]
+        async with http.post(
+            f"{gw.url}{AUDIT}/1/resolve",
+            data={"csrf": csrf, "happened": "no"},
+            headers={"Cookie": f"{COOKIE}={cookie}", "Referer": f"{gw.url}{AUDIT}/1"},
+            allow_redirects=False,
+        ) as resp:
+            assert (resp.status, resp.headers["Location"]) == (303, f"{AUDIT}/1?resolved=did-not-happen")
+        assert [r["state"] for r in await effect_rows(dsn)] == ["retryable"]
+        async with http.post(
+            f"{gw.url}{AUDIT}/sign-out",
+            data={"csrf": csrf},
+            headers={"Cookie": f"{COOKIE}={cookie}", "Origin": gw.url},
+            allow_redirects=False,
+        ) as resp:
+            assert resp.status == 303
+            assert resp.cookies[COOKIE]["max-age"] == "0"
