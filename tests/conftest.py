@@ -6,12 +6,11 @@ import asyncio
 import os
 from collections.abc import AsyncIterator, Iterator
 
-import asyncpg
 import pytest
 
 from gateway.embedded import EmbeddedPostgres
 from gateway.schema import migrate
-from tests.support import CRASH_MATRIX, Upstream, upstream_server
+from tests.support import CRASH_MATRIX, Upstream, empty_effects, upstream_server
 
 
 @pytest.fixture(scope="session")
@@ -35,11 +34,7 @@ def postgres_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 async def dsn(postgres_dsn: str) -> str:
     """The test database with an empty effects table."""
-    conn = await asyncpg.connect(postgres_dsn)
-    try:
-        await conn.execute("truncate effects, effect_keys, effect_bodies; alter sequence effect_ids restart")
-    finally:
-        await conn.close()
+    await empty_effects(postgres_dsn)
     return postgres_dsn
 
 

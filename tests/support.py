@@ -146,6 +146,15 @@ async def gateway_server(dsn: str, **settings: Any) -> AsyncIterator[Gateway]:
         await runner.cleanup()
 
 
+async def empty_effects(dsn: str) -> None:
+    """No effects at all, and ids from 1 again: each test starts from an empty audit."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("truncate effects, effect_keys, effect_bodies; alter sequence effect_ids restart")
+    finally:
+        await conn.close()
+
+
 def other_database(dsn: str, name: str) -> str:
     """The same server as ``dsn``, another database (for tests that must not touch the shared one)."""
     parts = urlsplit(dsn)
