@@ -215,10 +215,10 @@ async def _needs_review(http: aiohttp.ClientSession, url: str, upstream: Upstrea
             await resp.read()
 
 
-async def test_a_cross_site_resolve_is_refused_and_a_same_site_one_with_its_token_is_carried_out(
+async def test_a_cross_site_resolve_is_refused_and_a_same_site_one_is_carried_out_once(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
 ) -> None:
-    """With the cookie: no CSRF token, a wrong one, a foreign Origin, or none at all: 403; then it works."""
+    """With the cookie: no CSRF token, a wrong one, a foreign Origin, or none: 403; then it works, once."""
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
         await _needs_review(http, gw.url, upstream)
         cookie = _cookie(await _sign_in(http, gw.url, "adm-1"))
@@ -250,6 +250,14 @@ async def test_a_cross_site_resolve_is_refused_and_a_same_site_one_with_its_toke
         ) as resp:
             assert (resp.status, resp.headers["Location"]) == (303, f"{AUDIT}/1?resolved=did-not-happen")
         assert [r["state"] for r in await effect_rows(dsn)] == ["retryable"]
+        async with http.post(
+            f"{gw.url}{AUDIT}/1/resolve",
+            data={"csrf": csrf, "happened": "no"},
+            headers={"Cookie": f"{COOKIE}={cookie}", "Origin": gw.url},
+            allow_redirects=False,
+        ) as resp:
+            assert resp.status == 409  # a second operator on a stale page: told why, nothing changes
+            assert "Not resolved: nothing happened upstream; the next retry sends it" in await resp.text()
         async with http.post(
             f"{gw.url}{AUDIT}/sign-out",
             data={"csrf": csrf},
