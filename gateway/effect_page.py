@@ -118,8 +118,14 @@ def _timeline(history: list[dict[str, Any]]) -> str:
 
 def _response(record: EffectRecord) -> str:
     if record.response is not None:
+        unsettled = (
+            ""
+            if record.state is State.COMPLETED
+            else '<p class="muted">What the upstream answered the last attempt; it is not replayed.</p>'
+        )
         return (
-            _facts([("status", str(record.response.status)), ("stored", time_tag(record.response_at))])
+            unsettled
+            + _facts([("status", str(record.response.status)), ("stored", time_tag(record.response_at))])
             + "<h3>Headers</h3>"
             + _headers(list(record.response.headers))
             + "<h3>Body</h3>"
