@@ -10,7 +10,7 @@ import pytest
 
 from gateway.embedded import EmbeddedPostgres
 from gateway.schema import migrate
-from tests.support import CRASH_MATRIX, Upstream, empty_effects, upstream_server
+from tests.support import CRASH_MATRIX, SCREENSHOTS, Upstream, empty_effects, upstream_server
 
 
 @pytest.fixture(scope="session")
@@ -45,10 +45,15 @@ async def upstream() -> AsyncIterator[Upstream]:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Print the crash matrix (scenario x upstream kind) when the crash tests ran."""
+    """Print where the browser tests' screenshots are, and the crash matrix when the crash tests ran."""
+    write = terminalreporter.write_line
+    if SCREENSHOTS:
+        write("")
+        write("screenshots of the audit page, to look at:")
+        for path in SCREENSHOTS:
+            write(f"  {path}")
     if not CRASH_MATRIX:
         return
-    write = terminalreporter.write_line
     write("")
     write("crash matrix: gateway SIGKILLed at a fault point, restarted, agent retried with the same key")
     header = f"{'fault point':<15} {'upstream kind':<28} {'effects':>7} {'agent got':>9}  {'record':<13}"

@@ -21,6 +21,8 @@ from gateway.settings import load_settings
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Rows of the crash matrix, filled by tests/test_crash.py and printed at the end of the run.
 CRASH_MATRIX: list[tuple[str, str, int, int, int, str, str | None]] = []
+# Screenshots the browser tests took (tests/test_audit_browser.py), listed at the end of the run.
+SCREENSHOTS: list[Path] = []
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -1,8 +1,9 @@
 """The audit page in a real browser: Debian's headless Chromium, driven by Playwright, as a person uses it.
 
 One browser for the module, a fresh context (no cookies) per test. Screenshots land in
-test-artifacts/audit/ for a person to look at; their paths are printed. `make test` installs Chromium
-when it is missing (as root, with apt-get); without it these tests fail and say so, never skip.
+test-artifacts/audit/ for a person to look at; their paths are printed at the end of the run.
+`make test` installs Chromium when it is missing (as root, with apt-get); without it these tests fail
+and say so, never skip.
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ import pytest_asyncio
 from aiohttp import web
 from playwright.async_api import Browser, ConsoleMessage, Dialog, Page, async_playwright, expect
 
-from tests.support import ROOT, Gateway, Upstream, effect_rows, empty_effects, gateway_server, upstream_server
+from tests.support import (
+    ROOT,
+    SCREENSHOTS,
+    Gateway,
+    Upstream,
+    effect_rows,
+    empty_effects,
+    gateway_server,
+    upstream_server,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -71,7 +81,7 @@ class Person:
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         path = ARTIFACTS / name
         await self.page.screenshot(path=str(path), full_page=True)
-        print(f"screenshot: {path}")
+        SCREENSHOTS.append(path)
         return path
 
     async def sign_in(self, url: str, token: str) -> None:
