@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import audit_page, jsonbody, operators, problems
+from gateway import jsonbody, operators, problems
 from gateway.decision import NotAwaitingOperator
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.record import EffectRecord, StoredResponse
@@ -37,7 +37,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/_gateway/effects", list_effects)
     app.router.add_get("/_gateway/effects/{id}", get_effect)
     app.router.add_post("/_gateway/effects/{id}/resolve", resolve_effect)
-    app.router.add_get("/_gateway/audit", audit)
 
 
 def _runtime(request: web.Request) -> Runtime:
@@ -181,6 +180,7 @@ def parse_filter(query: dict[str, str], tenant: str | None) -> EffectFilter:
         state=State(state) if state else None,
         upstream=query.get("upstream"),
         run_id=query.get("run"),
+        key=query.get("key"),
         since=_since(query["since"]) if "since" in query else None,
         before_id=_int(query["before"], "before", 1, MAX_ID) if "before" in query else None,
         limit=_int(query["limit"], "limit", 1, MAX_PAGE) if "limit" in query else DEFAULT_PAGE,
@@ -196,18 +196,6 @@ async def list_effects(request: web.Request) -> web.Response:
         nxt = request.rel_url.update_query(before=str(records[-1].id))
         page["next"] = str(nxt)
     return _json(page)
-
-
-async def audit(request: web.Request) -> web.Response:
-    """The audit as a page for a person; the same filters and paging as /_gateway/effects."""
-    runtime = _runtime(request)
-    query = dict(request.query)
-    where = parse_filter(query, _viewer(request, runtime))
-    records = await runtime.store.find(where)
-    counts = await runtime.store.state_counts(where.tenant)
-    next_before = records[-1].id if len(records) == where.limit else None
-    html = audit_page.render(records, counts, {k: v for k, v in query.items() if k != "before"}, next_before)
-    return web.Response(text=html, content_type="text/html", charset="utf-8")
 
 
 async def _load(request: web.Request, tenant: str | None) -> EffectRecord:

@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from gateway import admin, codings, problems
+from gateway import admin, audit_routes, codings, problems
 from gateway.body import RequestBody, read_body
 from gateway.errors import StoreRejected, StoreUnavailable
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
@@ -72,6 +72,7 @@ def make_app(settings: Settings, dsn: str) -> web.Application:
     app[DSN] = dsn
     app.cleanup_ctx.append(_runtime(settings))
     admin.add_routes(app)
+    audit_routes.add_routes(app)
     app.router.add_route("*", "/{tail:.*}", proxy)
     return app
 

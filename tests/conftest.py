@@ -6,13 +6,12 @@ import asyncio
 import os
 from collections.abc import AsyncIterator, Iterator
 
-import asyncpg
 import pytest
 from hypothesis import HealthCheck, settings
 
 from gateway.embedded import EmbeddedPostgres
 from gateway.schema import migrate
-from tests.support import CRASH_MATRIX, Upstream, upstream_server
+from tests.support import CRASH_MATRIX, SCREENSHOTS, Upstream, empty_effects, upstream_server
 
 # Property tests: a few examples each in `make test` (the whole suite stays fast), many in `make fuzz`.
 # Choose with HYPOTHESIS_PROFILE; tests that start servers take their count from the profile as well.
@@ -47,11 +46,7 @@ def postgres_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 async def dsn(postgres_dsn: str) -> str:
     """The test database with an empty effects table."""
-    conn = await asyncpg.connect(postgres_dsn)
-    try:
-        await conn.execute("truncate effects, effect_keys, effect_bodies; alter sequence effect_ids restart")
-    finally:
-        await conn.close()
+    await empty_effects(postgres_dsn)
     return postgres_dsn
 
 
@@ -62,10 +57,15 @@ async def upstream() -> AsyncIterator[Upstream]:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Print the crash matrix (scenario x upstream kind) when the crash tests ran."""
+    """Print where the browser tests' screenshots are, and the crash matrix when the crash tests ran."""
+    write = terminalreporter.write_line
+    if SCREENSHOTS:
+        write("")
+        write("screenshots of the audit page, to look at:")
+        for path in SCREENSHOTS:
+            write(f"  {path}")
     if not CRASH_MATRIX:
         return
-    write = terminalreporter.write_line
     write("")
     write("crash matrix: gateway SIGKILLed at a fault point, restarted, agent retried with the same key")
     header = f"{'fault point':<15} {'upstream kind':<28} {'effects':>7} {'agent got':>9}  {'record':<13}"

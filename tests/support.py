@@ -21,6 +21,8 @@ from gateway.settings import load_settings
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Rows of the crash matrix, filled by tests/test_crash.py and printed at the end of the run.
 CRASH_MATRIX: list[tuple[str, str, int, int, int, str, str | None]] = []
+# Screenshots the browser tests took (tests/test_audit_browser.py), listed at the end of the run.
+SCREENSHOTS: list[Path] = []
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -163,6 +165,15 @@ async def raw_exchange(url: str, head: bytes, body: bytes = b"{}") -> bytes:
     answer = await reader.read()
     writer.close()
     return answer
+
+
+async def empty_effects(dsn: str) -> None:
+    """No effects at all, and ids from 1 again: each test starts from an empty audit."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("truncate effects, effect_keys, effect_bodies; alter sequence effect_ids restart")
+    finally:
+        await conn.close()
 
 
 def other_database(dsn: str, name: str) -> str:

@@ -270,7 +270,7 @@ async def test_resolve_happened_replays_the_operators_response(
         async with http.get(f"{gw.url}/_gateway/health") as resp:
             assert (await resp.json())["needs_review"] == 1
         async with http.get(f"{gw.url}/_gateway/audit") as resp:
-            assert '<p class="review">1 effect may have happened' in await resp.text()
+            assert "1 effect waits for an operator" in await resp.text()
         verdict = {"happened": True, "response": {"status": 201, "json": {"order": "found-by-hand"}}}
         async with http.post(f"{gw.url}/_gateway/effects/{effect}/resolve", json=verdict) as resp:
             assert resp.status == 200

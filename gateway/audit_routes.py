@@ -1,0 +1,451 @@
+"""The audit pages' routes: sign-in and sign-out, the list, an effect's page, and an operator's verdict.
+
+A browser signs in once with a token and holds a session cookie (:mod:`gateway.sessions`); API clients
+may still send the admin token as ``Authorization: Bearer`` or a tenant's ``Effect-Gateway-Token``, and a
+single-tenant gateway without an admin token (loopback only) is open, as for the JSON routes. Every
+form posted here must come from this origin and carry a CSRF token bound to the session; the cookie is
+``SameSite=Strict`` as well. Every answer is HTML for a person, errors included, under a
+Content-Security-Policy that allows no script at all.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+
+from aiohttp import web
+
+from gateway import audit_page, effect_page, operators, problems
+from gateway.admin import parse_filter, parse_resolution
+from gateway.audit_page import BASE, Chrome, Listing
+from gateway.decision import NotAwaitingOperator, resolution
+from gateway.effect_page import ResolveForm, Verdict
+from gateway.record import EffectRecord, StoredResponse
+from gateway.runtime import RUNTIME, Runtime, is_admin, tenant_of
+from gateway.sessions import ADMIN, COOKIE, LIFETIME, Principal, Session, SessionKeys, holder
+from gateway.settings import Settings, parse_duration
+from gateway.store import EffectFilter, Store
+
+# No scripts, no frames, no plug-ins; styles only from our own stylesheet; forms post only to us.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
+        "frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    # The Referer goes to this origin only (the CSRF check reads it when a browser sends no Origin).
+    "Referrer-Policy": "same-origin",
+    # Pages hold the audit and CSRF tokens: no shared cache keeps them, no back button shows a stale one.
+    "Cache-Control": "no-store",
+}
+# "until" without a store filter on the creation time: newest-first batches are read and the older
+# rows kept. Ids grow with creation time, so once past "until" nearly every row is kept; the bound
+# keeps one page cheap when "until" lies far back (its "Older" link goes on from where reading stopped).
+SCAN_BATCH = 500
+SCAN_ROWS = 5000
+# A header name is an RFC 9110 token: anything else would break the replay, not just look odd.
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+OUTCOMES = {
+    "happened": "Recorded: the effect happened. The agent's next retry with this key gets the response "
+    "below, and nothing is sent.",
+    "did-not-happen": "Recorded: the effect did not happen. The agent's next retry with this key sends "
+    "the request again.",
+}
+
+
+class _Keyring:
+    """The session keys, made at the first request: the key secret may have to come from the database."""
+
+    keys: SessionKeys | None = None
+
+
+KEYRING = web.AppKey("audit_keyring", _Keyring)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def add_routes(app: web.Application) -> None:
+    app[KEYRING] = _Keyring()
+    app.router.add_get(BASE, list_effects)
+    app.router.add_get(BASE + "/style.css", stylesheet)
+    app.router.add_post(BASE + "/sign-in", sign_in)
+    app.router.add_post(BASE + "/sign-out", sign_out)
+    app.router.add_get(BASE + "/{id}", show_effect)
+    app.router.add_post(BASE + "/{id}/resolve", resolve_effect)
+
+
+class PageError(Exception):
+    """An error answered as an HTML page with this status."""
+
+    def __init__(self, status: int, title: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.title, self.detail = status, title, detail
+
+
+def _html(text: str, status: int = 200, **headers: str) -> web.Response:
+    return web.Response(
+        text=text,
+        status=status,
+        content_type="text/html",
+        charset="utf-8",
+        headers={**SECURITY_HEADERS, **headers},
+    )
+
+
+def _redirect(location: str) -> web.Response:
+    return web.Response(status=303, headers={"Location": location, **SECURITY_HEADERS})
+
+
+def _page(handler: Handler) -> Handler:
+    """Errors on these routes are pages for a person, not problem+json."""
+
+    async def page(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except PageError as exc:
+            return _html(audit_page.error_page(exc.title, exc.detail, None), exc.status)
+        except problems.Problem as exc:
+            return _html(audit_page.error_page(exc.title, exc.detail, None), exc.status)
+
+    return page
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _runtime(request: web.Request) -> Runtime:
+    return request.app[RUNTIME]
+
+
+async def _keys(request: web.Request) -> SessionKeys:
+    keyring = request.app[KEYRING]
+    if keyring.keys is None:
+        runtime = _runtime(request)
+        given = runtime.settings.key_secret
+        secret = given.get_secret_value().encode() if given else await runtime.store.key_secret()
+        keyring.keys = SessionKeys(secret)
+    return keyring.keys
+
+
+def _tokens(settings: Settings) -> dict[Principal, str]:
+    """Every token a person may sign in with: each tenant's, and the admin's when there is one."""
+    tokens = {Principal(name): t.token.get_secret_value() for name, t in settings.tenants.items()}
+    if settings.admin.token is not None:
+        tokens[ADMIN] = settings.admin.token.get_secret_value()
+    return tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Viewer:
+    """Who is looking: whose effects they read (None: all), how they got in, and their session."""
+
+    tenant: str | None
+    who: str
+    session: Session | None
+    keys: SessionKeys
+
+    @property
+    def may_resolve(self) -> bool:
+        return self.tenant is None
+
+    @property
+    def csrf(self) -> str:
+        return self.keys.csrf(self.session)
+
+    def chrome(self) -> Chrome:
+        return Chrome(self.who, self.csrf, self.session is not None)
+
+
+async def _viewer(request: web.Request) -> Viewer | None:
+    """The caller by API token, by session cookie, or as the open gateway; None: they must sign in."""
+    settings = _runtime(request).settings
+    keys = await _keys(request)
+    if is_admin(request, settings):
+        if settings.admin.token is None:
+            return Viewer(None, "open gateway: loopback only, no admin token", None, keys)
+        return Viewer(None, "admin (bearer token)", None, keys)
+    if settings.tenants and "Effect-Gateway-Token" in request.headers:
+        tenant = tenant_of(request, settings)
+        return Viewer(tenant, f"tenant {tenant} (token)", None, keys)
+    session = keys.read(request.cookies.get(COOKIE), _tokens(settings), _now())
+    if session is None:
+        return None
+    who = f"{session.principal.label} · until {audit_page.utc(session.expires)}"
+    return Viewer(session.principal.tenant, who, session, keys)
+
+
+def _https(request: web.Request) -> bool:
+    forwarded = request.headers.get("X-Forwarded-Proto", "").split(",")[0].strip().lower()
+    return forwarded == "https" or request.scheme == "https"
+
+
+def _same_origin(request: web.Request) -> bool:
+    """Whether a POST comes from a page of this origin (Origin, or Referer when a browser sent none)."""
+    own = f"{'https' if _https(request) else 'http'}://{request.host}"
+    origin = request.headers.get("Origin")
+    if origin is not None:
+        return origin == own
+    referer = request.headers.get("Referer", "")
+    return referer == own or referer.startswith(own + "/")
+
+
+def _check_form(request: web.Request, viewer: Viewer, form: Mapping[str, object]) -> None:
+    if not _same_origin(request):
+        raise PageError(403, "Refused", "This form was sent from another site; use the audit page itself.")
+    given = form.get("csrf")
+    if not isinstance(given, str) or not viewer.keys.csrf_ok(viewer.session, given):
+        raise PageError(
+            403, "Refused", "The form's CSRF token is missing or out of date: reload the page and try again."
+        )
+
+
+def _sign_in_page(next_path: str, error: str | None = None) -> web.Response:
+    return _html(
+        audit_page.sign_in(next_path, error), 401, **{"WWW-Authenticate": 'Bearer realm="effect-gateway"'}
+    )
+
+
+def _safe_next(value: object) -> str:
+    """Where to go after signing in: a page of the audit, never another site."""
+    if not isinstance(value, str) or re.search(r"[\\\r\n]", value):
+        return BASE
+    return value if value == BASE or value.startswith((BASE + "/", BASE + "?")) else BASE
+
+
+def parse_moment(value: str, name: str) -> datetime:
+    """An ISO time (UTC when it names no zone) or a duration back from now, like ``1h`` or ``2d``."""
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        try:
+            return _now() - parse_duration(value)
+        except ValueError:
+            raise problems.BadRequest(
+                f"{name}={value!r} is neither an ISO time (2026-01-31T09:00Z) nor a duration like 1h"
+            ) from None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def _filter(query: dict[str, str], tenant: str | None) -> tuple[EffectFilter, datetime | None]:
+    times = {"since", "until"}
+    where = parse_filter({k: v for k, v in query.items() if k not in times}, tenant)
+    if "since" in query:
+        where = replace(where, since=parse_moment(query["since"], "since"))
+    return where, parse_moment(query["until"], "until") if "until" in query else None
+
+
+async def _find(
+    store: Store, where: EffectFilter, until: datetime | None
+) -> tuple[list[EffectRecord], int | None]:
+    """A page of records and the id the next page starts before (None: this is the last page)."""
+    if until is None:
+        records = await store.find(where)
+        return records, records[-1].id if len(records) == where.limit else None
+    kept: list[EffectRecord] = []
+    before, read = where.before_id, 0
+    while read < SCAN_ROWS:
+        batch = await store.find(replace(where, before_id=before, limit=SCAN_BATCH))
+        read += len(batch)
+        for record in batch:
+            if record.created_at < until:
+                kept.append(record)
+                if len(kept) == where.limit:
+                    return kept, record.id
+        if len(batch) < SCAN_BATCH:
+            return kept, None
+        before = batch[-1].id
+    return kept, before
+
+
+@_page
+async def list_effects(request: web.Request) -> web.StreamResponse:
+    viewer = await _viewer(request)
+    if viewer is None:
+        return _sign_in_page(request.path_qs)
+    runtime = _runtime(request)
+    # An HTML form sends every field; an empty one is no filter.
+    query = {k: v.strip() for k, v in request.query.items() if v.strip()}
+    error = None
+    try:
+        where, until = _filter(query, viewer.tenant)
+        records, next_before = await _find(runtime.store, where, until)
+    except problems.BadRequest as exc:
+        error, records, next_before = exc.detail, [], None
+    page = Listing(
+        records=records,
+        counts=await runtime.store.state_counts(viewer.tenant),
+        query={k: v for k, v in query.items() if k != "before"},
+        next_before=next_before,
+        upstreams=sorted(runtime.policies),
+        may_resolve=viewer.may_resolve,
+        paged="before" in query,
+        error=error,
+    )
+    return _html(audit_page.listing(page, viewer.chrome()), 400 if error else 200)
+
+
+async def _load(request: web.Request, tenant: str | None) -> EffectRecord:
+    raw = request.match_info["id"]
+    record = await _runtime(request).store.get(int(raw), tenant) if raw.isdigit() and len(raw) < 19 else None
+    if record is None:
+        raise PageError(404, "No such effect", f"There is no effect {raw} among those you may see.")
+    return record
+
+
+def _verdict(record: EffectRecord, viewer: Viewer, form: ResolveForm | None = None) -> Verdict:
+    """Whether the record waits for an operator: the decision's own rule, asked, not repeated here."""
+    assert record.read_at is not None, "records are read with the database's time"
+    try:
+        resolution(record, record.read_at, happened=False)
+        blocked = None
+    except NotAwaitingOperator as exc:
+        blocked = str(exc)
+    return Verdict(viewer.may_resolve, blocked, viewer.csrf, form or ResolveForm())
+
+
+@_page
+async def show_effect(request: web.Request) -> web.StreamResponse:
+    viewer = await _viewer(request)
+    if viewer is None:
+        return _sign_in_page(request.path_qs)
+    record = await _load(request, viewer.tenant)
+    outcome = OUTCOMES.get(request.query.get("resolved", ""))
+    message = ("ok", outcome) if outcome else None
+    return _html(effect_page.effect(record, viewer.chrome(), _verdict(record, viewer), message))
+
+
+def _entered(form: Mapping[str, object]) -> ResolveForm:
+    def text(name: str, default: str = "") -> str:
+        value = form.get(name, default)
+        return value if isinstance(value, str) else default
+
+    return ResolveForm(
+        status=text("status", "200").strip(),
+        headers=text("headers"),
+        # Browsers send a textarea's line breaks as CRLF; the person typed plain line breaks.
+        body=text("body").replace("\r\n", "\n"),
+        kind="text" if text("kind") == "text" else "json",
+        by=text("by").strip(),
+    )
+
+
+def _response(entered: ResolveForm) -> StoredResponse:
+    """The response to replay, from the "happened" form: checked as the JSON route checks it."""
+    if not entered.status.isdigit():
+        raise problems.BadRequest("The status must be a number from 100 to 599.")
+    headers: list[list[str]] = []
+    for line in entered.headers.splitlines():
+        if not line.strip():
+            continue
+        name, colon, value = line.partition(":")
+        if not colon or not _HEADER_NAME.match(name.strip()):
+            raise problems.BadRequest(f"The header line {line!r} is not 'Name: value'.")
+        headers.append([name.strip(), value.strip()])
+    if entered.kind == "json":
+        try:
+            json.loads(entered.body)
+        except ValueError as exc:
+            raise problems.BadRequest(
+                f"The body is not JSON ({exc}); choose text for any other body."
+            ) from None
+    if entered.body and not any(name.lower() == "content-type" for name, _ in headers):
+        headers.append(
+            ["Content-Type", "application/json" if entered.kind == "json" else "text/plain; charset=utf-8"]
+        )
+    doc = {
+        "happened": True,
+        "response": {"status": int(entered.status), "headers": headers, "body": entered.body},
+    }
+    _, response = parse_resolution(doc)
+    assert response is not None, "happened: true always has a response"
+    return response
+
+
+@_page
+async def resolve_effect(request: web.Request) -> web.StreamResponse:
+    """An operator's verdict from the page, carried out by :func:`gateway.operators.resolve`."""
+    viewer = await _viewer(request)
+    if viewer is None:
+        return _sign_in_page(BASE + "/" + request.match_info["id"], "Your session ended: sign in again.")
+    form = await request.post()
+    _check_form(request, viewer, form)
+    if not viewer.may_resolve:
+        raise PageError(
+            403, "Only the admin resolves", "A tenant reads its effects; the admin token resolves them."
+        )
+    record = await _load(request, None)
+    happened = form.get("happened")
+    if happened not in ("yes", "no"):
+        raise PageError(400, "Which verdict?", "Say whether the effect happened (yes) or not (no).")
+    entered = _entered(form)
+    response = None
+    if happened == "yes":
+        try:
+            response = _response(entered)
+        except problems.BadRequest as exc:
+            again = _verdict(record, viewer, replace(entered, error=exc.detail))
+            return _html(effect_page.effect(record, viewer.chrome(), again), 400)
+    by = entered.by or "admin, on the audit page"
+    try:
+        await operators.resolve(
+            _runtime(request).store, record.id, happened=happened == "yes", response=response, by=by
+        )
+    except operators.NoSuchEffect:
+        raise PageError(404, "No such effect", f"There is no effect {record.id}.") from None
+    except NotAwaitingOperator as exc:
+        fresh = await _load(request, None)
+        message = ("error", f"Not resolved: {exc}.")
+        return _html(effect_page.effect(fresh, viewer.chrome(), _verdict(fresh, viewer), message), 409)
+    return _redirect(f"{BASE}/{record.id}?resolved={'happened' if happened == 'yes' else 'did-not-happen'}")
+
+
+@_page
+async def sign_in(request: web.Request) -> web.StreamResponse:
+    form = await request.post()
+    if not _same_origin(request):
+        raise PageError(403, "Refused", "This sign-in was sent from another site; use the audit page itself.")
+    next_path = _safe_next(form.get("next"))
+    settings = _runtime(request).settings
+    if is_admin(request, settings) and settings.admin.token is None:
+        return _redirect(next_path)  # the open gateway: nothing to sign in to
+    token = form.get("token")
+    token = token.strip() if isinstance(token, str) else ""
+    principal = holder(token, _tokens(settings)) if token else None
+    if principal is None:
+        return _sign_in_page(next_path, "That token is neither the admin token nor a tenant's token.")
+    cookie, _ = (await _keys(request)).issue(principal, token, _now())
+    resp = _redirect(next_path)
+    resp.set_cookie(
+        COOKIE,
+        cookie,
+        max_age=int(LIFETIME.total_seconds()),
+        path=BASE,
+        httponly=True,
+        samesite="Strict",
+        secure=_https(request),
+    )
+    return resp
+
+
+@_page
+async def sign_out(request: web.Request) -> web.StreamResponse:
+    viewer = await _viewer(request)
+    form = await request.post()
+    if viewer is not None and viewer.session is not None:
+        _check_form(request, viewer, form)
+    resp = _redirect(BASE)
+    resp.del_cookie(COOKIE, path=BASE, httponly=True, samesite="Strict", secure=_https(request))
+    return resp
+
+
+async def stylesheet(request: web.Request) -> web.Response:
+    return web.Response(
+        text=audit_page.STYLESHEET,
+        content_type="text/css",
+        charset="utf-8",
+        headers={"Cache-Control": "max-age=3600", "X-Content-Type-Options": "nosniff"},
+    )

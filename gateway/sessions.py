@@ -1,0 +1,136 @@
+"""Sign-in sessions for the audit page: a signed cookie that every gateway process accepts, and CSRF tokens.
+
+A browser cannot send ``Authorization: Bearer``, so a person signs in once with the admin token or a
+tenant's token and holds a cookie instead. The cookie is stateless (no table, no shared memory): its
+claims are signed with a key derived from the gateway's key secret, which every worker process and every
+gateway on the same database share. It carries a keyed fingerprint of the token it was signed in with,
+so changing that token in the configuration ends its sessions, and changing the key secret ends all.
+
+No I/O and no aiohttp here: the routes (:mod:`gateway.audit_routes`) pass the cookie, the tokens and
+the time in.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+COOKIE = "effect_gateway_audit"
+# A working shift: a person signs in once a day, and a cookie copied off a laptop stops working the same
+# day. A stateless cookie cannot be revoked one by one (sign-out only deletes the browser's copy), so
+# its lifetime is the bound on how long a stolen one is good for; rotating the token ends it at once.
+LIFETIME = timedelta(hours=8)
+# The label that makes the session key a key of its own: HMAC(key secret, label). Derived keys for
+# upstreams use the key secret differently, so neither key says anything about the other.
+_LABEL = b"effect-gateway/audit-session/v1"
+# 128 bits: a session id nobody guesses, and a MAC nobody forges, in 22 characters each.
+_ID_BYTES = 16
+_MAC_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who signed in: the admin (``tenant`` None) or one tenant."""
+
+    tenant: str | None
+
+    @property
+    def label(self) -> str:
+        return "admin" if self.tenant is None else f"tenant {self.tenant}"
+
+    def _claim(self) -> str:
+        return "admin" if self.tenant is None else "tenant:" + self.tenant
+
+    @classmethod
+    def _parse(cls, claim: str) -> Principal | None:
+        if claim == "admin":
+            return cls(None)
+        kind, _, name = claim.partition(":")
+        return cls(name) if kind == "tenant" and name else None
+
+
+ADMIN = Principal(None)
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    principal: Principal
+    # Random per sign-in; the CSRF token is bound to it.
+    id: str
+    expires: datetime
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def holder(token: str, tokens: Mapping[Principal, str]) -> Principal | None:
+    """Whose token this is, among the admin's and the tenants' (``tokens``), or None."""
+    found = None
+    for principal, known in tokens.items():
+        # compare_digest against every token: the time taken says nothing about which one is close.
+        if hmac.compare_digest(token.encode(), known.encode()):
+            found = principal
+    return found
+
+
+class SessionKeys:
+    """Issues and checks session cookies and CSRF tokens with a key derived from the key secret."""
+
+    def __init__(self, key_secret: bytes) -> None:
+        self._key = hmac.new(key_secret, _LABEL, hashlib.sha256).digest()
+
+    def _mac(self, purpose: str, text: str) -> str:
+        digest = hmac.new(self._key, f"{purpose}\0{text}".encode(), hashlib.sha256).digest()
+        return _b64(digest[:_MAC_BYTES])
+
+    def fingerprint(self, token: str) -> str:
+        """Names the token without revealing it: a copied cookie does not help guess the token."""
+        return self._mac("token", token)
+
+    def issue(self, principal: Principal, token: str, now: datetime) -> tuple[str, Session]:
+        """A cookie value for ``principal``, who signed in with ``token``, good for :data:`LIFETIME`."""
+        session = Session(principal, _b64(secrets.token_bytes(_ID_BYTES)), now + LIFETIME)
+        claims = "|".join(
+            (principal._claim(), str(int(session.expires.timestamp())), session.id, self.fingerprint(token))
+        )
+        return f"{_b64(claims.encode())}.{self._mac('session', claims)}", session
+
+    def read(self, cookie: str | None, tokens: Mapping[Principal, str], now: datetime) -> Session | None:
+        """The session in ``cookie`` if it is signed by us, unexpired, and its token is still configured."""
+        if not cookie:
+            return None
+        encoded, _, mac = cookie.partition(".")
+        try:
+            claims = _unb64(encoded).decode()
+        except (binascii.Error, UnicodeDecodeError, ValueError):
+            return None
+        if not hmac.compare_digest(mac, self._mac("session", claims)):
+            return None
+        who, expires, session_id, fingerprint = claims.split("|")
+        principal = Principal._parse(who)
+        until = datetime.fromtimestamp(int(expires), UTC)
+        if principal is None or now >= until:
+            return None
+        token = tokens.get(principal)
+        # The token was rotated or removed: every session signed in with the old one ends.
+        if token is None or not hmac.compare_digest(fingerprint, self.fingerprint(token)):
+            return None
+        return Session(principal, session_id, until)
+
+    def csrf(self, session: Session | None) -> str:
+        """The token a form carries; bound to the session (or, without one, to this gateway's key)."""
+        return self._mac("csrf", session.id if session else "")
+
+    def csrf_ok(self, session: Session | None, given: str) -> bool:
+        return hmac.compare_digest(given.encode(), self.csrf(session).encode())

@@ -1,0 +1,268 @@
+"""Signing in to the audit page: signed session cookies, their attributes and lifetime, and CSRF refusals.
+
+What a browser does is in tests/test_audit_browser.py; here are the HTTP exchanges a browser would not
+make on its own (a foreign Origin, a forged token) and the session rules themselves.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway.sessions import ADMIN, COOKIE, LIFETIME, Principal, SessionKeys, holder
+from tests.support import Upstream, effect_rows, gateway_server
+
+AUDIT = "/_gateway/audit"
+NOW = datetime(2026, 11, 2, 9, 0, tzinfo=UTC)
+TOKENS = {ADMIN: "adm-1", Principal("a"): "tok-a"}
+
+
+def test_a_session_holds_who_signed_in_until_it_expires() -> None:
+    """A cookie reads back as the admin or the tenant that signed in, for LIFETIME and not a second more."""
+    keys = SessionKeys(b"secret")
+    cookie, issued = keys.issue(Principal("a"), "tok-a", NOW)
+    session = keys.read(cookie, TOKENS, NOW + LIFETIME - timedelta(seconds=1))
+    assert session is not None
+    assert (session.principal, session.id) == (Principal("a"), issued.id)
+    assert keys.read(cookie, TOKENS, NOW + LIFETIME) is None
+    admin_cookie, _ = keys.issue(ADMIN, "adm-1", NOW)
+    admin = keys.read(admin_cookie, TOKENS, NOW)
+    assert admin is not None
+    assert admin.principal == ADMIN
+
+
+def test_a_forged_tampered_or_foreign_cookie_is_no_session() -> None:
+    """Changing any character, or a cookie signed by another gateway's secret, gets no session."""
+    keys = SessionKeys(b"secret")
+    cookie, _ = keys.issue(Principal("a"), "tok-a", NOW)
+    claims, _, mac = cookie.partition(".")
+    assert keys.read(claims + "." + mac[:-1] + ("A" if mac[-1] != "A" else "B"), TOKENS, NOW) is None
+    other = SessionKeys(b"another secret").issue(ADMIN, "adm-1", NOW)[0]
+    assert keys.read(other, TOKENS, NOW) is None
+    assert keys.read("not a cookie", TOKENS, NOW) is None
+    assert keys.read("", TOKENS, NOW) is None
+
+
+def test_rotating_or_removing_a_token_ends_its_sessions() -> None:
+    """A session names its token by fingerprint: a new token in the configuration ends the old sessions."""
+    keys = SessionKeys(b"secret")
+    cookie, _ = keys.issue(Principal("a"), "tok-a", NOW)
+    assert keys.read(cookie, {**TOKENS, Principal("a"): "tok-a2"}, NOW) is None
+    assert keys.read(cookie, {ADMIN: "adm-1"}, NOW) is None
+    assert keys.read(cookie, TOKENS, NOW) is not None
+
+
+def test_only_a_configured_token_signs_in_and_csrf_tokens_are_per_session() -> None:
+    """The token says who signs in; each session's CSRF token is its own."""
+    assert holder("tok-a", TOKENS) == Principal("a")
+    assert holder("adm-1", TOKENS) == ADMIN
+    assert holder("tok-", TOKENS) is None
+    keys = SessionKeys(b"secret")
+    one = keys.issue(ADMIN, "adm-1", NOW)[1]
+    two = keys.issue(ADMIN, "adm-1", NOW)[1]
+    assert keys.csrf_ok(one, keys.csrf(one))
+    assert not keys.csrf_ok(two, keys.csrf(one))
+    assert not keys.csrf_ok(one, "")
+
+
+# --- over HTTP ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    # No cookie jar: each test sends exactly the cookie (and Origin) it means to.
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        yield session
+
+
+@pytest.fixture
+def tokens(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    monkeypatch.setenv("ADMIN", "adm-1")
+    monkeypatch.setenv("TA", "tok-a")
+    return {"admin": {"token": "env:ADMIN"}, "tenants": {"a": {"token": "env:TA"}}}
+
+
+async def _sign_in(
+    http: aiohttp.ClientSession, url: str, token: str, **headers: str
+) -> aiohttp.ClientResponse:
+    async with http.post(
+        f"{url}{AUDIT}/sign-in",
+        data={"token": token, "next": AUDIT},
+        headers={"Origin": url, **headers},
+        allow_redirects=False,
+    ) as resp:
+        return resp
+
+
+def _cookie(resp: aiohttp.ClientResponse) -> str:
+    return resp.cookies[COOKIE].value
+
+
+async def _page(http: aiohttp.ClientSession, url: str, cookie: str | None = None) -> tuple[int, str]:
+    headers = {"Cookie": f"{COOKIE}={cookie}"} if cookie else {}
+    async with http.get(url, headers=headers, allow_redirects=False) as resp:
+        return resp.status, await resp.text()
+
+
+async def test_signing_in_sets_a_strict_http_only_cookie_for_the_audit_pages(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
+) -> None:
+    """The cookie is HttpOnly, SameSite=Strict, scoped to the audit, 8 hours; Secure behind https."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
+        status, _ = await _page(http, gw.url + AUDIT)
+        assert status == 401
+        resp = await _sign_in(http, gw.url, "adm-1")
+        assert (resp.status, resp.headers["Location"]) == (303, AUDIT)
+        morsel = resp.cookies[COOKIE]
+        assert morsel["httponly"] is True
+        assert morsel["samesite"] == "Strict"
+        assert morsel["path"] == AUDIT
+        assert morsel["max-age"] == str(8 * 3600)
+        assert not morsel["secure"]
+        assert (await _page(http, gw.url + AUDIT, _cookie(resp)))[0] == 200
+        tls = {"X-Forwarded-Proto": "https", "Origin": gw.url.replace("http:", "https:")}
+        behind_tls = await _sign_in(http, gw.url, "adm-1", **tls)
+        assert behind_tls.cookies[COOKIE]["secure"] is True
+        wrong = await _sign_in(http, gw.url, "adm-2")
+        assert wrong.status == 401
+        assert COOKIE not in wrong.cookies
+
+
+async def test_every_gateway_on_the_database_accepts_a_session_until_its_token_changes(
+    dsn: str,
+    upstream: Upstream,
+    http: aiohttp.ClientSession,
+    tokens: dict[str, object],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second gateway process (another worker) takes the cookie; one with a rotated token does not."""
+    shop = {"shop": {"base_url": upstream.url}}
+    async with gateway_server(dsn, upstreams=shop, **tokens) as one:
+        cookie = _cookie(await _sign_in(http, one.url, "adm-1"))
+    async with gateway_server(dsn, upstreams=shop, **tokens) as two:
+        assert (await _page(http, two.url + AUDIT, cookie))[0] == 200
+    monkeypatch.setenv("ADMIN", "adm-rotated")
+    async with gateway_server(dsn, upstreams=shop, **tokens) as rotated:
+        status, _ = await _page(http, rotated.url + AUDIT, cookie)
+    assert status == 401
+
+
+async def test_the_json_routes_take_no_cookie_and_the_pages_allow_no_script(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
+) -> None:
+    """The JSON API still wants its tokens; every page forbids scripts and caching."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
+        cookie = _cookie(await _sign_in(http, gw.url, "adm-1"))
+        async with http.get(f"{gw.url}/_gateway/effects", headers={"Cookie": f"{COOKIE}={cookie}"}) as resp:
+            assert resp.status == 401
+        async with http.get(gw.url + AUDIT, headers={"Authorization": "Bearer adm-1"}) as resp:
+            assert resp.status == 200
+            policy = resp.headers["Content-Security-Policy"]
+            assert resp.headers["Cache-Control"] == "no-store"
+            assert resp.headers["X-Content-Type-Options"] == "nosniff"
+        async with http.get(gw.url + AUDIT, headers={"Effect-Gateway-Token": "tok-a"}) as resp:
+            assert resp.status == 200
+    assert "default-src 'none'" in policy
+    assert "form-action 'self'" in policy
+    assert "script-src" not in policy
+    assert "unsafe" not in policy
+
+
+async def test_an_open_single_tenant_gateway_needs_no_sign_in(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """Without tenants and an admin token (loopback only) the page opens as it always did."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
+        assert (await _page(http, gw.url + AUDIT))[0] == 200
+
+
+async def test_signing_in_never_sends_a_person_to_another_site(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
+) -> None:
+    """``next`` goes to an audit page only; a sign-in posted from another site is refused."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
+        for target in ("https://evil.example/", "//evil.example/_gateway/audit", f"{AUDIT}\\@evil"):
+            async with http.post(
+                f"{gw.url}{AUDIT}/sign-in",
+                data={"token": "adm-1", "next": target},
+                headers={"Origin": gw.url},
+                allow_redirects=False,
+            ) as resp:
+                assert resp.headers["Location"] == AUDIT
+        foreign = await _sign_in(http, gw.url, "adm-1", Origin="http://localhost:1")
+        assert foreign.status == 403
+        assert COOKIE not in foreign.cookies
+
+
+async def _needs_review(http: aiohttp.ClientSession, url: str, upstream: Upstream) -> None:
+    """An effect the upstream answered 500 to, retried: nothing can tell, so it waits for an operator."""
+
+    async def boom(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="boom")
+
+    upstream.routes["/orders"] = boom
+    for _ in range(2):
+        async with http.post(
+            f"{url}/shop/orders",
+            data=b"{}",
+            headers={"Idempotency-Key": "k1", "Effect-Gateway-Token": "tok-a"},
+        ) as resp:
+            await resp.read()
+
+
+async def test_a_cross_site_resolve_is_refused_and_a_same_site_one_is_carried_out_once(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
+) -> None:
+    """With the cookie: no CSRF token, a wrong one, a foreign Origin, or none: 403; then it works, once."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
+        await _needs_review(http, gw.url, upstream)
+        cookie = _cookie(await _sign_in(http, gw.url, "adm-1"))
+        _, page = await _page(http, f"{gw.url}{AUDIT}/1", cookie)
+        found = re.search(r'name="csrf" value="([^"]+)"', page)
+        assert found is not None
+        csrf = found.group(1)
+        attempts = [
+            ({"Origin": gw.url}, {}),
+            ({"Origin": gw.url}, {"csrf": "A" * len(csrf)}),
+            ({"Origin": "http://localhost:1"}, {"csrf": csrf}),
+            ({"Origin": "null"}, {"csrf": csrf}),
+            ({}, {"csrf": csrf}),
+        ]
+        for headers, fields in attempts:
+            async with http.post(
+                f"{gw.url}{AUDIT}/1/resolve",
+                data={**fields, "happened": "no"},
+                headers={"Cookie": f"{COOKIE}={cookie}", **headers},
+                allow_redirects=False,
+            ) as resp:
+                assert resp.status == 403, (headers, fields)
+        assert [r["state"] for r in await effect_rows(dsn)] == ["needs_review"]
+        async with http.post(
+            f"{gw.url}{AUDIT}/1/resolve",
+            data={"csrf": csrf, "happened": "no"},
+            headers={"Cookie": f"{COOKIE}={cookie}", "Referer": f"{gw.url}{AUDIT}/1"},
+            allow_redirects=False,
+        ) as resp:
+            assert (resp.status, resp.headers["Location"]) == (303, f"{AUDIT}/1?resolved=did-not-happen")
+        assert [r["state"] for r in await effect_rows(dsn)] == ["retryable"]
+        async with http.post(
+            f"{gw.url}{AUDIT}/1/resolve",
+            data={"csrf": csrf, "happened": "no"},
+            headers={"Cookie": f"{COOKIE}={cookie}", "Origin": gw.url},
+            allow_redirects=False,
+        ) as resp:
+            assert resp.status == 409  # a second operator on a stale page: told why, nothing changes
+            assert "Not resolved: nothing happened upstream; the next retry sends it" in await resp.text()
+        async with http.post(
+            f"{gw.url}{AUDIT}/sign-out",
+            data={"csrf": csrf},
+            headers={"Cookie": f"{COOKIE}={cookie}", "Origin": gw.url},
+            allow_redirects=False,
+        ) as resp:
+            assert resp.status == 303
+            assert resp.cookies[COOKIE]["max-age"] == "0"
