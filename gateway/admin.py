@@ -141,7 +141,7 @@ def effect_json(record: EffectRecord, *, full: bool) -> dict[str, Any]:
     return doc
 
 
-def _since(value: str) -> datetime:
+def parse_moment(value: str, name: str) -> datetime:
     """An ISO time (UTC when it names no zone) or a duration back from now, such as ``1h``."""
     try:
         when = datetime.fromisoformat(value)
@@ -153,7 +153,8 @@ def _since(value: str) -> datetime:
         return datetime.now(UTC) - parse_duration(value)
     except (ValueError, OverflowError):
         raise problems.BadRequest(
-            f"since={value!r} is neither an ISO time nor a duration like 1h (at most a century)"
+            f"{name}={value!r} is neither an ISO time (2026-01-31T09:00Z) nor a duration like 1h "
+            "(at most a century)"
         ) from None
 
 
@@ -181,7 +182,8 @@ def parse_filter(query: dict[str, str], tenant: str | None) -> EffectFilter:
         upstream=query.get("upstream"),
         run_id=query.get("run"),
         key=query.get("key"),
-        since=_since(query["since"]) if "since" in query else None,
+        since=parse_moment(query["since"], "since") if "since" in query else None,
+        until=parse_moment(query["until"], "until") if "until" in query else None,
         before_id=_int(query["before"], "before", 1, MAX_ID) if "before" in query else None,
         limit=_int(query["limit"], "limit", 1, MAX_PAGE) if "limit" in query else DEFAULT_PAGE,
     )
@@ -257,6 +259,10 @@ async def resolve_effect(request: web.Request) -> web.Response:
     runtime = _runtime(request)
     if not is_admin(request, runtime.settings):
         raise problems.AdminTokenRequired("resolving an effect needs the admin token")
+    if request.content_type != "application/json":
+        # A page on another site can post a form or text/plain without asking, but not JSON: on a
+        # gateway open without an admin token, this is what keeps such a page from resolving effects.
+        raise problems.BadRequest("send the verdict as Content-Type: application/json")
     record = await _load(request, None)
     try:
         doc = jsonbody.loads(await read_request_body(request, runtime.settings))

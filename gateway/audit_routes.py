@@ -26,8 +26,7 @@ from gateway.effect_page import ResolveForm, Verdict
 from gateway.record import EffectRecord, StoredResponse
 from gateway.runtime import RUNTIME, Runtime, is_admin, tenant_of
 from gateway.sessions import ADMIN, COOKIE, LIFETIME, Principal, Session, SessionKeys, holder
-from gateway.settings import Settings, parse_duration
-from gateway.store import EffectFilter, Store
+from gateway.settings import Settings
 
 # No scripts, no frames, no plug-ins; styles only from our own stylesheet; forms post only to us.
 SECURITY_HEADERS = {
@@ -41,11 +40,6 @@ SECURITY_HEADERS = {
     # Pages hold the audit and CSRF tokens: no shared cache keeps them, no back button shows a stale one.
     "Cache-Control": "no-store",
 }
-# "until" without a store filter on the creation time: newest-first batches are read and the older
-# rows kept. Ids grow with creation time, so once past "until" nearly every row is kept; the bound
-# keeps one page cheap when "until" lies far back (its "Older" link goes on from where reading stopped).
-SCAN_BATCH = 500
-SCAN_ROWS = 5000
 # A header name is an RFC 9110 token: anything else would break the replay, not just look odd.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 OUTCOMES = {
@@ -216,51 +210,6 @@ def _safe_next(value: object) -> str:
     return value if value == BASE or value.startswith((BASE + "/", BASE + "?")) else BASE
 
 
-def parse_moment(value: str, name: str) -> datetime:
-    """An ISO time (UTC when it names no zone) or a duration back from now, like ``1h`` or ``2d``."""
-    try:
-        moment = datetime.fromisoformat(value)
-    except ValueError:
-        try:
-            return _now() - parse_duration(value)
-        except ValueError:
-            raise problems.BadRequest(
-                f"{name}={value!r} is neither an ISO time (2026-01-31T09:00Z) nor a duration like 1h"
-            ) from None
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
-
-
-def _filter(query: dict[str, str], tenant: str | None) -> tuple[EffectFilter, datetime | None]:
-    times = {"since", "until"}
-    where = parse_filter({k: v for k, v in query.items() if k not in times}, tenant)
-    if "since" in query:
-        where = replace(where, since=parse_moment(query["since"], "since"))
-    return where, parse_moment(query["until"], "until") if "until" in query else None
-
-
-async def _find(
-    store: Store, where: EffectFilter, until: datetime | None
-) -> tuple[list[EffectRecord], int | None]:
-    """A page of records and the id the next page starts before (None: this is the last page)."""
-    if until is None:
-        records = await store.find(where)
-        return records, records[-1].id if len(records) == where.limit else None
-    kept: list[EffectRecord] = []
-    before, read = where.before_id, 0
-    while read < SCAN_ROWS:
-        batch = await store.find(replace(where, before_id=before, limit=SCAN_BATCH))
-        read += len(batch)
-        for record in batch:
-            if record.created_at < until:
-                kept.append(record)
-                if len(kept) == where.limit:
-                    return kept, record.id
-        if len(batch) < SCAN_BATCH:
-            return kept, None
-        before = batch[-1].id
-    return kept, before
-
-
 @_page
 async def list_effects(request: web.Request) -> web.StreamResponse:
     viewer = await _viewer(request)
@@ -271,8 +220,9 @@ async def list_effects(request: web.Request) -> web.StreamResponse:
     query = {k: v.strip() for k, v in request.query.items() if v.strip()}
     error = None
     try:
-        where, until = _filter(query, viewer.tenant)
-        records, next_before = await _find(runtime.store, where, until)
+        where = parse_filter(query, viewer.tenant)
+        records = await runtime.store.find(where)
+        next_before = records[-1].id if len(records) == where.limit else None
     except problems.BadRequest as exc:
         error, records, next_before = exc.detail, [], None
     page = Listing(

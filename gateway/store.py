@@ -71,6 +71,7 @@ class EffectFilter:
     run_id: str | None = None
     key: str | None = None
     since: datetime | None = None
+    until: datetime | None = None
     before_id: int | None = None
     limit: int = 50
 
@@ -588,6 +589,9 @@ class Store:
         if where.since is not None:
             args.append(where.since)
             clauses.append(f"e.created_at >= ${len(args)}")
+        if where.until is not None:
+            args.append(where.until)
+            clauses.append(f"e.created_at < ${len(args)}")
         if where.before_id is not None:
             args.append(where.before_id)
             clauses.append(f"e.id < ${len(args)}")

@@ -107,3 +107,14 @@ async def test_the_admin_token_counts_only_as_a_bearer_token(
     assert (await get(http, f"{gateway.url}/_gateway/effects", {"Authorization": "adm-1"}))[0] == 401
     assert (await get(http, f"{gateway.url}/_gateway/effects", {"Authorization": "bearer adm-1"}))[0] == 200
     assert (await get(http, f"{gateway.url}/_gateway/effects"))[0] == 200
+
+
+async def test_the_resolve_route_takes_only_json(gateway: Gateway, http: aiohttp.ClientSession) -> None:
+    """A text/plain post (what a page on another site may send without asking) resolves nothing."""
+    async with http.post(
+        f"{gateway.url}/_gateway/effects/1/resolve",
+        data='{"happened": false}',
+        headers={"Content-Type": "text/plain", "Authorization": "Bearer adm-1"},
+    ) as resp:
+        assert resp.status == 400
+        assert "application/json" in (await resp.json())["detail"]
