@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest serve demo bench clean
+.PHONY: test lint typecheck pytest serve demo bench bench-load bench-growth clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,19 @@ serve: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.gateway_overhead
 	$(BIN)/python -m bench.journal_step
+
+# The gateway under load from outside its process (wrk, else bench.loadgen), beside a direct upstream
+# and a pass-through proxy: `make bench-load WORKERS=1,N DURATION=10 REPEAT=3`. About 8 minutes.
+WORKERS ?= 1
+DURATION ?= 10
+REPEAT ?= 3
+bench-load: $(STAMP)
+	$(BIN)/python -m bench.gateway_load --workers $(WORKERS) --duration $(DURATION) --repeat $(REPEAT)
+
+# The gateway as its effects table grows: `make bench-growth ROWS=10000000`. About 20 minutes at 1M.
+ROWS ?= 1000000
+bench-growth: $(STAMP)
+	$(BIN)/python -m bench.growth --rows $(ROWS)
 
 clean:
 	rm -rf $(VENV) .effect-gateway .pytest_cache .mypy_cache .ruff_cache
