@@ -42,6 +42,7 @@ from bench import profiling
 from bench.harness import (
     CpuMeter,
     Server,
+    at_start,
     conditions,
     gateway_command,
     load_average,
@@ -315,6 +316,7 @@ def profile(rows: list[Row], servers: dict[str, Server], c: int, seconds: float,
 
 def run(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")  # the embedded server's wheel, attaching
+    start_line = at_start()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     wanted = parse_workers(args.workers)
     mode = workers_support()
@@ -356,7 +358,8 @@ def run(args: argparse.Namespace) -> None:
                         f"interleaved, concurrency {args.concurrency}, workers "
                         + ",".join(str(g.workers) for g in gateways)
                         + ("" if mode else " (workers: not supported by this build)"),
-                    }
+                    },
+                    start_line,
                 ),
                 flush=True,
             )

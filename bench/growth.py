@@ -42,6 +42,7 @@ from bench import fill
 from bench.harness import (
     CpuMeter,
     Server,
+    at_start,
     conditions,
     gateway_command,
     load_average,
@@ -397,6 +398,10 @@ def start(work: Path, database_url: str | None) -> tuple[list[Server], Setup]:
     return [upstream, gateway], Setup(upstream, gateway, data_dir, config, dsn, tokens, admin)
 
 
+def say(what: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {what}; load average {load_average()}", flush=True)
+
+
 def print_table(columns: list[Column]) -> None:
     names = list(dict.fromkeys(name for col in columns for name in col.figures))
     print("| | " + " | ".join(f"{col.rows:,} rows" for col in columns) + " |")
@@ -411,6 +416,7 @@ def print_table(columns: list[Column]) -> None:
 
 def run(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")  # the embedded server's wheel, attaching
+    start_line = at_start()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="effect-gateway-growth-"))
     work.mkdir(parents=True, exist_ok=True)
     servers, setup = start(work, args.database_url)
@@ -432,15 +438,22 @@ def run(args: argparse.Namespace) -> None:
                     "run": f"{args.rows:,} rows; new-effect rows {args.seconds:g} s x {args.repeat} "
                     f"(medians, c=1 and c={BUSY} interleaved); admin reads {args.admin_runs} each (median); "
                     f"sustained WAL {wal_seconds:g} s at {WAL_RATE:g}/s from a checkpoint on",
-                }
+                },
+                start_line,
             ),
             flush=True,
         )
         empty = Column(0)
         admin_reads(setup, empty, "run-none", args.admin_runs)
         latency_and_rate(setup, empty, args.seconds, args.repeat)
+        say(f"sustained WAL at 0 rows: {wal_seconds:g} s")
         wal_sustained(setup, empty, wal_seconds)
-        print(f"0 rows done; load average {load_average()}", flush=True)
+        # The table the 0-row runs left is small, but its rows are the gateway's own: their size is
+        # the reference for the filled ones.
+        per_row, detail = sizes(setup.dsn)
+        empty.figures["bytes per row (total relation size / rows)"] = f"{per_row} (the runs' own rows)"
+        empty.notes.append(f"size after these runs: {detail}")
+        say("0 rows done")
 
         grown = _run(lambda: _one(setup.dsn, "select count(*) from effects"))
         started = time.monotonic()
@@ -451,6 +464,7 @@ def run(args: argparse.Namespace) -> None:
         asyncio.run(fill.fill(setup.dsn, args.rows - grown, progress=progress))
         _run(lambda: _execute(setup.dsn, "vacuum analyze effects"))
         _run(lambda: _execute(setup.dsn, "checkpoint"))
+        say("filled")
         size = Column(args.rows)
         size.notes.append(
             f"filled {args.rows - grown:,} rows (plus {grown:,} left by the 0-row runs) in "
@@ -462,7 +476,9 @@ def run(args: argparse.Namespace) -> None:
         run_id = "run-" + str(_run(lambda: _one(setup.dsn, f"select md5('run' || {args.rows // 2 // 20})")))
         admin_reads(setup, size, run_id, args.admin_runs)
         baseline = latency_and_rate(setup, size, args.seconds, args.repeat)
+        say(f"sustained WAL at {args.rows:,} rows: {wal_seconds:g} s")
         wal_sustained(setup, size, wal_seconds)
+        say("purge")
         purge(setup, size, baseline)
         per_row, detail = sizes(setup.dsn)
         size.notes.append(f"size after the purge: {detail}")

