@@ -276,7 +276,7 @@ def wal_sustained(setup: Setup, col: Column, seconds: float) -> None:
     )
 
 
-async def _sizes(dsn: str) -> dict[str, int]:
+async def _sizes(dsn: str) -> dict[str, Any]:
     conn = await asyncpg.connect(dsn)
     try:
         row = await conn.fetchrow(
@@ -287,8 +287,15 @@ async def _sizes(dsn: str) -> dict[str, int]:
                       pg_indexes_size('effects') as indexes
                from pg_class c where c.oid = 'effects'::regclass"""
         )
+        # A row's own bytes, its bodies detoasted (what it holds, not where): a 1% sample of the pages.
+        kept = await conn.fetchrow(
+            """select avg(pg_column_size(e.*)) filter (where purged_at is null) as full_row,
+                      avg(pg_column_size(e.*)) filter (where purged_at is not null) as purged_row
+               from effects e tablesample system (1) where state = 'completed'"""
+        )
         assert row is not None
-        return dict(row)
+        assert kept is not None
+        return {**dict(row), **dict(kept)}
     finally:
         await conn.close()
 
@@ -298,7 +305,11 @@ def sizes(dsn: str) -> tuple[str, str]:
     per = s["total"] / max(1, s["rows"])
     detail = (
         f"{s['rows']:,} rows, {s['total'] / 2**20:,.0f} MB: heap {s['heap'] / 2**20:,.0f}, "
-        f"TOAST {s['toast'] / 2**20:,.0f}, indexes {s['indexes'] / 2**20:,.0f}"
+        f"TOAST {s['toast'] / 2**20:,.0f}, indexes {s['indexes'] / 2**20:,.0f}; a completed row holds "
+        + " bytes, a purged one ".join(
+            f"{s[k]:,.0f}" if s[k] is not None else "-" for k in ("full_row", "purged_row")
+        )
+        + " bytes (pg_column_size, 1% sample)"
     )
     return f"{per:,.0f}", detail
 
@@ -486,6 +497,14 @@ def run(args: argparse.Namespace) -> None:
         vacuumed, detail = sizes(setup.dsn)
         size.notes.append(f"size after the purge and a VACUUM: {detail}")
         size.figures["bytes per row after purge; after purge + vacuum"] = f"{per_row}; {vacuumed}"
+        purged = _run(
+            lambda: _one(
+                setup.dsn,
+                "select avg(pg_column_size(e.*)) from effects e tablesample system (1)"
+                " where purged_at is not null",
+            )
+        )
+        size.figures["an audit row after purge (pg_column_size)"] = f"{purged or 0:,.0f} bytes"
         print()
         print_table([empty, size])
         print(f"\nload average at the end: {load_average()}")
