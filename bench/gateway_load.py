@@ -46,6 +46,7 @@ from bench.harness import (
     conditions,
     gateway_command,
     load_average,
+    machine_now,
     postmaster_pid,
     running,
     start_server,
@@ -316,7 +317,9 @@ def profile(rows: list[Row], servers: dict[str, Server], c: int, seconds: float,
 
 def run(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")  # the embedded server's wheel, attaching
-    start_line = at_start()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="effect-gateway-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    start_line = at_start(str(work))
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     wanted = parse_workers(args.workers)
     mode = workers_support()
@@ -324,8 +327,6 @@ def run(args: argparse.Namespace) -> None:
         if any(w != 1 for w in wanted):
             print("workers: not supported by this build (measuring one process only)")
         wanted = [1]
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="effect-gateway-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
     servers: dict[str, Server] = {}
     gateways: list[Gateway] = []
     with running([]) as started:
@@ -406,7 +407,7 @@ def run(args: argparse.Namespace) -> None:
                     args.duration,
                     Path(args.profile),
                 )
-            print(f"\nload average at the end: {load_average()}")
+            print(f"\nat the end: {machine_now(str(work))}")
         finally:
             for gw in gateways:
                 post(f"{servers['upstream'].url}/release", None)

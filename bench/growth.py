@@ -46,6 +46,7 @@ from bench.harness import (
     conditions,
     gateway_command,
     load_average,
+    machine_now,
     postmaster_pid,
     running,
     start_server,
@@ -427,9 +428,9 @@ def print_table(columns: list[Column]) -> None:
 
 def run(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")  # the embedded server's wheel, attaching
-    start_line = at_start()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="effect-gateway-growth-"))
     work.mkdir(parents=True, exist_ok=True)
+    start_line = at_start(str(work))
     servers, setup = start(work, args.database_url)
     with running(servers):
         existing = _run(lambda: _one(setup.dsn, "select count(*) from effects"))
@@ -507,7 +508,7 @@ def run(args: argparse.Namespace) -> None:
         size.figures["an audit row after purge (pg_column_size)"] = f"{purged or 0:,.0f} bytes"
         print()
         print_table([empty, size])
-        print(f"\nload average at the end: {load_average()}")
+        print(f"\nat the end: {machine_now(str(work))}")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
 

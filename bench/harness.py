@@ -14,8 +14,10 @@ import platform
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -210,10 +212,37 @@ def busy_now(seconds: float = 1.0) -> float:
     return (machine_busy_seconds() - before) / (time.monotonic() - start)
 
 
-def at_start() -> str:
-    """The machine's load before a benchmark starts anything of its own: call it first."""
+def fsync_ms(directory: str, seconds: float = 1.0) -> float:
+    """Median time to write 8 kB and fdatasync it in ``directory``: a commit's floor on that disk."""
+    took: list[float] = []
+    fd, path = tempfile.mkstemp(dir=directory, prefix="bench-fsync-")
+    try:
+        block = b"\0" * 8192
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline or len(took) < 5:
+            start = time.perf_counter()
+            os.pwrite(fd, block, 0)
+            os.fdatasync(fd)
+            took.append((time.perf_counter() - start) * 1000)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return statistics.median(took)
+
+
+def machine_now(directory: str | None = None) -> str:
+    """The machine's load, and the disk's fsync time where Postgres writes (``directory``)."""
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"at start: load average {load}; {busy_now():.2f} cores busy over one second before starting"
+    where = directory or tempfile.gettempdir()
+    return (
+        f"load average {load}; {busy_now():.2f} cores busy over one second; "
+        f"8 kB write + fdatasync {fsync_ms(where):.2f} ms (median, in {where})"
+    )
+
+
+def at_start(directory: str | None = None) -> str:
+    """The conditions before a benchmark starts anything of its own: call it first."""
+    return "at start: " + machine_now(directory)
 
 
 def conditions(extra: dict[str, str], start: str | None = None) -> str:

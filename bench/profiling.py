@@ -1,8 +1,12 @@
 """py-spy on a server while a load runs: the raw stacks kept, and where the time went printed in short.
 
 The raw file is the "collapsed stacks" format (one line per stack and its sample count) that speedscope
-and flamegraph.pl read. py-spy samples only threads that are busy (no --idle), so the share of samples
-that were taken, out of rate x seconds, is how busy the process was: near 100% is a saturated event loop.
+and flamegraph.pl read. py-spy keeps only samples of threads that are not idle (no --idle), so the share
+of samples kept, out of rate x seconds, is how often the event loop was not waiting for I/O: near 100%
+is a saturated loop. Samples are taken by the wall clock: a process that waits for a core (a busy
+machine) is still "not idle", and the frame on top when it was preempted gets the time. On loopback
+that is often a socket write, whose system call wakes the peer (wrk, the upstream, Postgres), which
+may take the core at once; so on a shared machine socket writes look dearer than they are.
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ def summary(raw: Path, seconds: float, top: int = 12) -> str:
             if "(gateway/" in frame or "(asyncpg/" in frame:
                 ours[frame] += n
     busy = 100 * total / (RATE * seconds)
-    lines = [f"  {total} samples, busy {busy:.0f}% of the time (samples / ({RATE}/s x {seconds:.0f} s))"]
+    lines = [f"  {total} samples, not idle {busy:.0f}% of the time (samples / ({RATE}/s x {seconds:.0f} s))"]
     lines.append(
         "  self time by area: " + ", ".join(f"{a} {100 * n / total:.0f}%" for a, n in areas.most_common())
     )
