@@ -37,12 +37,15 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.journal_step
 
 # The gateway under load from outside its process (wrk, else bench.loadgen), beside a direct upstream
-# and a pass-through proxy: `make bench-load WORKERS=1,N DURATION=10 REPEAT=3`. About 8 minutes.
+# and a pass-through proxy: `make bench-load WORKERS=1,N DURATION=10 REPEAT=3`. About 8 minutes per
+# workers setting. PROFILE=dir adds py-spy profiles of the gateway at c=64 (needs py-spy in .venv).
 WORKERS ?= 1
 DURATION ?= 10
 REPEAT ?= 3
+PROFILE ?=
 bench-load: $(STAMP)
-	$(BIN)/python -m bench.gateway_load --workers $(WORKERS) --duration $(DURATION) --repeat $(REPEAT)
+	$(BIN)/python -m bench.gateway_load --workers $(WORKERS) --duration $(DURATION) --repeat $(REPEAT) \
+		$(if $(PROFILE),--profile $(PROFILE))
 
 # The gateway as its effects table grows: `make bench-growth ROWS=10000000`. About 20 minutes at 1M.
 ROWS ?= 1000000

@@ -76,7 +76,8 @@ def generator_description() -> str:
     if generator() == "wrk":
         from bench.harness import tool_version
 
-        return f"{tool_version(['wrk', '--version'])}, 1 thread, keep-alive, loopback"
+        version = tool_version(["wrk", "--version"]).split(" Copyright")[0]
+        return f"{version}, 1 thread, keep-alive, loopback"
     return "bench.loadgen (Python, asyncio streams) in separate processes, keep-alive, loopback"
 
 
