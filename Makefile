@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest fuzz spin model-check chromium serve demo bench clean
+.PHONY: test lint typecheck pytest fuzz spin model-check chromium serve demo bench bench-load bench-growth clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -66,6 +66,22 @@ serve: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.gateway_overhead
 	$(BIN)/python -m bench.journal_step
+
+# The gateway under load from outside its process (wrk, else bench.loadgen), beside a direct upstream
+# and a pass-through proxy: `make bench-load WORKERS=1,N DURATION=10 REPEAT=3`. About 8 minutes per
+# workers setting. PROFILE=dir adds py-spy profiles of the gateway at c=64 (needs py-spy in .venv).
+WORKERS ?= 1
+DURATION ?= 10
+REPEAT ?= 3
+PROFILE ?=
+bench-load: $(STAMP)
+	$(BIN)/python -m bench.gateway_load --workers $(WORKERS) --duration $(DURATION) --repeat $(REPEAT) \
+		$(if $(PROFILE),--profile $(PROFILE))
+
+# The gateway as its effects table grows: `make bench-growth ROWS=10000000`. About 20 minutes at 1M.
+ROWS ?= 1000000
+bench-growth: $(STAMP)
+	$(BIN)/python -m bench.growth --rows $(ROWS)
 
 clean:
 	rm -rf $(VENV) .effect-gateway examples/.effect-gateway .pytest_cache .mypy_cache .ruff_cache

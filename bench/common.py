@@ -9,11 +9,16 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from bench.harness import conditions
 from gateway.embedded import EmbeddedPostgres
 
 
 def on_postgres(bench: Callable[[str], Awaitable[None]]) -> None:
-    """Run ``bench(dsn)`` on $TEST_DATABASE_URL, or on an embedded Postgres that is stopped afterwards."""
+    """Run ``bench(dsn)`` on $TEST_DATABASE_URL, or on an embedded Postgres that is stopped afterwards.
+
+    The conditions come first (cores, load, versions), so that figures from a busy machine show as such.
+    """
+    print(conditions({"postgres": where()}), flush=True)
     dsn = os.environ.get("TEST_DATABASE_URL")
     if dsn:
         asyncio.run(bench(dsn))
