@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest serve demo bench clean
+.PHONY: test lint typecheck pytest simulate serve demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,13 @@ typecheck: $(STAMP)
 
 pytest: $(STAMP)
 	$(BIN)/pytest
+
+# The deterministic simulator (sim/README.md): the real EffectService against simulated parts, for
+# SIM_SECONDS across fresh seeds; exits non-zero on any violation, printing its seed and shrunk schedule.
+# The exhaustive model check (model/, issue 9 part 3) belongs here as a second recipe line.
+SIM_SECONDS ?= 180
+simulate: $(STAMP)
+	$(BIN)/python -m sim run --seconds $(SIM_SECONDS)
 
 # The main job: the crash matrix of the reference article, on the embedded Postgres, with real SIGKILLs.
 demo: $(STAMP)

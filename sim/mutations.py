@@ -25,7 +25,7 @@ from gateway.outcome import ProbeError, ProbeResult
 from gateway.record import EffectRecord
 from gateway.service import EffectService
 from gateway.states import State, Transition
-from sim.run import Outcome, explore, report, shrink
+from sim.run import Outcome, explore, report, run, shrink
 from sim.store import Row, SimDatabase
 
 
@@ -205,12 +205,25 @@ class Caught:
     shrunk: Outcome | None
 
 
-def hunt(mutation: Mutation, *, seeds: int, shrink_seconds: float = 30.0) -> Caught:
-    """Explore seeds 0, 1, ... under the mutation until one breaks an invariant; shrink that one."""
-    with mutation.patch():
-        found = explore(0, seeds=seeds)
-        shrunk = shrink(found.failure, seconds=shrink_seconds) if found.failure is not None else None
-    return Caught(mutation, found.runs, found.seconds, found.failure, shrunk)
+def hunt(mutation: Mutation, *, seeds: int, shrink_seconds: float | None = 30.0) -> Caught:
+    """Explore seeds 0, 1, ... under the mutation until one breaks an invariant that the real code
+    keeps on the same seed (a seed that fails either way shows a real bug, not the mutation); shrink it.
+    """
+    started = time.monotonic()
+    seed = 0
+    while seed < seeds:
+        with mutation.patch():
+            found = explore(seed, seeds=seeds - seed)
+        if found.failure is None:
+            return Caught(mutation, seeds, time.monotonic() - started, None, None)
+        seed = found.failure.seed + 1
+        if not run(found.failure.seed).failed:
+            shrunk = None
+            if shrink_seconds is not None:
+                with mutation.patch():
+                    shrunk = shrink(found.failure, seconds=shrink_seconds)
+            return Caught(mutation, seed, time.monotonic() - started, found.failure, shrunk)
+    return Caught(mutation, seeds, time.monotonic() - started, None, None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     for mutation in chosen:
         caught = hunt(mutation, seeds=args.seeds)
         results.append(caught)
-        failure = caught.shrunk
+        failure = caught.shrunk or caught.failure
         line = f"{mutation.name:<36} "
         if failure is None or failure.violation is None:
             line += f"not caught in {caught.seeds} seeds ({caught.seconds:.1f}s)"
