@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest fuzz spin model-check chromium serve demo bench bench-load bench-growth clean
+.PHONY: test lint typecheck pytest fuzz spin model-check chromium simulate serve demo bench bench-load bench-growth clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,7 @@ pytest: $(STAMP) chromium
 # The property tests with thousands of examples each (`make test` runs a few): long, not for CI.
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(BIN)/pytest -q tests/test_jsonbody.py tests/test_fingerprint.py tests/test_outbound.py tests/test_wire.py
+
 # The exhaustive model of the effect state machine (model/README.md) needs spin and a C compiler.
 # CI runs as root on Debian: install them there; elsewhere say what is missing (tests/test_model.py
 # then fails with the same reason, it never skips).
@@ -54,6 +55,15 @@ chromium:
 		echo "$(CHROMIUM) is missing and cannot be installed here (needs root and apt-get):" \
 			"tests/test_audit_browser.py will fail; install Debian's chromium"; \
 	fi
+
+# The deterministic simulator (sim/README.md): the real EffectService against simulated parts, for
+# SIM_SECONDS across fresh seeds, then the exhaustive model check (model/README.md); non-zero on any
+# violation, printing the failing seed and its shrunk schedule, or the model's counterexample trail.
+SIM_SECONDS ?= 180
+simulate: $(STAMP) spin
+	$(BIN)/python -m sim run --seconds $(SIM_SECONDS)
+	$(PYTHON) model/check.py
+
 
 # The main job: the crash matrix of the reference article, on the embedded Postgres, with real SIGKILLs.
 demo: $(STAMP)

@@ -117,6 +117,9 @@ def effect_json(record: EffectRecord, *, full: bool) -> dict[str, Any]:
         "query": record.query,
         "state": record.state.value,
         "attempt": record.attempt,
+        # Whether an operator may resolve it now (waiting for one, no lease running): the verdict then
+        # names this attempt, and holds only if the effect has not changed since.
+        "resolvable": operators.resolvable(record),
         "response_status": record.response_status,
         "recovered_by": record.recovered_by,
         "run_id": record.run_id,
@@ -269,10 +272,17 @@ async def resolve_effect(request: web.Request) -> web.Response:
     except jsonbody.JsonRefused as exc:
         raise problems.BadRequest(f"the body must be JSON: {exc}") from None
     happened, response = parse_resolution(doc)
+    attempt = doc.get("attempt")
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or not 1 <= attempt <= MAX_ID:
+        raise problems.BadRequest(
+            '"attempt" must be the attempt you judged, as GET /_gateway/effects/{id} shows it: the verdict '
+            "holds only if the effect has not changed since"
+        )
     try:
         resolved = await operators.resolve(
             runtime.store,
             record.id,
+            attempt=attempt,
             happened=happened,
             response=response,
             by=request.headers.get("Effect-Gateway-Operator"),

@@ -342,7 +342,12 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
     by = entered.by or "admin, on the audit page"
     try:
         await operators.resolve(
-            _runtime(request).store, record.id, happened=happened == "yes", response=response, by=by
+            _runtime(request).store,
+            record.id,
+            attempt=_judged_attempt(form),
+            happened=happened == "yes",
+            response=response,
+            by=by,
         )
     except operators.NoSuchEffect:
         raise PageError(404, "No such effect", f"There is no effect {record.id}.") from None
@@ -351,6 +356,16 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
         message = ("error", f"Not resolved: {exc}.")
         return _html(effect_page.effect(fresh, viewer.chrome(), _verdict(fresh, viewer), message), 409)
     return _redirect(f"{BASE}/{record.id}?resolved={'happened' if happened == 'yes' else 'did-not-happen'}")
+
+
+def _judged_attempt(form: Mapping[str, object]) -> int:
+    """The attempt the page showed when the verdict was given (a hidden field of the form)."""
+    value = form.get("attempt")
+    if not isinstance(value, str) or not value.isascii() or not value.isdigit() or len(value) > 9:
+        raise PageError(
+            400, "Which attempt?", "The form lost the attempt it was judged on; open the effect again."
+        )
+    return int(value)
 
 
 @_page

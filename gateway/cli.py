@@ -327,7 +327,12 @@ def cmd_resolve(settings: Settings, args: argparse.Namespace) -> int:
                 response = await _probed_response(settings, await _read_effect(store, args.id))
             try:
                 resolved = await operators.resolve(
-                    store, args.id, happened=happened, response=response, by=args.operator
+                    store,
+                    args.id,
+                    attempt=args.attempt,
+                    happened=happened,
+                    response=response,
+                    by=args.operator,
                 )
             except operators.NoSuchEffect as exc:
                 raise UsageError(str(exc)) from None
@@ -392,6 +397,12 @@ def parser() -> argparse.ArgumentParser:
         "--from-upstream", action="store_true", help="fetch the response by the upstream's probe"
     )
     res.add_argument("--operator", help="who resolved it, for the audit")
+    res.add_argument(
+        "--attempt",
+        type=int,
+        required=True,
+        help="the attempt you judged, as `effects ID` shows it (refused if the effect changed since)",
+    )
     for name, command in sub.choices.items():
         if name not in ("serve", "demo"):
             command.add_argument("--json", action="store_true", help="print JSON instead of text")

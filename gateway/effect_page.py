@@ -135,7 +135,7 @@ def _response(record: EffectRecord) -> str:
         return notice(
             "info",
             f"The response (status {record.response_status}) was purged after the retention; the audit "
-            "row stays. A retry recovers it by the upstream's native key or probe, or gets 410.",
+            "row stays. A retry gets it from the upstream's probe, or 410; nothing is sent again.",
         )
     return '<p class="muted">No response on record.</p>'
 
@@ -143,7 +143,11 @@ def _response(record: EffectRecord) -> str:
 def _resolve_forms(record: EffectRecord, verdict: Verdict) -> str:
     form = verdict.form
     action = f"{BASE}/{record.id}/resolve"
-    csrf = f'<input type="hidden" name="csrf" value="{escape(verdict.csrf)}">'
+    csrf = (
+        f'<input type="hidden" name="csrf" value="{escape(verdict.csrf)}">'
+        # The verdict holds for the record as shown: if a gateway acts on it meanwhile, it is refused.
+        f'<input type="hidden" name="attempt" value="{record.attempt}">'
+    )
     kinds = "".join(
         f'<label class="inline"><input type="radio" name="kind" value="{k}"'
         f"{' checked' if form.kind == k else ''}> {label}</label>"

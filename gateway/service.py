@@ -349,6 +349,24 @@ class EffectService:
         else:
             outcome = await self._client.send(outbound, policy.timeout.total_seconds())
         fault("after-upstream", policy.name)
+        try:
+            return await self._record(record, policy, outcome, reason)
+        except (StoreUnavailable, StoreRejected) as exc:
+            # What came of a request that may have left could not be written (here or in the fallback
+            # to review): the record stays as it was until its lease runs out, and the retry recovers it
+            # like a gateway crash at this very point. Never "nothing was sent".
+            log.error("effect %s: %s; could not record it: %s", record.id, _describe(outcome), exc)
+            raise problems.StoreDown(
+                f"the upstream was called but its outcome could not be recorded ({exc}); retry with the same "
+                "key to recover it",
+                headers={"Retry-After": str(max(1, math.ceil(policy.lease.total_seconds())))},
+                effect_id=record.id,
+            ) from None
+
+    async def _record(
+        self, record: EffectRecord, policy: UpstreamPolicy, outcome: Outcome, reason: SendReason | None
+    ) -> Reply:
+        """Write down what the attempt ``record`` holds came to (fenced), and answer with it."""
         recovered_by = None if reason in (None, "retryable") else reason
         settled = settle(outcome, earlier_doubt=record.may_have_sent)
         try:
@@ -359,16 +377,6 @@ class EffectService:
                 recovered_by=recovered_by if settled.state is State.COMPLETED else None,
                 note=_describe(outcome),
             )
-        except StoreUnavailable as exc:
-            # The request left, and what came of it could not be written: the record stays pending until
-            # its lease runs out, and the retry recovers it like a gateway crash at this very point.
-            log.error("effect %s: %s; could not record it: %s", record.id, _describe(outcome), exc)
-            raise problems.StoreDown(
-                f"the upstream was called but its outcome could not be recorded ({exc}); retry with the same "
-                "key to recover it",
-                headers={"Retry-After": str(max(1, math.ceil(policy.lease.total_seconds())))},
-                effect_id=record.id,
-            ) from None
         except StoreRejected as exc:
             return await self._unrecorded(record, settled, outcome, exc)
         if saved is None:

@@ -226,6 +226,9 @@ async def test_a_cross_site_resolve_is_refused_and_a_same_site_one_is_carried_ou
         found = re.search(r'name="csrf" value="([^"]+)"', page)
         assert found is not None
         csrf = found.group(1)
+        shown = re.search(r'name="attempt" value="(\d+)"', page)
+        assert shown is not None
+        judged = {"attempt": shown.group(1)}
         attempts = [
             ({"Origin": gw.url}, {}),
             ({"Origin": gw.url}, {"csrf": "A" * len(csrf)}),
@@ -236,7 +239,7 @@ async def test_a_cross_site_resolve_is_refused_and_a_same_site_one_is_carried_ou
         for headers, fields in attempts:
             async with http.post(
                 f"{gw.url}{AUDIT}/1/resolve",
-                data={**fields, "happened": "no"},
+                data={**fields, **judged, "happened": "no"},
                 headers={"Cookie": f"{COOKIE}={cookie}", **headers},
                 allow_redirects=False,
             ) as resp:
@@ -244,7 +247,7 @@ async def test_a_cross_site_resolve_is_refused_and_a_same_site_one_is_carried_ou
         assert [r["state"] for r in await effect_rows(dsn)] == ["needs_review"]
         async with http.post(
             f"{gw.url}{AUDIT}/1/resolve",
-            data={"csrf": csrf, "happened": "no"},
+            data={"csrf": csrf, **judged, "happened": "no"},
             headers={"Cookie": f"{COOKIE}={cookie}", "Referer": f"{gw.url}{AUDIT}/1"},
             allow_redirects=False,
         ) as resp:
@@ -252,12 +255,12 @@ async def test_a_cross_site_resolve_is_refused_and_a_same_site_one_is_carried_ou
         assert [r["state"] for r in await effect_rows(dsn)] == ["retryable"]
         async with http.post(
             f"{gw.url}{AUDIT}/1/resolve",
-            data={"csrf": csrf, "happened": "no"},
+            data={"csrf": csrf, **judged, "happened": "no"},
             headers={"Cookie": f"{COOKIE}={cookie}", "Origin": gw.url},
             allow_redirects=False,
         ) as resp:
             assert resp.status == 409  # a second operator on a stale page: told why, nothing changes
-            assert "Not resolved: nothing happened upstream; the next retry sends it" in await resp.text()
+            assert "Not resolved: effect 1 changed since it was judged" in await resp.text()
         async with http.post(
             f"{gw.url}{AUDIT}/sign-out",
             data={"csrf": csrf},

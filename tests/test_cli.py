@@ -210,7 +210,12 @@ async def test_commands_that_read_need_only_the_database(
     config.write_text(SECRETIVE)
     await effect(dsn, "k-1", review=True, upstream="payments")
     env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
-    for command in (["effects"], ["migrate"], ["purge"], ["resolve", "1", "--did-not-happen"]):
+    for command in (
+        ["effects"],
+        ["migrate"],
+        ["purge"],
+        ["resolve", "1", "--did-not-happen", "--attempt", "2"],
+    ):
         done = await in_thread(run, *command, config=config, env=env)
         assert done.status == 0, (command, done.err)
     for command in ("serve", "check-config"):
@@ -260,26 +265,34 @@ async def test_resolve_happened_needs_a_response(tmp_path: Path, dsn: str, run: 
     config.write_text("")
     env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
     await effect(dsn, "k-1", review=True)
-    line = one_line_error(await in_thread(run, "resolve", "1", "--happened", config=config, env=env))
+    line = one_line_error(
+        await in_thread(run, "resolve", "1", "--happened", "--attempt", "2", config=config, env=env)
+    )
     assert "--status and one of --body, --json-body or --body-file" in line
     line = one_line_error(
-        await in_thread(run, "resolve", "1", "--happened", "--status", "201", config=config, env=env)
+        await in_thread(
+            run, "resolve", "1", "--happened", "--attempt", "2", "--status", "201", config=config, env=env
+        )
     )
     assert "--happened needs the response" in line
     line = one_line_error(
-        await in_thread(run, "resolve", "1", "--did-not-happen", "--body", "x", config=config, env=env)
+        await in_thread(
+            run, "resolve", "1", "--did-not-happen", "--attempt", "2", "--body", "x", config=config, env=env
+        )
     )
     assert "--did-not-happen takes no response" in line
     done = await in_thread(run,
-        "resolve", "1", "--happened", "--status", "201", "--json-body", '{"order_id": "ord_7"}', "--json",
-        "--operator", "asha", config=config, env=env,
+        "resolve", "1", "--happened", "--attempt", "2", "--status", "201",
+        "--json-body", '{"order_id": "ord_7"}', "--json", "--operator", "asha", config=config, env=env,
     )  # fmt: skip
     assert done.status == 0, done.err
     doc = json.loads(done.out)
     assert (doc["state"], doc["response_status"], doc["recovered_by"]) == ("completed", 201, "operator")
     assert json.loads(doc["response_body"]) == {"order_id": "ord_7"}
     assert ["Content-Type", "application/json"] in doc["response_headers"]
-    again = one_line_error(await in_thread(run, "resolve", "1", "--did-not-happen", config=config, env=env))
+    again = one_line_error(
+        await in_thread(run, "resolve", "1", "--did-not-happen", "--attempt", "3", config=config, env=env)
+    )
     assert again == (
         "effect-gateway: effect 1: the effect completed; a completed effect is never resolved "
         "(its response is replayed)"
@@ -301,7 +314,9 @@ async def test_resolve_from_upstream_asks_the_probe(
     await effect(dsn, "k-1", review=True)
     await effect(dsn, "k-2", review=True, upstream="mail")
     line = one_line_error(
-        await in_thread(run, "resolve", "1", "--happened", "--from-upstream", config=config, env=env)
+        await in_thread(
+            run, "resolve", "1", "--happened", "--from-upstream", "--attempt", "2", config=config, env=env
+        )
     )
     assert "the probe of shop found no effect with this key" in line
     # The order the crashed gateway had placed, with its derived key stamped in it.
@@ -310,7 +325,9 @@ async def test_resolve_from_upstream_asks_the_probe(
         http.post(f"{upstream.url}/orders", json={"client_reference": "dk-k-1"}) as resp,
     ):
         assert resp.status == 201
-    done = await in_thread(run, "resolve", "1", "--happened", "--from-upstream", config=config, env=env)
+    done = await in_thread(
+        run, "resolve", "1", "--happened", "--from-upstream", "--attempt", "2", config=config, env=env
+    )
     assert done.status == 0, done.err
     assert (
         done.out.strip()
@@ -319,7 +336,9 @@ async def test_resolve_from_upstream_asks_the_probe(
     shown = json.loads((await in_thread(run, "effects", "1", "--json", config=config, env=env)).out)
     assert json.loads(shown["response_body"])["reference"] == "dk-k-1"
     line = one_line_error(
-        await in_thread(run, "resolve", "2", "--happened", "--from-upstream", config=config, env=env)
+        await in_thread(
+            run, "resolve", "2", "--happened", "--from-upstream", "--attempt", "2", config=config, env=env
+        )
     )
     assert line == (
         "effect-gateway: upstream mail has no probe: give the response with --status and --body, "

@@ -116,7 +116,8 @@ async def test_a_failed_probe_leaves_a_purged_effect_completed_and_beyond_an_ope
         (after,) = await effect_rows(dsn)
         assert (after["state"], after["completed_at"]) == ("completed", row["completed_at"])
         async with http.post(
-            f"{gw.url}/_gateway/effects/{row['id']}/resolve", json={"happened": False}
+            f"{gw.url}/_gateway/effects/{row['id']}/resolve",
+            json={"happened": False, "attempt": row["attempt"]},
         ) as resp:
             assert resp.status == 409
             assert (await resp.json())["type"].endswith("/not-resolvable")
@@ -221,7 +222,11 @@ async def test_an_operator_can_resolve_a_pending_effect_whose_lease_ran_out(
     async with opened(dsn) as store:
         record, _ = await store.claim(_effect("stuck"), timedelta(0))
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
-        verdict = {"happened": True, "response": {"status": 201, "json": {"order": "by-hand"}}}
+        verdict = {
+            "happened": True,
+            "attempt": record.attempt,
+            "response": {"status": 201, "json": {"order": "by-hand"}},
+        }
         async with http.post(f"{gw.url}/_gateway/effects/{record.id}/resolve", json=verdict) as resp:
             assert resp.status == 200
         status, headers, body = await call(http, gw.url, key="stuck")
@@ -237,7 +242,10 @@ async def test_an_operator_cannot_resolve_a_pending_effect_while_its_lease_runs(
         record, _ = await store.claim(_effect("busy"), timedelta(minutes=5))
     async with (
         gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw,
-        http.post(f"{gw.url}/_gateway/effects/{record.id}/resolve", json={"happened": False}) as resp,
+        http.post(
+            f"{gw.url}/_gateway/effects/{record.id}/resolve",
+            json={"happened": False, "attempt": record.attempt},
+        ) as resp,
     ):
         assert resp.status == 409
         assert "under way" in (await resp.json())["detail"]

@@ -271,7 +271,12 @@ async def test_resolve_happened_replays_the_operators_response(
             assert (await resp.json())["needs_review"] == 1
         async with http.get(f"{gw.url}/_gateway/audit") as resp:
             assert "1 effect waits for an operator" in await resp.text()
-        verdict = {"happened": True, "response": {"status": 201, "json": {"order": "found-by-hand"}}}
+        (row,) = await effect_rows(dsn)
+        verdict = {
+            "happened": True,
+            "attempt": row["attempt"],
+            "response": {"status": 201, "json": {"order": "found-by-hand"}},
+        }
         async with http.post(f"{gw.url}/_gateway/effects/{effect}/resolve", json=verdict) as resp:
             assert resp.status == 200
             assert (await resp.json())["state"] == "completed"
@@ -294,7 +299,9 @@ async def test_resolve_did_not_happen_lets_the_next_retry_send(
             f"{gw.url}/_gateway/effects/{effect}/resolve", json={"happened": "maybe"}
         ) as resp:
             assert resp.status == 400
-        async with http.post(f"{gw.url}/_gateway/effects/{effect}/resolve", json={"happened": False}) as resp:
+        (row,) = await effect_rows(dsn)
+        judged = {"happened": False, "attempt": row["attempt"]}
+        async with http.post(f"{gw.url}/_gateway/effects/{effect}/resolve", json=judged) as resp:
             assert (await resp.json())["state"] == "retryable"
         status, _, body = await order(http, gw.url)
     assert (status, body) == (201, {"order": 2})
@@ -319,6 +326,8 @@ async def test_resolve_from_the_command_line(
             str(config),
             "resolve",
             str(effect),
+            "--attempt",
+            str((await effect_rows(dsn))[0]["attempt"]),
             "--happened",
             "--status",
             "201",

@@ -1,0 +1,279 @@
+"""Proof that the simulator finds bugs: mutations of the real code, applied in memory for a run.
+
+Each mutation patches one function (or property, or table entry) of gateway/ or of the simulated
+store's fence, for the duration of a ``with`` block, and never edits a file. The runner then explores
+seeds from 0 until a run breaks an invariant, and shrinks that run.
+
+    python -m sim.mutations [--seeds 3000] [NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from gateway import decision, operators, service, states
+from gateway.decision import Policy, Resend, Settlement
+from gateway.outcome import Outcome as Sent
+from gateway.outcome import ProbeError, ProbeResult
+from gateway.record import EffectRecord
+from gateway.service import EffectService
+from gateway.states import State, Transition
+from sim.run import Outcome, explore, report, run, shrink
+from sim.store import Row, SimDatabase
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    patch: Callable[[], contextlib.AbstractContextManager[None]]
+    # Why it cannot be caught, when it is harmless by design (a second guard stops it).
+    harmless: str | None = None
+
+
+@contextlib.contextmanager
+def patched(*changes: tuple[Any, str, Any]) -> Iterator[None]:
+    """Set each (owner, attribute, value) for the block, and put every one back after it."""
+    saved = [
+        (owner, name, owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name))
+        for owner, name, _ in changes
+    ]
+    try:
+        for owner, name, value in changes:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+def _doubt_not_sticky() -> contextlib.AbstractContextManager[None]:
+    real = decision.settle
+
+    def settle(outcome: Sent, *, earlier_doubt: bool) -> Settlement:
+        # The state as if no earlier attempt had been in doubt; may_have_sent is still carried.
+        fresh = real(outcome, earlier_doubt=False)
+        return Settlement(fresh.transition, earlier_doubt or fresh.may_have_sent, fresh.ends_lease)
+
+    return patched((decision, "settle", settle), (service, "settle", settle))
+
+
+def _margin_zero() -> contextlib.AbstractContextManager[None]:
+    return patched((Policy, "margin", property(lambda self: timedelta(0))))
+
+
+def _settle_unfenced() -> contextlib.AbstractContextManager[None]:
+    def holds(self: SimDatabase, row: Row | None, record: EffectRecord, source: State) -> bool:
+        return row is not None  # id and created_at still match; attempt and state are not checked
+
+    return patched((SimDatabase, "_settle_holds", holds))
+
+
+def _resend_purged(widen_table: bool) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    def patch() -> contextlib.AbstractContextManager[None]:
+        real = decision.decide
+
+        def decide(
+            record: EffectRecord, request: decision.Request, now: datetime, policy: Policy
+        ) -> decision.Action:
+            action = real(record, request, now, policy)
+            if isinstance(action, decision.Restore | decision.Purged):
+                return Resend("native_key" if policy.native_key_ttl is not None else "retryable")
+            return action
+
+        changes: list[tuple[Any, str, Any]] = [(service, "decide", decide)]
+        if widen_table:
+            wider = {**states.TRANSITIONS, State.COMPLETED: frozenset({State.COMPLETED, State.PENDING})}
+            changes.append((states, "TRANSITIONS", wider))
+        return patched(*changes)
+
+    return patch
+
+
+def _failed_probe_doubts() -> contextlib.AbstractContextManager[None]:
+    real = EffectService._restore
+
+    async def restore(self: EffectService, record: EffectRecord, policy: Any) -> Any:
+        looked = await self._look(policy, record)
+        if isinstance(looked, ProbeError):
+            # The old bug: a failed probe of a purged, completed effect put it back in doubt.
+            move = object.__new__(Transition)
+            object.__setattr__(move, "source", State.COMPLETED)
+            object.__setattr__(move, "target", State.IN_DOUBT)
+            await self._store.settle(record, Settlement(move, True, True), response=None, recovered_by=None)
+        return await real(self, record, policy)
+
+    return patched((EffectService, "_restore", restore))
+
+
+def _horizon_ignored() -> contextlib.AbstractContextManager[None]:
+    real = decision.settle_probe
+
+    def settle_probe(
+        record: EffectRecord, result: ProbeResult, now: datetime, policy: Policy
+    ) -> Settlement | decision.Send:
+        return real(record, result, now, replace(policy, probe_horizon=None))
+
+    return patched((service, "settle_probe", settle_probe))
+
+
+def _late_sender() -> contextlib.AbstractContextManager[None]:
+    def before_sending(*args: Any) -> None:
+        return None
+
+    return patched((service, "before_sending", before_sending))
+
+
+def _operator_during_lease(store_too: bool) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    def patch() -> contextlib.AbstractContextManager[None]:
+        real = decision.resolution
+
+        def resolution(record: EffectRecord, now: datetime, *, happened: bool) -> Transition:
+            return real(replace(record, lease_expires_at=None), now, happened=happened)
+
+        changes: list[tuple[Any, str, Any]] = [(operators, "resolution", resolution)]
+        if store_too:
+            changes.append((SimDatabase, "_resolvable", lambda self, row, now: True))
+        return patched(*changes)
+
+    return patch
+
+
+def _operator_unfenced() -> contextlib.AbstractContextManager[None]:
+    real = operators.resolve
+
+    async def resolve(store: Any, effect_id: int, *, attempt: int, **verdict: Any) -> EffectRecord:
+        # The verdict is applied to the record as it is now, not as the operator judged it.
+        now = await store.get(effect_id)
+        return await real(store, effect_id, attempt=now.attempt if now else attempt, **verdict)
+
+    return patched((operators, "resolve", resolve))
+
+
+MUTATIONS = [
+    Mutation(
+        "doubt-not-sticky",
+        "decision.settle: a refused attempt after doubt leaves the record retryable",
+        _doubt_not_sticky,
+    ),
+    Mutation(
+        "margin-zero",
+        "Policy.margin is 0: a native key is trusted until the very end of its TTL",
+        _margin_zero,
+    ),
+    Mutation(
+        "settle-unfenced", "the simulated store's settle checks neither attempt nor state", _settle_unfenced
+    ),
+    Mutation(
+        "purged-resend",
+        "decide re-sends a completed record whose response was purged (and the table lets it be taken)",
+        _resend_purged(widen_table=True),
+    ),
+    Mutation(
+        "purged-resend-decide-only",
+        "decide re-sends a completed record whose response was purged (the table unchanged)",
+        _resend_purged(widen_table=False),
+    ),
+    Mutation(
+        "failed-probe-doubts",
+        "a failed probe of a purged completed record puts it in doubt",
+        _failed_probe_doubts,
+    ),
+    Mutation(
+        "horizon-ignored", "settle_probe trusts 'not found' whatever the effect's age", _horizon_ignored
+    ),
+    Mutation(
+        "late-sender",
+        "before_sending is off: a gateway that fell behind its lease sends anyway",
+        _late_sender,
+    ),
+    Mutation(
+        "operator-unfenced",
+        "operators.resolve applies a verdict to the record as it is now, not as the operator judged it",
+        _operator_unfenced,
+    ),
+    Mutation(
+        "operator-during-lease",
+        "resolution and the store's resolve both let an operator resolve while a lease runs",
+        _operator_during_lease(store_too=True),
+    ),
+    Mutation(
+        "operator-during-lease-decision-only",
+        "resolution lets an operator resolve while a lease runs (the store's SQL still refuses)",
+        _operator_during_lease(store_too=False),
+    ),
+]
+
+
+@dataclass
+class Caught:
+    mutation: Mutation
+    seeds: int
+    seconds: float
+    failure: Outcome | None
+    shrunk: Outcome | None
+
+
+def hunt(mutation: Mutation, *, seeds: int, shrink_seconds: float | None = 30.0) -> Caught:
+    """Explore seeds 0, 1, ... under the mutation until one breaks an invariant that the real code
+    keeps on the same seed (a seed that fails either way shows a real bug, not the mutation); shrink it.
+    """
+    started = time.monotonic()
+    seed = 0
+    while seed < seeds:
+        with mutation.patch():
+            found = explore(seed, seeds=seeds - seed)
+        if found.failure is None:
+            return Caught(mutation, seeds, time.monotonic() - started, None, None)
+        seed = found.failure.seed + 1
+        if not run(found.failure.seed).failed:
+            shrunk = None
+            if shrink_seconds is not None:
+                with mutation.patch():
+                    shrunk = shrink(found.failure, seconds=shrink_seconds)
+            return Caught(mutation, seed, time.monotonic() - started, found.failure, shrunk)
+    return Caught(mutation, seeds, time.monotonic() - started, None, None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sim.mutations", description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--seeds", type=int, default=3000, help="give up on a mutation after this many seeds")
+    parser.add_argument("--traces", action="store_true", help="print each shrunk trace")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    results = []
+    for mutation in chosen:
+        caught = hunt(mutation, seeds=args.seeds)
+        results.append(caught)
+        failure = caught.shrunk or caught.failure
+        line = f"{mutation.name:<36} "
+        if failure is None or failure.violation is None:
+            line += f"not caught in {caught.seeds} seeds ({caught.seconds:.1f}s)"
+            if mutation.harmless:
+                line += f": harmless, {mutation.harmless}"
+        else:
+            line += (
+                f"caught by {failure.violation.invariant} at seed {caught.seeds - 1} ({caught.seeds} seeds, "
+                f"{caught.seconds:.1f}s); shrunk trace {len(failure.trace)} events"
+            )
+        print(line, flush=True)
+        if args.traces and failure is not None:
+            print(report(failure, title=f"{mutation.name}: {mutation.what}"))
+            print()
+    missed = [c for c in results if c.failure is None and not c.mutation.harmless]
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    started = time.monotonic()
+    code = main()
+    print(f"{time.monotonic() - started:.0f}s")
+    sys.exit(code)

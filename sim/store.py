@@ -1,0 +1,650 @@
+"""The simulated store: the contract of :class:`gateway.store.Store`, kept in memory.
+
+:class:`SimDatabase` is a small database with the same semantics as the SQL in gateway/store.py and
+gateway/partitions.py: one row per effect, a key table that keeps keys unique, bodies stored by time
+and dropped by whole days by the retention, and every statement applied at one instant of the
+database's clock. Each write is fenced exactly as its SQL is (``id``, ``created_at``, ``attempt`` and
+``state``, and the lease for an operator's verdict). It is not a mock: it answers what the data says,
+and tests/test_store_contract.py runs the same tests against it and against Postgres.
+
+:class:`SimStore` is one connection's view of it, with the same methods as ``Store``: each statement
+travels to the database (a delay), is applied there atomically (or not: an outage), and its answer
+travels back (a delay, or lost after the commit). The :class:`Weather` decides those delays and
+faults; the calm default has none. A gateway that dies while its statement travels does not stop the
+statement: the database applies what it received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal, Protocol, TypeVar, cast
+
+from gateway import partitions
+from gateway.decision import Settlement
+from gateway.errors import StoreRejected, StoreUnavailable
+from gateway.record import EffectRecord, StoredResponse
+from gateway.states import State, Transition
+from gateway.store import EffectFilter, NewEffect, head_bytes, head_pairs
+from sim.loop import OWNER
+
+T = TypeVar("T")
+Scope = tuple[str, str, str]  # (tenant, upstream, key)
+BodyKey = tuple[int, str, datetime]  # (effect_id, kind, stored_at), the primary key of effect_bodies
+TICK = timedelta(microseconds=1)  # Postgres's resolution: no two statements share an instant
+DAY = timedelta(days=1)
+
+
+@dataclass
+class Row:
+    """One row of ``effects`` (all its columns)."""
+
+    id: int
+    created_at: datetime
+    tenant: str
+    upstream: str
+    key: str
+    derived_key: str
+    method: str
+    path: str
+    query: str
+    fingerprint: str
+    state: State
+    attempt: int
+    may_have_sent: bool
+    lease_expires_at: datetime | None
+    first_sent_at: datetime | None
+    last_sent_at: datetime | None
+    run_id: str | None
+    step: str | None
+    keyless: bool
+    response_status: int | None = None
+    response_at: datetime | None = None
+    recovered_by: str | None = None
+    completed_at: datetime | None = None
+    replays: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def scope(self) -> Scope:
+        return (self.tenant, self.upstream, self.key)
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """A write the database applied, as the invariants see it."""
+
+    op: str  # claim, reclaim, settle, send_to_review, resolve, restore
+    source: State | None  # the row's state before (None: the claim made it)
+    row: Row  # after
+    now: datetime
+    who: str
+    note: str | None = None
+
+
+def _least(a: datetime | None, b: datetime) -> datetime:
+    # Postgres's least() ignores nulls.
+    return b if a is None else min(a, b)
+
+
+def _event(kind: str, now: datetime, **data: Any) -> dict[str, Any]:
+    """One history entry, as gateway.store's ``_event`` + ``_stamped`` write it."""
+    return {"event": kind, **{k: v for k, v in data.items() if v is not None}, "at": now.isoformat()}
+
+
+def _source(record: EffectRecord, move: Transition) -> State:
+    """As gateway.store's: the state a write fences on, which the move must start from."""
+    if move.source is not record.state:
+        raise ValueError(f"a move from {move.source} was asked of a record in {record.state}")
+    return record.state
+
+
+class SimDatabase:
+    """The tables and the statements; each method is one statement, applied at ``now``."""
+
+    def __init__(self, clock: Callable[[], datetime], key_secret: bytes = b"sim-derived-keys") -> None:
+        self._clock = clock
+        self._last: datetime | None = None
+        self._next_id = 0
+        self.keys: dict[Scope, tuple[int, datetime]] = {}
+        self.rows: dict[int, Row] = {}
+        self.bodies: dict[BodyKey, tuple[bytes, bytes]] = {}
+        self.key_secret = key_secret
+        # Called with every write the database applied (the simulator's invariants listen here).
+        self.observers: list[Callable[[Write], None]] = []
+        # Who sent the statement being applied (for the trace), set by the connection.
+        self.caller = ""
+
+    def now(self) -> datetime:
+        """The database's clock: never the same instant twice, as clock_timestamp() at microseconds."""
+        now = self._clock()
+        if self._last is not None and now <= self._last:
+            now = self._last + TICK
+        self._last = now
+        return now
+
+    def _wrote(self, op: str, source: State | None, row: Row, now: datetime, note: str | None = None) -> None:
+        write = Write(op, source, row, now, self.caller, note)
+        for observer in self.observers:
+            observer(write)
+
+    def _row(self, record: EffectRecord) -> Row | None:
+        row = self.rows.get(record.id)
+        return row if row is not None and row.created_at == record.created_at else None
+
+    def _response(self, row: Row) -> StoredResponse | None:
+        if row.response_status is None or row.response_at is None:
+            return None
+        stored = self.bodies.get((row.id, "response", row.response_at))
+        if stored is None:
+            return None
+        return StoredResponse(row.response_status, head_pairs(stored[0]), stored[1])
+
+    def record(self, row: Row, now: datetime, *, response: bool = False, full: bool = False) -> EffectRecord:
+        """The row as gateway.store's ``_record`` builds it from the statement's columns."""
+        request: tuple[bytes, bytes] | None = None
+        if full:
+            kept = sorted(
+                (at, v) for (i, kind, at), v in self.bodies.items() if i == row.id and kind == "request"
+            )
+            request = kept[-1][1] if kept else None
+        return EffectRecord(
+            id=row.id,
+            tenant=row.tenant,
+            upstream=row.upstream,
+            key=row.key,
+            derived_key=row.derived_key,
+            method=row.method,
+            path=row.path,
+            query=row.query,
+            fingerprint=row.fingerprint,
+            state=row.state,
+            attempt=row.attempt,
+            may_have_sent=row.may_have_sent,
+            lease_expires_at=row.lease_expires_at,
+            first_sent_at=row.first_sent_at,
+            last_sent_at=row.last_sent_at,
+            completed_at=row.completed_at,
+            created_at=row.created_at,
+            response=self._response(row) if response else None,
+            response_status=row.response_status,
+            response_at=row.response_at,
+            response_read=response,
+            recovered_by=row.recovered_by,
+            replays=row.replays,
+            run_id=row.run_id,
+            step=row.step,
+            request_headers=dict(head_pairs(request[0])) if request is not None else {},
+            request_body=request[1] if request is not None else None,
+            history=[dict(entry) for entry in row.history] if full else [],
+            read_at=now,
+            keyless=row.keyless,
+        )
+
+    def _store_body(self, at: BodyKey, headers: bytes, body: bytes) -> None:
+        if at in self.bodies:
+            # effect_bodies' primary key: Postgres refuses the whole statement.
+            raise StoreRejected("Postgres refused the write: UniqueViolationError")
+        self.bodies[at] = (headers, body)
+
+    # --- the idempotency phases (gateway.store.Store's statements) ----------------------------------
+
+    def claim(self, new: NewEffect, lease: timedelta) -> tuple[EffectRecord | None, bool]:
+        now = self.now()
+        scope = (new.tenant, new.upstream, new.key)
+        known = self.keys.get(scope)
+        if known is not None:
+            row = self.rows.get(known[0])
+            return (self.record(row, now, response=True) if row is not None else None), False
+        self._next_id += 1
+        row = Row(
+            id=self._next_id,
+            created_at=now,
+            tenant=new.tenant,
+            upstream=new.upstream,
+            key=new.key,
+            derived_key=new.derived_key,
+            method=new.method,
+            path=new.path,
+            query=new.query,
+            fingerprint=new.fingerprint,
+            state=State.PENDING,
+            attempt=1,
+            may_have_sent=False,
+            lease_expires_at=now + lease,
+            first_sent_at=now,
+            last_sent_at=now,
+            run_id=new.run_id,
+            step=new.step,
+            keyless=new.keyless,
+            history=[_event("claimed", now, attempt=1)],
+        )
+        self._store_body((row.id, "request", now), head_bytes(new.request_headers), new.request_body)
+        self.keys[scope] = (row.id, now)
+        self.rows[row.id] = row
+        self._wrote("claim", None, row, now)
+        return self.record(row, now, response=True), True
+
+    def _holds(self, row: Row | None, record: EffectRecord, source: State) -> bool:
+        """The fence of every write after a claim: ``where attempt = $3 and state = $4``."""
+        return row is not None and row.attempt == record.attempt and row.state is source
+
+    def _settle_holds(self, row: Row | None, record: EffectRecord, source: State) -> bool:
+        """Settle's fence (apart so that a mutation can drop it from settle alone)."""
+        return self._holds(row, record, source)
+
+    def reclaim(
+        self,
+        record: EffectRecord,
+        source: State,
+        lease: timedelta,
+        reason: str,
+        *,
+        sends: bool,
+        renew: bool = False,
+    ) -> EffectRecord | None:
+        now = self.now()
+        row = self._row(record)
+        if row is None or not self._holds(row, record, source):
+            return None
+        was = row.state
+        # a pending record whose lease ran out may have been sent by the gateway that held it
+        row.may_have_sent = row.may_have_sent or (was is State.PENDING and not renew)
+        row.attempt += 1
+        row.state = State.PENDING
+        row.lease_expires_at = now + lease
+        if sends:
+            row.last_sent_at = now
+        row.first_sent_at = row.first_sent_at or now
+        row.history.append(
+            _event("reclaimed", now, attempt=record.attempt + 1, reason=reason, was=record.state.value)
+        )
+        self._wrote("reclaim", was, row, now, reason)
+        return self.record(row, now)
+
+    def settle(
+        self,
+        record: EffectRecord,
+        settlement: Settlement,
+        source: State,
+        *,
+        response: StoredResponse | None,
+        recovered_by: str | None,
+        note: str | None = None,
+    ) -> EffectRecord | None:
+        now = self.now()
+        row = self._row(record)
+        if row is None or not self._settle_holds(row, record, source):
+            return None
+        if response is not None:
+            self._store_body((row.id, "response", now), head_bytes(response.headers), response.body)
+        was = row.state
+        row.state = settlement.state
+        row.may_have_sent = settlement.may_have_sent
+        if settlement.ends_lease:
+            row.lease_expires_at = _least(row.lease_expires_at, now)
+        if response is not None:
+            row.response_status = response.status
+            row.response_at = now
+        row.recovered_by = recovered_by or row.recovered_by
+        if settlement.state is State.COMPLETED:
+            row.completed_at = now
+        row.history.append(
+            _event(
+                "settled",
+                now,
+                attempt=record.attempt,
+                state=settlement.state.value,
+                status=response.status if response else None,
+                recovered_by=recovered_by,
+                note=note,
+            )
+        )
+        self._wrote("settle", was, row, now, note)
+        return self.record(row, now)
+
+    def note_fenced(self, record: EffectRecord, saw: str) -> None:
+        now = self.now()
+        row = self._row(record)
+        if row is not None:
+            row.history.append(_event("fenced", now, attempt=record.attempt, saw=saw))
+
+    def send_to_review(self, record: EffectRecord, source: State, why: str) -> EffectRecord | None:
+        now = self.now()
+        row = self._row(record)
+        if row is None or not self._holds(row, record, source):
+            return None
+        was = row.state
+        # A new attempt number: a stalled holder that wakes up now is fenced out.
+        row.state = State.NEEDS_REVIEW
+        row.attempt += 1
+        row.lease_expires_at = _least(row.lease_expires_at, now)
+        row.history.append(_event("needs_review", now, attempt=record.attempt, why=why))
+        self._wrote("send_to_review", was, row, now, why)
+        return self.record(row, now)
+
+    def add_replays(self, counts: Mapping[tuple[int, datetime], int]) -> None:
+        self.now()
+        for (effect_id, created_at), n in counts.items():
+            row = self.rows.get(effect_id)
+            if row is not None and row.created_at == created_at:
+                row.replays += n
+
+    def restore(self, record: EffectRecord, source: State, response: StoredResponse) -> None:
+        now = self.now()
+        row = self._row(record)
+        if row is None or not self._holds(row, record, source) or self._response_kept(row):
+            return
+        self._store_body((row.id, "response", now), head_bytes(response.headers), response.body)
+        was = row.state
+        row.response_status = response.status
+        row.response_at = now
+        row.history.append(_event("restored", now, status=response.status, note="the probe found the effect"))
+        self._wrote("restore", was, row, now)
+
+    def _response_kept(self, row: Row) -> bool:
+        return row.response_at is not None and (row.id, "response", row.response_at) in self.bodies
+
+    def _resolvable(self, row: Row, now: datetime) -> bool:
+        """An operator's verdict waits for the lease: ``lease_expires_at is null or <= now()``."""
+        return row.lease_expires_at is None or row.lease_expires_at <= now
+
+    def resolve(
+        self,
+        record: EffectRecord,
+        move: Transition,
+        source: State,
+        response: StoredResponse | None,
+        by: str | None,
+    ) -> EffectRecord | None:
+        now = self.now()
+        row = self._row(record)
+        if row is None or not self._holds(row, record, source) or not self._resolvable(row, now):
+            return None
+        happened = move.target is State.COMPLETED
+        if happened:
+            self._store_body(
+                (row.id, "response", now),
+                head_bytes(response.headers) if response else b"",
+                response.body if response else b"",
+            )
+        was = row.state
+        row.state = move.target
+        # "did not happen" is the operator's word that no attempt reached the upstream
+        row.may_have_sent = happened
+        row.lease_expires_at = _least(row.lease_expires_at, now)
+        row.response_status = response.status if response else None
+        row.response_at = now if happened else None
+        row.recovered_by = "operator"
+        row.attempt += 1
+        row.completed_at = now if happened else None
+        row.history.append(_event("resolved", now, happened=happened, by=by, was=record.state.value))
+        self._wrote("resolve", was, row, now)
+        return self.record(row, now)
+
+    # --- reading ------------------------------------------------------------------------------------
+
+    def get(self, effect_id: int, tenant: str | None = None) -> EffectRecord | None:
+        now = self.now()
+        row = self.rows.get(effect_id)
+        if row is None or (tenant is not None and row.tenant != tenant):
+            return None
+        return self.record(row, now, response=True, full=True)
+
+    def reread(self, record: EffectRecord) -> EffectRecord:
+        now = self.now()
+        row = self._row(record)
+        assert row is not None, "effects are never deleted while in use"
+        return self.record(row, now, response=True)
+
+    def find(self, where: EffectFilter) -> list[EffectRecord]:
+        now = self.now()
+        found = [
+            row
+            for row in self.rows.values()
+            if (where.tenant is None or row.tenant == where.tenant)
+            and (where.state is None or row.state is where.state)
+            and (where.upstream is None or row.upstream == where.upstream)
+            and (where.run_id is None or row.run_id == where.run_id)
+            and (where.key is None or row.key == where.key)
+            and (where.since is None or row.created_at >= where.since)
+            and (where.before_id is None or row.id < where.before_id)
+        ]
+        found.sort(key=lambda row: row.id, reverse=True)
+        return [self.record(row, now) for row in found[: where.limit]]
+
+    def state_counts(self, tenant: str | None = None) -> dict[str, int]:
+        self.now()
+        counts = {state.value: 0 for state in State}
+        for row in self.rows.values():
+            if row.state is State.COMPLETED or tenant is None or row.tenant == tenant:
+                counts[row.state.value] += 1
+        if tenant is not None:
+            del counts[State.COMPLETED.value]
+        return counts
+
+    # --- retention (gateway.partitions.drop_expired_bodies) ------------------------------------------
+
+    def maintain(self, retention: timedelta, progress: partitions.Progress) -> list[partitions.Partition]:
+        """Drop every day of bodies wholly older than the retention, carrying open effects' forward."""
+        now = self.now()
+        cutoff = now - retention
+        days = sorted({_day(at) for (_, _, at) in self.bodies})
+        dropped = []
+        for lower in days:
+            upper = lower + DAY
+            if upper > cutoff:
+                break
+            in_day = sorted((k, v) for k, v in self.bodies.items() if lower <= k[2] < upper)
+            carried = 0
+            for (effect_id, kind, _), (headers, body) in in_day:
+                row = self.rows.get(effect_id)
+                if row is None or row.state is State.COMPLETED or (effect_id, kind, now) in self.bodies:
+                    continue  # "on conflict do nothing"
+                self.bodies[(effect_id, kind, now)] = (headers, body)
+                carried += 1
+                if kind == "response":
+                    row.response_at = now
+            for key, _ in in_day:
+                del self.bodies[key]
+            name = f"effect_bodies_{lower:%Y_%m_%d}"
+            size = sum(len(h) + len(b) for _, (h, b) in in_day)
+            dropped.append(partitions.Partition(name, lower, upper, rows=len(in_day), bytes=size))
+            progress(
+                f"dropped {name}: about {len(in_day)} bodies"
+                + (f", {carried} carried forward" if carried else "")
+            )
+        return dropped
+
+    # --- for tests: what tests/support.py's backdate_bodies does in SQL -------------------------------
+
+    def backdate_bodies(self, days: int) -> None:
+        """Time passes for the stored bodies: they move ``days`` back, into a day the retention will drop."""
+        back = timedelta(days=days)
+        self.bodies = {(i, kind, at - back): v for (i, kind, at), v in self.bodies.items()}
+        for row in self.rows.values():
+            if row.response_at is not None:
+                row.response_at -= back
+
+
+def _day(at: datetime) -> datetime:
+    utc = at.astimezone(UTC)
+    return datetime(utc.year, utc.month, utc.day, tzinfo=UTC)
+
+
+# --- the connection -------------------------------------------------------------------------------
+
+
+Fault = Literal["down", "lost", "refused"] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Trip:
+    """How one statement goes: its delay to the database and back, and what fails, if anything.
+
+    ``down``: the database is unreachable and the statement is not applied; ``lost``: it is applied
+    and committed, and the answer is lost on the way back; ``refused``: Postgres refuses it (data it
+    cannot hold) and nothing is applied.
+    """
+
+    there: float = 0.0
+    back: float = 0.0
+    fault: Fault = None
+
+
+class Weather(Protocol):
+    def trip(self, statement: str, who: str, refusable: tuple[int, int] | None) -> Trip:
+        """``refusable``: (effect id, attempt) of a write that carries a response Postgres may refuse."""
+        ...
+
+
+class Calm:
+    """No delay, no fault."""
+
+    def trip(self, statement: str, who: str, refusable: tuple[int, int] | None) -> Trip:
+        return Trip()
+
+
+# Statements are applied here: in no gateway's context, so a gateway's crash or pause cannot stop
+# one that already reached the database.
+DATABASE = contextvars.Context()
+
+
+class SimStore:
+    """One gateway's (or operator's) connection to the database: gateway.store.Store's methods."""
+
+    def __init__(self, db: SimDatabase, weather: Weather | None = None, who: str = "") -> None:
+        self.db = db
+        self._weather: Weather = weather or Calm()
+        self._who = who
+
+    async def _statement(
+        self, name: str, apply: Callable[[], T], *, refusable: tuple[int, int] | None = None
+    ) -> T:
+        loop = asyncio.get_running_loop()
+        owner = OWNER.get()
+        caller = owner.name if owner is not None else self._who
+        trip = self._weather.trip(name, caller, refusable)
+        answer: asyncio.Future[T] = loop.create_future()
+
+        def reply(result: T | None, error: Exception | None) -> None:
+            if answer.done():
+                return
+            if error is not None:
+                answer.set_exception(error)
+            else:
+                answer.set_result(cast(T, result))  # None only when there is an error
+
+        def at_database() -> None:
+            result: T | None = None
+            error: Exception | None = None
+            if trip.fault == "down":
+                error = StoreUnavailable("Postgres is unavailable: ConnectionRefusedError (simulated outage)")
+            elif trip.fault == "refused":
+                error = StoreRejected("Postgres refused the write: DataError (simulated)")
+            else:
+                try:
+                    self.db.caller = caller
+                    result = apply()
+                except (StoreRejected, StoreUnavailable) as exc:
+                    error = exc
+                if trip.fault == "lost" and error is None:
+                    error = StoreUnavailable("Postgres is unavailable: ConnectionResetError (answer lost)")
+            loop.call_later(trip.back, reply, result, error, context=DATABASE)
+
+        loop.call_later(trip.there, at_database, context=DATABASE)
+        return await answer
+
+    # --- gateway.store.Store's surface (tests/test_store_contract.py checks the signatures) ---------
+
+    async def close(self) -> None:
+        pass
+
+    async def claim(self, new: NewEffect, lease: timedelta) -> tuple[EffectRecord | None, bool]:
+        return await self._statement("claim", lambda: self.db.claim(new, lease))
+
+    async def reclaim(
+        self,
+        record: EffectRecord,
+        move: Transition,
+        lease: timedelta,
+        reason: str,
+        *,
+        sends: bool,
+        renew: bool = False,
+    ) -> EffectRecord | None:
+        source = _source(record, move)
+        return await self._statement(
+            "reclaim",
+            lambda: self.db.reclaim(record, source, lease, reason, sends=sends, renew=renew),
+        )
+
+    async def settle(
+        self,
+        record: EffectRecord,
+        settlement: Settlement,
+        *,
+        response: StoredResponse | None,
+        recovered_by: str | None,
+        note: str | None = None,
+    ) -> EffectRecord | None:
+        source = _source(record, settlement.transition)
+        return await self._statement(
+            "settle",
+            lambda: self.db.settle(
+                record, settlement, source, response=response, recovered_by=recovered_by, note=note
+            ),
+            refusable=(record.id, record.attempt) if response is not None else None,
+        )
+
+    async def note_fenced(self, record: EffectRecord, saw: str) -> None:
+        await self._statement("note_fenced", lambda: self.db.note_fenced(record, saw))
+
+    async def send_to_review(self, record: EffectRecord, move: Transition, why: str) -> EffectRecord | None:
+        source = _source(record, move)
+        return await self._statement("send_to_review", lambda: self.db.send_to_review(record, source, why))
+
+    async def add_replays(self, counts: Mapping[tuple[int, datetime], int]) -> None:
+        if not counts:
+            return
+        await self._statement("add_replays", lambda: self.db.add_replays(counts))
+
+    async def restore(self, record: EffectRecord, move: Transition, response: StoredResponse) -> None:
+        source = _source(record, move)
+        await self._statement(
+            "restore",
+            lambda: self.db.restore(record, source, response),
+            refusable=(record.id, record.attempt),
+        )
+
+    async def resolve(
+        self, record: EffectRecord, move: Transition, response: StoredResponse | None, by: str | None
+    ) -> EffectRecord | None:
+        source = _source(record, move)
+        return await self._statement("resolve", lambda: self.db.resolve(record, move, source, response, by))
+
+    async def key_secret(self) -> bytes:
+        return await self._statement("key_secret", lambda: self.db.key_secret)
+
+    async def get(self, effect_id: int, tenant: str | None = None) -> EffectRecord | None:
+        return await self._statement("get", lambda: self.db.get(effect_id, tenant))
+
+    async def reread(self, record: EffectRecord) -> EffectRecord:
+        return await self._statement("reread", lambda: self.db.reread(record))
+
+    async def find(self, where: EffectFilter) -> list[EffectRecord]:
+        return await self._statement("find", lambda: self.db.find(where))
+
+    async def state_counts(self, tenant: str | None = None) -> dict[str, int]:
+        return await self._statement("state_counts", lambda: self.db.state_counts(tenant))
+
+    async def ping(self) -> None:
+        await self._statement("ping", lambda: None)
+
+    async def maintain(
+        self, retention: timedelta, progress: partitions.Progress = partitions._quiet
+    ) -> list[partitions.Partition]:
+        return await self._statement("maintain", lambda: self.db.maintain(retention, progress))

@@ -1,0 +1,496 @@
+"""One contract, two stores: every test runs against Postgres (gateway.store) and the simulator's store.
+
+The simulator (sim/) is only worth what its store is: if the two disagreed, it would explore a
+database that does not exist. Each test states a behaviour of the store that the gateway relies on.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import cast
+
+import asyncpg
+import pytest
+
+from gateway.decision import Policy, Settlement, review, settle, settle_probe, take_over
+from gateway.outcome import Answered, NoAnswer, NotSent, ProbeError
+from gateway.record import EffectRecord, StoredResponse
+from gateway.states import State, Transition
+from gateway.store import EffectFilter, NewEffect, Store, opened
+from sim.store import SimDatabase, SimStore
+from tests.support import backdate_bodies
+
+LEASE = timedelta(seconds=30)
+EXPIRED = timedelta(0)
+OK = StoredResponse(201, (("Content-Type", "application/json"),), b'{"order": 1}')
+LATER = StoredResponse(201, (("Content-Type", "application/json"),), b'{"order": 2}')
+DONE = settle(Answered(OK.status, OK.headers, OK.body), earlier_doubt=False)
+TIMED_OUT = settle(NoAnswer("no answer within 1s", timed_out=True), earlier_doubt=False)
+RETENTION = timedelta(days=7)
+
+
+def effect(
+    key: str = "k", tenant: str = "default", upstream: str = "shop", run_id: str | None = None
+) -> NewEffect:
+    return NewEffect(
+        tenant=tenant,
+        upstream=upstream,
+        key=key,
+        derived_key=f"eg_{key}",
+        method="POST",
+        path="/orders",
+        query="a=1",
+        fingerprint="fp",
+        request_headers={"Content-Type": "application/json"},
+        request_body=b'{"items": ["atta"]}',
+        run_id=run_id,
+        step=None,
+    )
+
+
+@dataclass
+class Subject:
+    store: Store
+    # Moves every stored body ``days`` back in time, as tests/support.py's backdate_bodies does.
+    backdate: Callable[[int], Awaitable[None]]
+
+
+@pytest.fixture(params=["postgres", "simulated"])
+def which(request: pytest.FixtureRequest) -> tuple[str, str | None]:
+    """Only the Postgres half starts a database."""
+    if request.param == "postgres":
+        return "postgres", request.getfixturevalue("postgres_dsn")
+    return "simulated", None
+
+
+@pytest.fixture
+async def subject(which: tuple[str, str | None]) -> AsyncIterator[Subject]:
+    _, dsn = which
+    if dsn is None:
+        db = SimDatabase(clock=lambda: datetime.now(UTC))
+
+        async def sim_backdate(days: int) -> None:
+            db.backdate_bodies(days)
+
+        yield Subject(cast(Store, SimStore(db)), sim_backdate)
+        return
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("truncate effects, effect_keys, effect_bodies; alter sequence effect_ids restart")
+    finally:
+        await conn.close()
+
+    async def pg_backdate(days: int) -> None:
+        await backdate_bodies(dsn, days)
+
+    async with opened(dsn) as store:
+        yield Subject(store, pg_backdate)
+
+
+async def claimed(store: Store, key: str = "k", lease: timedelta = LEASE, **kw: str) -> EffectRecord:
+    record, created = await store.claim(effect(key, **kw), lease)
+    assert record is not None
+    assert created
+    return record
+
+
+async def completed(store: Store, key: str = "k") -> EffectRecord:
+    record = await claimed(store, key)
+    assert await store.settle(record, DONE, response=OK, recovered_by=None) is not None
+    return await store.reread(record)
+
+
+# --- the claim -----------------------------------------------------------------------------------------
+
+
+async def test_a_new_key_is_claimed_pending_at_attempt_one(subject: Subject) -> None:
+    """The claim inserts a pending record holding attempt 1 under a lease, read with its (no) response."""
+    record = await claimed(subject.store)
+    assert (record.state, record.attempt, record.may_have_sent) == (State.PENDING, 1, False)
+    assert record.response is None
+    assert record.response_read
+    assert record.read_at is not None
+    assert record.lease_expires_at is not None
+    assert abs(record.lease_expires_at - (record.read_at + LEASE)) < timedelta(seconds=1)
+    assert record.first_sent_at is not None
+    assert record.first_sent_at == record.last_sent_at
+    assert (record.key, record.derived_key, record.fingerprint) == ("k", "eg_k", "fp")
+
+
+async def test_a_known_key_reads_the_record_that_holds_it(subject: Subject) -> None:
+    """A second claim of the key creates nothing and reads the record, with its response once stored."""
+    first = await completed(subject.store)
+    again, created = await subject.store.claim(effect(), LEASE)
+    assert not created
+    assert again is not None
+    assert (again.id, again.state, again.attempt) == (first.id, State.COMPLETED, 1)
+    assert again.response == OK
+    other, created = await subject.store.claim(effect(tenant="other"), LEASE)
+    assert created
+    assert other is not None
+    assert other.id != first.id
+
+
+# --- fences --------------------------------------------------------------------------------------------
+
+
+async def test_only_the_current_attempt_may_settle(subject: Subject) -> None:
+    """After a take-over the older attempt's settle is refused and the newer one's stands."""
+    store = subject.store
+    first = await claimed(store, lease=EXPIRED)
+    second = await store.reclaim(first, take_over(first), LEASE, "test", sends=True)
+    assert second is not None
+    assert second.attempt == 2
+    assert await store.settle(second, DONE, response=LATER, recovered_by=None) is not None
+    assert await store.settle(first, DONE, response=OK, recovered_by=None) is None
+    assert await store.reclaim(first, take_over(first), LEASE, "test", sends=True) is None
+    final = await store.reread(first)
+    assert final.response == LATER
+
+
+async def test_a_take_over_from_a_stale_read_is_fenced_by_state(subject: Subject) -> None:
+    """A late holder completes at its own attempt; a twin that read the record pending cannot take over."""
+    store = subject.store
+    record = await claimed(store, lease=EXPIRED)
+    done = await store.settle(record, DONE, response=OK, recovered_by=None)
+    assert done is not None
+    assert done.attempt == record.attempt
+    assert await store.reclaim(record, take_over(record), LEASE, "t", sends=True) is None
+    assert await store.send_to_review(record, review(record), "t") is None
+    assert (await store.reread(record)).state is State.COMPLETED
+
+
+async def test_a_move_from_another_state_than_the_one_read_raises(subject: Subject) -> None:
+    """A write whose transition does not start from the state the record was read in is a bug: it raises."""
+    record = await claimed(subject.store)
+    with pytest.raises(ValueError, match="asked of a record in pending"):
+        await subject.store.reclaim(record, Transition(State.IN_DOUBT, State.PENDING), LEASE, "t", sends=True)
+
+
+async def test_taking_over_an_expired_pending_record_adds_doubt_and_renewing_does_not(
+    subject: Subject,
+) -> None:
+    """A pending record whose lease ran out may have been sent; the holder renewing its own adds nothing."""
+    store = subject.store
+    mine = await claimed(store, "renewed", lease=EXPIRED)
+    renewed = await store.reclaim(mine, take_over(mine), LEASE, "late to send", sends=True, renew=True)
+    assert renewed is not None
+    assert (renewed.attempt, renewed.may_have_sent) == (2, False)
+    theirs = await claimed(store, "taken", lease=EXPIRED)
+    taken = await store.reclaim(theirs, take_over(theirs), LEASE, "native_key", sends=True)
+    assert taken is not None
+    assert (taken.state, taken.attempt, taken.may_have_sent) == (State.PENDING, 2, True)
+    assert taken.lease_expires_at is not None
+    assert taken.read_at is not None
+    assert taken.lease_expires_at > taken.read_at
+    assert taken.first_sent_at == theirs.first_sent_at
+
+
+async def test_a_take_over_of_a_retryable_record_adds_no_doubt(subject: Subject) -> None:
+    """Nothing happened upstream for a retryable record: taking it over leaves may_have_sent false."""
+    store = subject.store
+    record = await claimed(store)
+    refused = await store.settle(
+        record, settle(NotSent("refused"), earlier_doubt=False), response=None, recovered_by=None
+    )
+    assert refused is not None
+    assert refused.state is State.RETRYABLE
+    again = await store.reclaim(refused, take_over(refused), LEASE, "retryable", sends=True)
+    assert again is not None
+    assert (again.state, again.attempt, again.may_have_sent) == (State.PENDING, 2, False)
+
+
+async def test_a_probe_take_over_keeps_the_send_times(subject: Subject) -> None:
+    """A take-over that only probes leaves last_sent_at as it was; one that sends moves it."""
+    store = subject.store
+    record = await claimed(store, lease=EXPIRED)
+    probing = await store.reclaim(record, take_over(record), EXPIRED, "probe", sends=False)
+    assert probing is not None
+    assert probing.last_sent_at == record.last_sent_at
+    sending = await store.reclaim(probing, take_over(probing), LEASE, "the probe found nothing", sends=True)
+    assert sending is not None
+    assert sending.last_sent_at is not None
+    assert record.last_sent_at is not None
+    assert sending.last_sent_at > record.last_sent_at
+
+
+# --- settle --------------------------------------------------------------------------------------------
+
+
+async def test_settle_with_a_response_stores_it_for_replay_and_ends_the_lease(subject: Subject) -> None:
+    """A completed attempt's response is replayed byte for byte, and its lease is over."""
+    store = subject.store
+    record = await claimed(store)
+    saved = await store.settle(record, DONE, response=OK, recovered_by="native_key", note="answered 201")
+    assert saved is not None
+    assert (saved.state, saved.attempt, saved.may_have_sent) == (State.COMPLETED, 1, True)
+    assert saved.response_status == 201
+    assert saved.recovered_by == "native_key"
+    assert saved.completed_at is not None
+    assert saved.lease_expires_at is not None
+    assert saved.read_at is not None
+    assert saved.lease_expires_at <= saved.read_at
+    again = await store.reread(record)
+    assert again.response == OK
+    assert not again.purged
+
+
+async def test_settle_without_a_response_keeps_the_lease_of_a_call_that_may_still_run(
+    subject: Subject,
+) -> None:
+    """A timeout leaves the record in doubt with no response, its lease still running."""
+    store = subject.store
+    record = await claimed(store)
+    saved = await store.settle(record, TIMED_OUT, response=None, recovered_by=None, note="timed out")
+    assert saved is not None
+    assert (saved.state, saved.may_have_sent) == (State.IN_DOUBT, True)
+    assert saved.lease_expires_at == record.lease_expires_at
+    again = await store.reread(record)
+    assert (again.response, again.response_status) == (None, None)
+    assert not again.purged
+
+
+async def test_a_fenced_out_holder_adds_to_the_history_only(subject: Subject) -> None:
+    """note_fenced appends what the holder saw and changes nothing else."""
+    store = subject.store
+    record = await claimed(store, lease=EXPIRED)
+    newer = await store.reclaim(record, take_over(record), LEASE, "t", sends=True)
+    assert newer is not None
+    await store.note_fenced(record, "answered 201")
+    full = await store.get(record.id)
+    assert full is not None
+    assert (full.state, full.attempt) == (State.PENDING, 2)
+    assert [e["event"] for e in full.history] == ["claimed", "reclaimed", "fenced"]
+    assert (full.history[-1]["attempt"], full.history[-1]["saw"]) == (1, "answered 201")
+
+
+async def test_send_to_review_is_fenced_and_fences_out_the_holder(subject: Subject) -> None:
+    """Review takes a new attempt number: the holder it was taken from can no longer settle."""
+    store = subject.store
+    record = await claimed(store, lease=EXPIRED)
+    reviewed = await store.send_to_review(record, review(record), "nothing can tell")
+    assert reviewed is not None
+    assert (reviewed.state, reviewed.attempt) == (State.NEEDS_REVIEW, 2)
+    assert await store.send_to_review(record, review(record), "again") is None
+    assert await store.settle(record, DONE, response=OK, recovered_by=None) is None
+    assert (await store.reread(record)).state is State.NEEDS_REVIEW
+
+
+async def test_a_probe_that_failed_puts_a_take_over_back_in_doubt(subject: Subject) -> None:
+    """settle_probe's verdict is written like any settle, under the take-over's attempt."""
+    store = subject.store
+    record = await claimed(store, lease=EXPIRED)
+    probing = await store.reclaim(record, take_over(record), LEASE, "probe", sends=False)
+    assert probing is not None
+    assert probing.read_at is not None
+    verdict = settle_probe(probing, ProbeError("down"), probing.read_at, Policy(lease=LEASE, has_probe=True))
+    assert isinstance(verdict, Settlement)
+    saved = await store.settle(probing, verdict, response=None, recovered_by=None)
+    assert saved is not None
+    assert (saved.state, saved.attempt, saved.may_have_sent) == (State.IN_DOUBT, 2, True)
+
+
+# --- operators -----------------------------------------------------------------------------------------
+
+
+async def test_an_operator_cannot_resolve_while_a_lease_runs(subject: Subject) -> None:
+    """The store refuses a verdict on a record whose lease runs: the upstream may still act on it."""
+    store = subject.store
+    record = await claimed(store)
+    assert await store.resolve(record, Transition(State.PENDING, State.RETRYABLE), None, "op") is None
+    assert (await store.reread(record)).state is State.PENDING
+
+
+async def test_an_operator_verdict_that_it_happened_completes_with_the_response(subject: Subject) -> None:
+    """Resolved as happened: completed by the operator, the response replayed, a new attempt number."""
+    store = subject.store
+    record = await claimed(store, lease=EXPIRED)
+    resolved = await store.resolve(record, Transition(State.PENDING, State.COMPLETED), OK, "op")
+    assert resolved is not None
+    assert (resolved.state, resolved.attempt, resolved.may_have_sent) == (State.COMPLETED, 2, True)
+    assert resolved.recovered_by == "operator"
+    again = await store.reread(record)
+    assert again.response == OK
+    full = await store.get(record.id)
+    assert full is not None
+    assert full.history[-1]["event"] == "resolved"
+    assert (full.history[-1]["happened"], full.history[-1]["by"], full.history[-1]["was"]) == (
+        True,
+        "op",
+        "pending",
+    )
+
+
+async def test_an_operator_verdict_that_it_did_not_happen_makes_it_retryable(subject: Subject) -> None:
+    """Resolved as not happened: retryable, no doubt left, no response."""
+    store = subject.store
+    record = await claimed(store, lease=EXPIRED)
+    reviewed = await store.send_to_review(record, review(record), "t")
+    assert reviewed is not None
+    resolved = await store.resolve(reviewed, Transition(State.NEEDS_REVIEW, State.RETRYABLE), None, "op")
+    assert resolved is not None
+    assert (resolved.state, resolved.may_have_sent, resolved.response_status) == (
+        State.RETRYABLE,
+        False,
+        None,
+    )
+    assert resolved.completed_at is None
+
+
+async def test_an_operator_verdict_is_fenced_by_the_attempt_read(subject: Subject) -> None:
+    """A verdict on a stale read of the record is refused."""
+    store = subject.store
+    record = await claimed(store, lease=EXPIRED)
+    newer = await store.reclaim(record, take_over(record), EXPIRED, "t", sends=True)
+    assert newer is not None
+    assert await store.resolve(record, Transition(State.PENDING, State.RETRYABLE), None, "op") is None
+    assert await store.resolve(newer, Transition(State.PENDING, State.RETRYABLE), None, "op") is not None
+
+
+# --- replays and retention -----------------------------------------------------------------------------
+
+
+async def test_replays_are_counted_in_batches(subject: Subject) -> None:
+    """add_replays adds each count to its effect."""
+    store = subject.store
+    one = await completed(store, "one")
+    two = await completed(store, "two")
+    await store.add_replays({(one.id, one.created_at): 3, (two.id, two.created_at): 1})
+    await store.add_replays({(one.id, one.created_at): 2})
+    await store.add_replays({})
+    assert (await store.reread(one)).replays == 5
+    assert (await store.reread(two)).replays == 1
+
+
+async def test_the_retention_purges_a_completed_response_and_keeps_the_row(subject: Subject) -> None:
+    """After the retention a completed effect keeps its audit row and loses its bodies: it reads purged."""
+    store = subject.store
+    record = await completed(store)
+    assert not (await store.reread(record)).purged
+    await store.maintain(RETENTION)
+    assert not (await store.reread(record)).purged, "nothing is dropped within the retention"
+    await subject.backdate(10)
+    await store.maintain(RETENTION)
+    after = await store.reread(record)
+    assert after.purged
+    assert (after.state, after.response_status) == (State.COMPLETED, 201)
+    full = await store.get(record.id)
+    assert full is not None
+    assert full.request_body is None
+    assert [e["event"] for e in full.history] == ["claimed", "settled"]
+
+
+async def test_the_retention_carries_the_bodies_of_open_effects_forward(subject: Subject) -> None:
+    """An effect still open keeps its request (and the response it has) past the retention."""
+    store = subject.store
+    doubt = await claimed(store, "doubt")
+    failed = settle(Answered(500, (), b"oops"), earlier_doubt=False)
+    assert await store.settle(doubt, failed, response=StoredResponse(500, (), b"oops"), recovered_by=None)
+    waiting = await claimed(store, "waiting")
+    await subject.backdate(10)
+    await store.maintain(RETENTION)
+    for record in (doubt, waiting):
+        full = await store.get(record.id)
+        assert full is not None
+        assert full.request_body == b'{"items": ["atta"]}'
+        assert full.request_headers == {"Content-Type": "application/json"}
+    kept = await store.reread(doubt)
+    assert kept.response == StoredResponse(500, (), b"oops")
+
+
+async def test_restore_puts_back_only_a_purged_response(subject: Subject) -> None:
+    """A probe's answer replaces nothing that is still stored; after the purge it is replayed."""
+    store = subject.store
+    record = await completed(store)
+    fresh = await store.reread(record)
+    await store.restore(fresh, Transition(State.COMPLETED, State.COMPLETED), LATER)
+    assert (await store.reread(record)).response == OK
+    await subject.backdate(10)
+    await store.maintain(RETENTION)
+    purged = await store.reread(record)
+    assert purged.purged
+    await store.restore(purged, Transition(State.COMPLETED, State.COMPLETED), LATER)
+    restored = await store.reread(record)
+    assert restored.response == LATER
+    assert restored.state is State.COMPLETED
+
+
+# --- reading -------------------------------------------------------------------------------------------
+
+
+async def test_get_returns_the_whole_effect_and_hides_other_tenants(subject: Subject) -> None:
+    """get reads request, response and history; a tenant sees only its own effects."""
+    store = subject.store
+    record = await completed(store)
+    full = await store.get(record.id)
+    assert full is not None
+    assert full.request_body == b'{"items": ["atta"]}'
+    assert full.request_headers == {"Content-Type": "application/json"}
+    assert full.response == OK
+    assert full.history[0]["event"] == "claimed"
+    assert "at" in full.history[0]
+    assert (await store.get(record.id, tenant="default")) is not None
+    assert (await store.get(record.id, tenant="other")) is None
+    assert (await store.get(record.id + 1000)) is None
+
+
+async def test_find_filters_and_pages_newest_first(subject: Subject) -> None:
+    """find applies each filter given and pages by id, newest first."""
+    store = subject.store
+    a = await completed(store, "a")
+    b = await claimed(store, "b", run_id="run-1")
+    c = await claimed(store, "c", tenant="other", upstream="mail")
+    ids = [r.id for r in await store.find(EffectFilter())]
+    assert ids == [c.id, b.id, a.id]
+    assert [r.id for r in await store.find(EffectFilter(state=State.PENDING))] == [c.id, b.id]
+    assert [r.id for r in await store.find(EffectFilter(state=State.COMPLETED))] == [a.id]
+    assert [r.id for r in await store.find(EffectFilter(tenant="other"))] == [c.id]
+    assert [r.id for r in await store.find(EffectFilter(upstream="shop"))] == [b.id, a.id]
+    assert [r.id for r in await store.find(EffectFilter(run_id="run-1"))] == [b.id]
+    assert [r.id for r in await store.find(EffectFilter(key="a"))] == [a.id]
+    assert [r.id for r in await store.find(EffectFilter(before_id=c.id, limit=1))] == [b.id]
+    assert await store.find(EffectFilter(since=datetime.now(UTC) + timedelta(days=1))) == []
+    page = await store.find(EffectFilter(limit=2))
+    assert [r.id for r in page] == [c.id, b.id]
+    assert not page[0].response_read
+
+
+async def test_state_counts_count_every_state(subject: Subject) -> None:
+    """state_counts has every state; a tenant's counts leave completed out."""
+    store = subject.store
+    await completed(store, "a")
+    await claimed(store, "b")
+    doubt = await claimed(store, "c", tenant="other")
+    assert await store.settle(doubt, TIMED_OUT, response=None, recovered_by=None)
+    counts = await store.state_counts()
+    assert counts == {"pending": 1, "completed": 1, "retryable": 0, "in_doubt": 1, "needs_review": 0}
+    assert await store.state_counts("other") == {
+        "pending": 0,
+        "retryable": 0,
+        "in_doubt": 1,
+        "needs_review": 0,
+    }
+
+
+async def test_the_key_secret_is_stable(subject: Subject) -> None:
+    """The secret of derived keys is the same on every read."""
+    first = await subject.store.key_secret()
+    assert isinstance(first, bytes)
+    assert len(first) >= 16
+    assert await subject.store.key_secret() == first
+
+
+def test_the_simulated_store_has_the_same_surface() -> None:
+    """Every public method of Store has a twin in SimStore with the same signature (and no more)."""
+
+    def surface(cls: type) -> dict[str, str]:
+        return {
+            name: str(inspect.signature(member))
+            for name, member in vars(cls).items()
+            if not name.startswith("_") and inspect.iscoroutinefunction(member)
+        }
+
+    assert surface(SimStore) == surface(Store)
