@@ -21,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.errors import ConfigError
 from gateway.schema import migrate
 from gateway.settings import Settings, listen_host, listen_port
 
@@ -74,22 +75,42 @@ async def _worker(settings: Settings, dsn: str, sock: socket.socket) -> None:
         await runner.cleanup()
 
 
+def loop_factory(settings: Settings) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop the workers run: uvloop when chosen (or installed, for "auto"), else asyncio's."""
+    if settings.event_loop == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if settings.event_loop == "uvloop":
+            raise ConfigError(
+                "bad setting event_loop: uvloop is not installed (pip install uvloop)"
+            ) from None
+        return None
+    return uvloop.new_event_loop
+
+
+def run_loop(settings: Settings, work: Coroutine[Any, Any, None]) -> None:
+    with asyncio.Runner(loop_factory=loop_factory(settings)) as runner:
+        runner.run(work)
+
+
 def run(settings: Settings, dsn: str, sock: socket.socket) -> int:
     """Serve on ``sock`` (see :func:`bind`) until SIGTERM or SIGINT; returns the exit status."""
     workers = settings.workers or os.cpu_count() or 1
     if workers == 1:
         announce(sock, settings, 1)
-        asyncio.run(_worker(settings, dsn, sock))
+        run_loop(settings, _worker(settings, dsn, sock))
         return 0
     asyncio.run(migrate(dsn))  # once, before any worker starts
-    supervisor = Supervisor(lambda: _worker(settings, dsn, sock), workers)
+    supervisor = Supervisor(lambda: run_loop(settings, _worker(settings, dsn, sock)), workers)
     return supervisor.run(lambda: announce(sock, settings, workers))
 
 
 class Supervisor:
     """Forks the workers, replaces one that dies, and passes SIGTERM/SIGINT on to all of them."""
 
-    def __init__(self, work: Callable[[], Coroutine[Any, Any, None]], count: int) -> None:
+    def __init__(self, work: Callable[[], None], count: int) -> None:
         self._work = work
         self._count = count
         self._children: dict[int, float] = {}  # pid -> when it started
@@ -134,7 +155,7 @@ class Supervisor:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             code = 0
             try:
-                asyncio.run(self._work())
+                self._work()
             except BaseException:
                 log.exception("worker %d failed", os.getpid())
                 code = 1

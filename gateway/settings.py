@@ -229,6 +229,8 @@ class Settings(BaseSettings):
     # Worker processes serving the one listening socket; None: one per core. Each worker has its own
     # connection pool (pool_size) and replay cache (replay_cache_bytes).
     workers: int | None = Field(default=None, ge=1)
+    # The workers' event loop: "uvloop" (the extra `fast`), "asyncio", or "auto": uvloop when installed.
+    event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     database_url: Annotated[SecretStr | None, AfterValidator(_postgres_url)] = None
     data_dir: Path = Path(".effect-gateway")
     retention: Duration = timedelta(days=7)

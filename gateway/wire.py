@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_writer import StreamWriter
 
 # RFC 9110 section 5.6.2.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -78,20 +79,27 @@ class RawHeadResponse(web.Response):
 
 
 def put_head(writer: AbstractStreamWriter, head: bytes) -> None:
-    """Send the head before aiohttp writes the body.
+    """Hand the head to aiohttp's writer, to go out with the body in one write.
 
     aiohttp's private API is used in this module only: ``RawHeadResponse._write_headers`` overrides
     StreamResponse's and reads its ``_req`` and ``_payload_writer`` (the public writer only takes text
-    that it encodes itself). The head goes straight to the transport: with nothing buffered by
-    write_headers(), aiohttp's writer sends the body right behind it.
+    that it encodes itself), and the head is buffered in the writer's ``_headers_buf`` exactly as its own
+    ``write_headers()`` buffers the head it makes: the first write of the body then sends both in one
+    system call (a head written on its own cost a second send for every response).
     tests/test_wire.py reads the exact bytes from a socket, so a change in aiohttp fails it loudly.
     """
+    if not isinstance(writer, StreamWriter):  # pragma: no cover - aiohttp's only payload writer
+        raise TypeError(f"cannot write a head through {type(writer).__name__}")
     transport = writer.transport
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the agent went away before the response could be written")
-    transport.write(head)
+    writer._headers_buf = head
+    writer._headers_written = False
 
 
 # Fail at import, not silently on the wire, if aiohttp stops calling the method overridden above.
-if not callable(getattr(web.StreamResponse, "_write_headers", None)):  # pragma: no cover
-    raise ImportError("aiohttp no longer has StreamResponse._write_headers; see gateway/wire.py")
+if not callable(getattr(web.StreamResponse, "_write_headers", None)) or not {
+    "_headers_buf",
+    "_headers_written",
+} <= set(StreamWriter.__init__.__code__.co_names):  # pragma: no cover
+    raise ImportError("aiohttp's response writer changed; see gateway/wire.py")

