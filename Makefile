@@ -69,9 +69,9 @@ simulate: $(STAMP) spin
 demo: $(STAMP)
 	$(BIN)/effect-gateway demo
 
-# The gateway alone, serving the example configuration on the embedded Postgres.
+# The gateway with examples/gateway.toml on the embedded Postgres, in front of the demo upstreams.
 serve: $(STAMP)
-	$(BIN)/effect-gateway serve --config examples/gateway.toml
+	$(BIN)/python -m agent_example.playground
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.gateway_overhead

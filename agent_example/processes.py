@@ -31,13 +31,22 @@ class Service:
 
 
 def start_service(
-    args: Sequence[str], env: dict[str, str] | None = None, timeout: float = 30, cwd: str | None = None
+    args: Sequence[str],
+    env: dict[str, str] | None = None,
+    timeout: float = 30,
+    cwd: str | None = None,
+    *,
+    own_stderr: bool = False,
 ) -> Service:
-    """``python ARGS`` in a child process; returns once it prints the address it listens on."""
+    """``python ARGS`` in a child process; returns once it prints the address it listens on.
+
+    ``own_stderr`` leaves the child's stderr on this process's (its logs on the terminal, never a pipe
+    nobody reads, which a long-running child would fill).
+    """
     proc = subprocess.Popen(
         [sys.executable, *args],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=None if own_stderr else subprocess.PIPE,
         text=True,
         env={**os.environ, **(env or {})},
         cwd=cwd,
@@ -52,4 +61,4 @@ def start_service(
             break
     proc.kill()
     _, err = proc.communicate(timeout=5)
-    raise RuntimeError(f"{' '.join(args)} did not start: {err.strip()[-2000:]}")
+    raise RuntimeError(f"{' '.join(args)} did not start: {(err or 'see above').strip()[-2000:]}")

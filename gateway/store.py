@@ -13,6 +13,7 @@ the claim of a new key no bodies and no history, a take-over or settle only what
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from gateway.errors import StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State, Transition
 
+log = logging.getLogger("effect_gateway")
 T = TypeVar("T")
 Conn: TypeAlias = "asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
 
@@ -670,7 +672,7 @@ class Store:
             await conn.execute("set statement_timeout = 0; set lock_timeout = '5s'")
             # One maintainer at a time among all gateways on the database; the others skip this round.
             if not await conn.fetchval("select pg_try_advisory_lock($1)", MAINTENANCE_LOCK):
-                progress("another gateway is maintaining the partitions; skipped")
+                log.debug("another gateway is maintaining the partitions; skipped")
                 return []
             await partitions.ensure(conn)
             return await partitions.drop_expired_bodies(conn, retention, progress)
