@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from sim.choices import Choices, Made, encode, size
 from sim.invariants import Violation
 from sim.loop import Runaway, Stalled, new_loop
-from sim.world import World
+from sim.world import World, service_log_silenced
 
 # Enough for the largest worlds drawn (4 clients, days of virtual time); a run past it never settles.
 MAX_STEPS = 400_000
@@ -43,7 +43,8 @@ def run(seed: int = 0, given: Made | None = None, reveal: frozenset[str] = froze
     loop = new_loop(choices["sched"].below, max_steps=MAX_STEPS)
     world = World(choices, loop, reveal)
     try:
-        loop.run_until_complete(world.main())
+        with service_log_silenced():
+            loop.run_until_complete(world.main())
     except Stalled as exc:
         world.violate(Violation("stalled", str(exc), loop.time()))
     except Runaway as exc:

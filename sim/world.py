@@ -18,6 +18,8 @@ import asyncio
 import contextvars
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
@@ -60,8 +62,23 @@ LEVELS: dict[str, tuple[int, ...]] = {
     "operator": (0, 400, 1000),
 }
 
-for _name in ("effect_gateway", "gateway"):
-    logging.getLogger(_name).disabled = True  # the trace tells the story; the service's log would repeat it
+
+@contextmanager
+def service_log_silenced() -> Iterator[None]:
+    """The service's own log off for one run: the trace tells the story, and the log would repeat it.
+
+    Only for the run: a process that imports the simulator (the test suite) keeps the gateway's log.
+    """
+    loggers = [logging.getLogger(name) for name in ("effect_gateway", "gateway")]
+    before = [logger.disabled for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
+    try:
+        yield
+    finally:
+        for logger, disabled in zip(loggers, before, strict=True):
+            logger.disabled = disabled
+
 
 Scope = tuple[str, str, str]
 
