@@ -7,8 +7,8 @@ never sent: the replay is the first run's answer.
 
 With `make serve` running, in another terminal:
 
-    python examples/clients/aiohttp_mail.py run-1 --crash   # sends, then dies before saving the step
-    python examples/clients/aiohttp_mail.py run-1           # the re-run: the gateway replays the email
+    .venv/bin/python examples/clients/aiohttp_mail.py --crash   # sends, then dies before saving the step
+    .venv/bin/python examples/clients/aiohttp_mail.py           # the re-run: the gateway replays the email
 """
 
 from __future__ import annotations
@@ -69,7 +69,9 @@ async def main(run_id: str, crash: bool) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_id")
+    parser.add_argument(
+        "run_id", nargs="?", default="email-run-1", help="the agent's run (default: %(default)s)"
+    )
     parser.add_argument("--crash", action="store_true", help="die after the email, before saving the step")
     args = parser.parse_args()
     asyncio.run(main(args.run_id, args.crash))

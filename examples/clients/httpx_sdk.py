@@ -7,8 +7,8 @@ replaces the made-up key with the step's, so the SDK's retries and the agent's r
 
 With `make serve` running, in another terminal:
 
-    python examples/clients/httpx_sdk.py run-1 --crash   # orders, then dies before saving the step
-    python examples/clients/httpx_sdk.py run-1           # the re-run: the gateway replays the order
+    .venv/bin/python examples/clients/httpx_sdk.py --crash   # orders, then dies before saving the step
+    .venv/bin/python examples/clients/httpx_sdk.py           # the re-run: the gateway replays the order
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ async def main(run_id: str, crash: bool) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_id")
+    parser.add_argument(
+        "run_id", nargs="?", default="order-run-1", help="the agent's run (default: %(default)s)"
+    )
     parser.add_argument("--crash", action="store_true", help="die after the order, before saving the step")
     args = parser.parse_args()
     asyncio.run(main(args.run_id, args.crash))

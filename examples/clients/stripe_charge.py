@@ -2,8 +2,8 @@
 
 With `make serve` running, in another terminal:
 
-    python examples/clients/stripe_charge.py run-1 --crash   # charges, then dies before saving the step
-    python examples/clients/stripe_charge.py run-1           # the re-run: the gateway replays the charge
+    .venv/bin/python examples/clients/stripe_charge.py --crash   # charges, then dies before saving the step
+    .venv/bin/python examples/clients/stripe_charge.py           # the re-run: the gateway replays the charge
 
 stripe-python makes up a random Idempotency-Key for every POST. Its HTTP client is the hook that replaces
 it with the step's key, so stripe-python's own retries and the agent's re-run share one key. The
@@ -76,7 +76,9 @@ async def main(run_id: str, crash: bool) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_id")
+    parser.add_argument(
+        "run_id", nargs="?", default="charge-run-1", help="the agent's run (default: %(default)s)"
+    )
     parser.add_argument("--crash", action="store_true", help="die after the charge, before saving the step")
     args = parser.parse_args()
     asyncio.run(main(args.run_id, args.crash))
