@@ -94,4 +94,4 @@ bench-growth: $(STAMP)
 	$(BIN)/python -m bench.growth --rows $(ROWS)
 
 clean:
-	rm -rf $(VENV) .effect-gateway examples/.effect-gateway .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .effect-gateway examples/.effect-gateway .journal .pytest_cache .mypy_cache .ruff_cache

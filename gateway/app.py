@@ -18,14 +18,14 @@ from gateway.body import RequestBody, read_body
 from gateway.errors import StoreRejected, StoreUnavailable
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.jsonbody import JsonRefused
-from gateway.keys import KeySyntaxError, parse_key
+from gateway.keys import KeySyntaxError, looks_made_up, parse_key
 from gateway.policy import UpstreamPolicy, upstream_policies
 from gateway.probes import Prober
 from gateway.record import StoredResponse
 from gateway.runtime import RUNTIME, ClientGone, Runtime, check_headers, read_request_body, tenant_of
 from gateway.schema import migrate
 from gateway.service import EffectService, Inbound, Reply
-from gateway.settings import Settings
+from gateway.settings import ErrorFormat, Settings
 from gateway.stamp import reserved_use
 from gateway.store import Store, StoreLimits
 from gateway.upstream import UpstreamClient
@@ -152,44 +152,57 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def problem_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The one place where errors become problem+json."""
+    """The one place where errors become problem+json (or the upstream's error format)."""
     try:
         check_headers(request)
         return await handler(request)
     except problems.Problem as problem:
-        response = problems.render(problem, instance=request.path_qs if request.path_qs.isascii() else None)
+        instance = request.path_qs if request.path_qs.isascii() else None
+        response = problems.render(problem, instance, _error_format(request))
         if isinstance(problem, problems.RequestTimeout):
             # What is left of the body may still come: it must not be read as the next request.
             response.force_close()
         return response
     except web.HTTPRequestEntityTooLarge as exc:
-        return problems.render(problems.BodyTooLarge(exc.text or "the request body is too large"))
+        return _render(request, problems.BodyTooLarge(exc.text or "the request body is too large"))
     except web.HTTPMethodNotAllowed:
-        return problems.render(
-            problems.MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
+        return _render(
+            request, problems.MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
         )
     except web.HTTPNotFound:
-        return problems.render(problems.NotFound(f"nothing at {request.path}"))
+        return _render(request, problems.NotFound(f"nothing at {request.path}"))
     except ClientGone as exc:
         # Not a failure of ours; the answer below goes nowhere and aiohttp drops it quietly.
         log.info(
             "%s %s: the client went away before its request was whole (%s)", request.method, request.path, exc
         )
-        return problems.render(problems.BadRequest("the request was cut short"))
+        return _render(request, problems.BadRequest("the request was cut short"))
     except StoreUnavailable as exc:
         # Raised before anything was sent: a failure after sending is answered by the service itself.
         log.error("store unavailable: %s", exc)
-        return problems.render(problems.StoreDown(f"{exc}; nothing was sent", headers={"Retry-After": "1"}))
+        return _render(request, problems.StoreDown(f"{exc}; nothing was sent", headers={"Retry-After": "1"}))
     except StoreRejected as exc:
         log.error("store refused a request before anything was sent: %s", exc)
-        return problems.render(
-            problems.Problem(f"the request could not be recorded ({exc}); nothing was sent")
+        return _render(
+            request, problems.Problem(f"the request could not be recorded ({exc}); nothing was sent")
         )
     except web.HTTPException:
         raise
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
-        return problems.render(problems.Problem("the gateway failed unexpectedly; see its log"))
+        return _render(request, problems.Problem("the gateway failed unexpectedly; see its log"))
+
+
+def _render(request: web.Request, problem: problems.Problem) -> web.Response:
+    return problems.render(problem, error_format=_error_format(request))
+
+
+def _error_format(request: web.Request) -> ErrorFormat:
+    """The error format of the upstream the request is addressed to (problem+json for every other route)."""
+    runtime = request.app.get(RUNTIME)
+    name = request.raw_path[1:].partition("/")[0].partition("?")[0]
+    policy = runtime.policies.get(name) if runtime is not None else None
+    return policy.error_format if policy is not None else "problem+json"
 
 
 def split_target(raw_path: str) -> tuple[str, str, str]:
@@ -239,6 +252,12 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             key = parse_key(raw_key)
         except KeySyntaxError as exc:
             raise problems.KeyMalformed(str(exc)) from None
+        if policy.refuse_random_keys and looks_made_up(key):
+            raise problems.KeyRandom(
+                f"{policy.name} takes step keys only, and this one ends in a UUID, as keys an SDK makes up "
+                "for a single call do; a key made up per call is new on the agent's re-run, which would do "
+                "the effect again. Send the step's key (run:step), e.g. from the journal"
+            )
     body = await _body(request, runtime.settings, policy)
     taken = reserved_use(policy, request.headers, query, body)
     if taken is not None:

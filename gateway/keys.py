@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from dataclasses import dataclass
 
 # 255: Stripe's limit, and what the IETF draft's examples fit in; longer keys are a sign of misuse.
 MAX_KEY_LENGTH = 255
+# A key that ends in a UUID's 8-4-4-4-12 hex form, after any prefix: what SDKs make up per call
+# (stripe-python's 128 random bits in that layout, with no version digit set; the OpenAI and Anthropic
+# SDKs' "stainless-python-retry-" and a v4 UUID). Every version is matched, because stripe-python's
+# keys carry a random digit where the version goes.
+_UUID_AT_END = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z", re.IGNORECASE)
 
 
 class KeySyntaxError(ValueError):
@@ -31,6 +37,11 @@ def parse_key(value: str) -> str:
     if bad is not None:
         raise KeySyntaxError(f"the key may hold only visible ASCII characters, not {bad!r}")
     return value
+
+
+def looks_made_up(key: str) -> bool:
+    """Whether ``key`` looks like one an SDK made up for a single call, rather than a step's key."""
+    return _UUID_AT_END.search(key) is not None
 
 
 def _unquote(value: str) -> str:

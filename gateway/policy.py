@@ -7,7 +7,8 @@ from datetime import timedelta
 from typing import Literal
 
 from gateway import decision
-from gateway.settings import KEYLESS_DEFAULTS, KeylessMode, Settings, UpstreamSettings
+from gateway.fingerprint import BodyFields
+from gateway.settings import KEYLESS_DEFAULTS, ErrorFormat, KeylessMode, Settings, UpstreamSettings
 
 StampKind = Literal["json_field", "form_field", "query_param", "header"]
 
@@ -54,6 +55,10 @@ class UpstreamPolicy:
     keyless: dict[str, KeylessMode]
     max_connections: int
     connect_timeout: timedelta
+    error_format: ErrorFormat
+    refuse_random_keys: bool
+    # The body fields the fingerprint covers; None: the whole body.
+    fingerprint_body: BodyFields | None
 
     # Derived once at start-up (see upstream_policy), not on every request.
     decision: decision.Policy
@@ -96,6 +101,9 @@ def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) ->
         keyless={**KEYLESS_DEFAULTS, **cfg.keyless},
         max_connections=cfg.max_connections,
         connect_timeout=cfg.connect_timeout,
+        error_format=cfg.error_format,
+        refuse_random_keys=cfg.refuse_random_keys,
+        fingerprint_body=_fingerprint_body(cfg),
         decision=decision.Policy(
             lease=lease,
             native_key_ttl=cfg.native_key.ttl if cfg.native_key else None,
@@ -107,6 +115,14 @@ def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) ->
         never_stored=secret | {name.lower() for name in cfg.inject_headers},
         json_stamp_path=tuple(stamp[1].split(".")) if stamp and stamp[0] == "json_field" else (),
     )
+
+
+def _fingerprint_body(cfg: UpstreamSettings) -> BodyFields | None:
+    if cfg.fingerprint_fields is not None:
+        return BodyFields.covering(cfg.fingerprint_fields)
+    if cfg.fingerprint_ignore is not None:
+        return BodyFields.ignoring(cfg.fingerprint_ignore)
+    return None
 
 
 def keyless_mode(policy: UpstreamPolicy, method: str) -> KeylessMode:

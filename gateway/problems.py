@@ -1,14 +1,20 @@
 """problem+json (RFC 9457): every error of the gateway's own, each with a stable ``type``.
 
-The ``type`` URIs are part of the contract: clients branch on them, so they never change.
+The ``type`` URIs are part of the contract: clients branch on them, so they never change. An upstream
+with ``error_format = "stripe"`` gets the same errors in Stripe's shape (:mod:`gateway.stripe_errors`).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from aiohttp import web
+
+from gateway import stripe_errors
+
+if TYPE_CHECKING:
+    from gateway.settings import ErrorFormat
 
 TYPE_BASE = "https://effect-gateway.dev/problems/"
 CONTENT_TYPE = "application/problem+json"
@@ -39,9 +45,29 @@ class Problem(Exception):
         doc.update(self.extra)
         return doc
 
+    def stripe_body(self, shape: stripe_errors.StripeShape) -> dict[str, Any]:
+        """Stripe's error object: its type and code, our detail as the message, our type as doc_url."""
+        error: dict[str, Any] = {
+            "type": shape.type,
+            "code": shape.code or self.type.replace("-", "_"),
+            "message": self.detail,
+            "doc_url": TYPE_BASE + self.type,
+        }
+        error.update(self.extra)
+        return {"error": error}
 
-def render(problem: Problem, instance: str | None = None) -> web.Response:
-    """The one place that turns a Problem into an HTTP response."""
+
+def render(
+    problem: Problem, instance: str | None = None, error_format: ErrorFormat = "problem+json"
+) -> web.Response:
+    """The one place that turns a Problem into an HTTP response, in the upstream's error format."""
+    if error_format == "stripe":
+        shape = stripe_errors.shape(problem.type)
+        return web.json_response(
+            problem.stripe_body(shape),
+            status=shape.status,
+            headers={**problem.headers, "Stripe-Should-Retry": "true" if shape.retry else "false"},
+        )
     return web.Response(
         status=problem.status,
         body=json.dumps(problem.body(instance)).encode(),
@@ -128,6 +154,10 @@ class BodyTooLarge(Problem):
 
 class EncodingUnsupported(Problem):
     status, type, title = 415, "encoding-unsupported", "The request's Content-Encoding is not decoded here"
+
+
+class KeyRandom(Problem):
+    status, type, title = 400, "key-random", "The Idempotency-Key looks made up for one call, not a step's"
 
 
 class KeyReused(Problem):

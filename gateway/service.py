@@ -149,6 +149,7 @@ class EffectService:
                 inbound.headers,
                 policy.fingerprint_headers,
                 policy.never_stored,
+                policy.fingerprint_body,
             )
         )
         scope = (inbound.tenant, policy.name, inbound.key)

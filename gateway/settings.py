@@ -162,6 +162,7 @@ class ProbeSettings(_Section):
 
 
 KeylessMode = Literal["refuse", "audit", "forward"]
+ErrorFormat = Literal["problem+json", "stripe"]
 # Reading does not change anything upstream: these pass through without a key, untracked.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # Without a key the gateway cannot make these safe to retry, so by default they are refused; every
@@ -194,9 +195,29 @@ class UpstreamSettings(_Section):
     # How long a request waits for one of those connections (or to open one) before it is refused
     # unsent (502 upstream-unreachable, safe to retry): a healthy upstream frees one in milliseconds.
     connect_timeout: Duration = timedelta(seconds=5)
+    # The shape of the gateway's own errors on this upstream's routes: RFC 9457 problem+json, or Stripe's
+    # {"error": {...}} with the statuses stripe-python maps to its exceptions (gateway/error_shapes.py).
+    error_format: ErrorFormat = "problem+json"
+    # Refuse keys shaped like a UUID (what SDKs make up per call) where only step keys are wanted.
+    refuse_random_keys: bool = False
+    # The body fields the fingerprint covers (JSON dotted paths, form field names), or the volatile ones it
+    # leaves out; at most one of the two. None: the whole body.
+    fingerprint_fields: list[str] | None = None
+    fingerprint_ignore: list[str] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> UpstreamSettings:
+        if self.fingerprint_fields is not None and self.fingerprint_ignore is not None:
+            raise ValueError("give fingerprint_fields or fingerprint_ignore, not both")
+        for name, fields in (
+            ("fingerprint_fields", self.fingerprint_fields),
+            ("fingerprint_ignore", self.fingerprint_ignore),
+        ):
+            if fields is not None and not fields:
+                raise ValueError(f"{name} must list at least one field; leave it out to cover the whole body")
+            for path in fields or ():
+                if not path or "" in path.split("."):
+                    raise ValueError(f"{name}: {path!r} is not a field name or a dotted path such as a.b")
         for method in self.keyless:
             if not _METHOD.match(method):
                 raise ValueError(f"keyless: {method!r} is not an HTTP method in capitals, such as PUT")

@@ -1,7 +1,7 @@
 """The agent-side step journal and the httpx integration that gives every effect a key."""
 
 from journal.errors import JournalError, NotJSON, RunFinished, StepMismatch
-from journal.http import KeyedTransport, keyed_client, stamp
+from journal.http import KeyedTransport, keyed_client, stamp, step_headers
 from journal.journal import Journal, Run, StepContext, current_step, open_journal
 
 __all__ = [
@@ -17,4 +17,5 @@ __all__ = [
     "keyed_client",
     "open_journal",
     "stamp",
+    "step_headers",
 ]

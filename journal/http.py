@@ -18,24 +18,34 @@ from journal.journal import current_step
 UNSAFE = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
-def _call_identity(request: httpx.Request) -> bytes:
+def step_headers(method: str, url: str, body: bytes = b"") -> dict[str, str]:
+    """The headers that give a call made inside a step the step's key; none outside a step or for reads.
+
+    For HTTP clients other than httpx (a stripe-python HTTP client, aiohttp): set these on the request
+    after the SDK has set its own, so they replace any key it made up. ``method``, ``url`` and ``body``
+    tell a step's distinct calls apart, so an SDK's retry of one call gets that call's key again.
+    """
+    ctx = current_step()
+    if ctx is None or method.upper() not in UNSAFE:
+        return {}
     digest = hashlib.sha256()
-    digest.update(request.method.encode())
-    digest.update(b"\0" + str(request.url).encode() + b"\0")
-    # A streamed body is not read here: the method and URL tell the calls of a step apart.
-    with contextlib.suppress(httpx.RequestNotRead):
-        digest.update(request.content)
-    return digest.digest()
+    digest.update(method.upper().encode())
+    digest.update(b"\0" + url.encode() + b"\0")
+    digest.update(body)
+    return {
+        "Idempotency-Key": ctx.key_for(digest.digest()),
+        "Effect-Gateway-Run": ctx.run_id,
+        "Effect-Gateway-Step": str(ctx.step),
+    }
 
 
 def stamp(request: httpx.Request) -> None:
     """Give ``request`` the current step's key, if it is unsafe and made inside a step."""
-    ctx = current_step()
-    if ctx is None or request.method not in UNSAFE:
-        return
-    request.headers["Idempotency-Key"] = ctx.key_for(_call_identity(request))
-    request.headers["Effect-Gateway-Run"] = ctx.run_id
-    request.headers["Effect-Gateway-Step"] = str(ctx.step)
+    body = b""
+    # A streamed body is not read here: the method and URL tell the calls of a step apart.
+    with contextlib.suppress(httpx.RequestNotRead):
+        body = request.content
+    request.headers.update(step_headers(request.method, str(request.url), body))
 
 
 class KeyedTransport(httpx.AsyncBaseTransport):

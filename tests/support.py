@@ -123,13 +123,18 @@ async def upstream_server() -> AsyncIterator[Upstream]:
     upstream = Upstream()
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", upstream.handle)
+    async with serving(app) as upstream.url:
+        yield upstream
+
+
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """``app`` (a demo upstream, say) on 127.0.0.1, port 0; yields its URL."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    upstream.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
     try:
-        yield upstream
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
 

@@ -57,3 +57,11 @@ def test_links_stay_inside_the_repository_and_lead_somewhere(page: Path) -> None
 def _anchor(heading: str) -> str:
     """The anchor a Markdown renderer makes of a heading (GitHub's rule)."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_client_examples_in_the_docs_are_the_example_files() -> None:
+    """docs/clients.md shows every program in examples/clients/ exactly as the file the tests run."""
+    shown = re.findall(r"^```python\n(.*?)^```$", (ROOT / "docs" / "clients.md").read_text(), re.M | re.S)
+    files = sorted((ROOT / "examples" / "clients").glob("*.py"))
+    assert files
+    assert sorted(shown) == sorted(path.read_text() for path in files)

@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import aiohttp
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from gateway.body import RequestBody, read_body
-from gateway.fingerprint import canonical_query, fingerprint
+from gateway.fingerprint import BodyFields, canonical_query, fingerprint
 from tests.strategies import (
     DIFFERENT_NUMBERS,
     FORM_BYTES,
+    OBJECT,
+    TREE,
     json_text,
     meaning,
     spelled,
     twin_trees,
     whatwg_pairs,
 )
+from tests.support import Upstream, gateway_server
 
 JSON = {"Content-Type": "application/json"}
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}
@@ -27,7 +32,8 @@ FORM = {"Content-Type": "application/x-www-form-urlencoded"}
 
 def fp(body: bytes, headers: dict[str, str] = JSON, query: str = "", **kw: Any) -> str:
     parsed = read_body(body, headers.get("Content-Type", ""))
-    return fingerprint("POST", "/o", query, parsed, headers, kw.get("chosen", ["content-type"]))
+    chosen = kw.get("chosen", ["content-type"])
+    return fingerprint("POST", "/o", query, parsed, headers, chosen, body_fields=kw.get("fields"))
 
 
 def test_fingerprint_sees_what_changes_the_effect_and_never_credentials() -> None:
@@ -121,3 +127,206 @@ def test_forms_that_decode_differently_never_share_a_fingerprint(one: bytes, oth
     """Whatever the bytes, one fingerprint means one list of decoded pairs (the WHATWG form parser)."""
     if fp(one, FORM) == fp(other, FORM):
         assert whatwg_pairs(one) == whatwg_pairs(other)
+
+
+# --- only some body fields, or all but some -------------------------------------------------------------
+
+# Dotted paths of one or two segments, over the keys the test documents use most.
+SEGMENT = st.sampled_from(["a", "b", "ref", "metadata"])
+PATHS = st.lists(st.lists(SEGMENT, min_size=1, max_size=2).map(".".join), min_size=1, max_size=3, unique=True)
+ABSENT = object()
+
+
+def _independent(paths: list[str]) -> list[str]:
+    """Paths none of which lies under another (setting one would then overwrite the other)."""
+    return [p for p in paths if not any(p != q and (p + ".").startswith(q + ".") for q in paths)]
+
+
+@st.composite
+def with_values(draw: st.DrawFn, doc: dict[str, Any], paths: list[str]) -> dict[str, Any]:
+    """``doc`` with any value, or none, at each of ``paths`` (parents made objects where they were not)."""
+    out = _copy(doc)
+    for path in paths:
+        *parents, last = path.split(".")
+        at = out
+        for segment in parents:
+            if not isinstance(at.get(segment), dict):
+                at[segment] = {}
+            at = at[segment]
+        value = draw(st.just(ABSENT) | TREE)
+        if value is ABSENT:
+            at.pop(last, None)
+        else:
+            at[last] = value
+    return out
+
+
+def _copy(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _copy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_copy(v) for v in tree]
+    return tree
+
+
+def _without(tree: dict[str, Any], path: list[str]) -> dict[str, Any]:
+    """The model of fingerprint_ignore: the member at the path gone, where the path runs through objects."""
+    head, *rest = path
+    if head not in tree:
+        return tree
+    if not rest:
+        return {k: v for k, v in tree.items() if k != head}
+    if not isinstance(tree[head], dict):
+        return tree
+    return {**tree, head: _without(tree[head], rest)}
+
+
+def _picked(tree: dict[str, Any], paths: list[str]) -> Any:
+    """The model of fingerprint_fields: per path, nothing, or how deep it got and the value found there."""
+    picked = []
+    for path in paths:
+        at: Any = tree
+        found: Any = ()
+        for depth, segment in enumerate(path.split(".")):
+            if not isinstance(at, dict):
+                found = (depth, meaning(at))
+                break
+            if segment not in at:
+                found = None
+                break
+            at = at[segment]
+        else:
+            found = (len(path.split(".")), meaning(at))
+        picked.append(found)
+    return tuple(picked)
+
+
+@given(OBJECT, PATHS, st.data())
+def test_requests_that_differ_only_in_ignored_fields_fingerprint_the_same(
+    doc: dict[str, Any], paths: list[str], data: st.DataObject
+) -> None:
+    """fingerprint_ignore: whatever value an ignored field has, or none at all, the fingerprint is one."""
+    paths = _independent(paths)
+    one, other = data.draw(with_values(doc, paths)), data.draw(with_values(doc, paths))
+    ignore = BodyFields.ignoring(paths)
+    assert fp(data.draw(json_text(one)).encode(), fields=ignore) == fp(
+        data.draw(json_text(other)).encode(), fields=ignore
+    )
+
+
+@given(twin_trees(), PATHS, st.data())
+def test_with_fields_ignored_any_other_difference_still_differs(
+    twins: tuple[dict[str, Any], dict[str, Any]], paths: list[str], data: st.DataObject
+) -> None:
+    """fingerprint_ignore: two documents share a fingerprint exactly when the rest of them means the same."""
+    one, other = (data.draw(with_values(tree, _independent(paths))) for tree in twins)
+    covered_one, covered_other = one, other
+    for path in paths:
+        covered_one, covered_other = (
+            _without(covered_one, path.split(".")),
+            _without(covered_other, path.split(".")),
+        )
+    ignore = BodyFields.ignoring(paths)
+    same = fp(data.draw(json_text(one)).encode(), fields=ignore) == fp(
+        data.draw(json_text(other)).encode(), fields=ignore
+    )
+    assert same == (meaning(covered_one) == meaning(covered_other))
+
+
+@given(twin_trees(), PATHS, st.data())
+def test_only_the_chosen_fields_count_and_each_strictly(
+    twins: tuple[dict[str, Any], dict[str, Any]], paths: list[str], data: st.DataObject
+) -> None:
+    """fingerprint_fields: two documents share a fingerprint exactly when the chosen fields mean the same."""
+    # Values at the chosen paths, or the documents as drawn (where a path may meet a list or a string).
+    one, other = twins
+    if data.draw(st.booleans()):
+        one, other = (data.draw(with_values(tree, _independent(paths))) for tree in twins)
+    fields = BodyFields.covering(paths)
+    same = fp(data.draw(json_text(one)).encode(), fields=fields) == fp(
+        data.draw(json_text(other)).encode(), fields=fields
+    )
+    assert same == (_picked(one, paths) == _picked(other, paths))
+
+
+FORM_NAME = st.sampled_from(
+    [b"amount", b"currency", b"metadata[trace]", b"metadata[order]", b"metadatax", b"items[0]"]
+)
+
+
+@given(
+    st.lists(st.tuples(FORM_NAME, FORM_BYTES), max_size=5),
+    st.lists(st.tuples(FORM_NAME, FORM_BYTES), max_size=5),
+    st.lists(st.sampled_from(["amount", "metadata", "items"]), min_size=1, max_size=2, unique=True),
+    st.booleans(),
+    st.data(),
+)
+def test_form_fields_are_chosen_by_name_and_the_names_under_them(
+    one: list[tuple[bytes, bytes]],
+    other: list[tuple[bytes, bytes]],
+    names: list[str],
+    only: bool,
+    data: st.DataObject,
+) -> None:
+    """Form fields: `metadata` covers `metadata[trace]`, not `metadatax`; covered pairs count in order."""
+    fields = BodyFields.covering(names) if only else BodyFields.ignoring(names)
+
+    def counted(pairs: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        def named(name: bytes) -> bool:
+            return any(name == n.encode() or name.startswith(n.encode() + b"[") for n in names)
+
+        return [(name, value) for name, value in pairs if named(name) == only]
+
+    def form(pairs: list[tuple[bytes, bytes]]) -> bytes:
+        return b"&".join(data.draw(spelled(name)) + b"=" + data.draw(spelled(value)) for name, value in pairs)
+
+    assert (fp(form(one), FORM, fields=fields) == fp(form(other), FORM, fields=fields)) == (
+        counted(one) == counted(other)
+    )
+
+
+def test_covered_fields_stay_as_strict_as_the_whole_body() -> None:
+    """Numbers by their text, a changed covered field, a body that is not an object: all still count."""
+    ignore = BodyFields.ignoring(["sent_at"])
+    assert fp(b'{"a":10.5,"sent_at":"1"}', fields=ignore) != fp(b'{"a":10.50,"sent_at":"2"}', fields=ignore)
+    assert fp(b'{"a":1,"sent_at":"1"}', fields=ignore) == fp(b'{"sent_at":"2","a":1}', fields=ignore)
+    only = BodyFields.covering(["items"])
+    assert fp(b'{"items":[1],"note":"x"}', fields=only) == fp(b'{"items":[1],"note":"y"}', fields=only)
+    assert fp(b'{"items":[1]}', fields=only) != fp(b'{"items":[1.0]}', fields=only)
+    assert fp(b'{"items":null}', fields=only) != fp(b"{}", fields=only)
+    deeper = BodyFields.covering(["items.sku"])  # items is a list: a path never covers less than it names
+    assert fp(b'{"items":[1]}', fields=deeper) != fp(b'{"items":[2]}', fields=deeper)
+    # No field names a top level that is not an object, nor any part of a body that is neither form nor JSON.
+    assert fp(b"[1]", fields=only) != fp(b"[2]", fields=only)
+    assert fp(b"x=1", {"Content-Type": "text/plain"}, fields=only) != fp(
+        b"x=2", {"Content-Type": "text/plain"}, fields=only
+    )
+
+
+async def test_through_the_gateway_an_ignored_field_is_replayed_and_never_sent(
+    dsn: str, upstream: Upstream
+) -> None:
+    """A retry with a new sent_at is one request: replayed, its sent_at never sent; another `to` is 422."""
+    upstreams = {"mail": {"base_url": upstream.url, "fingerprint_ignore": ["sent_at"]}}
+    answers = []
+    async with gateway_server(dsn, upstreams=upstreams) as gw, aiohttp.ClientSession() as http:
+        for text in (
+            '{"to": "me@example.com", "sent_at": "2025-01-01T10:00:00Z"}',
+            '{"sent_at": "2025-01-01T10:05:00Z", "to": "me@example.com"}',
+            '{"to": "you@example.com", "sent_at": "2025-01-01T10:05:00Z"}',
+            '{"to": "me@example.com", "sent_at": "1", "sent_at": "2"}',
+        ):
+            async with http.post(
+                f"{gw.url}/mail/messages",
+                data=text,
+                headers={"Idempotency-Key": "run-1:5", "Content-Type": "application/json"},
+            ) as resp:
+                answers.append((resp.status, resp.headers.get("Idempotent-Replayed"), await resp.read()))
+    (first, replay, reused, duplicate) = answers
+    assert (first[0], replay[:2], replay[2]) == (201, (201, "true"), first[2])
+    assert reused[0] == 422
+    assert (duplicate[0], json.loads(duplicate[2])["type"][-14:]) == (
+        400,
+        "body-malformed",
+    )  # even if ignored
+    assert [json.loads(call.body)["sent_at"] for call in upstream.effects()] == ["2025-01-01T10:00:00Z"]

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import uuid
 
+import aiohttp
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.keys import MAX_KEY_LENGTH, KeySyntaxError, ScopedKey, parse_key
+from gateway.keys import MAX_KEY_LENGTH, KeySyntaxError, ScopedKey, looks_made_up, parse_key
+from journal import StepContext
+from tests.support import Upstream, effect_rows, gateway_server
 
 visible = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=255)
 
@@ -64,3 +68,63 @@ def test_derived_keys_cannot_be_computed_without_the_secret() -> None:
 
 
 SECRET = b"s" * 32
+
+
+# --- keys made up per call ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "made_up"),
+    [
+        (str(uuid.uuid4()), True),
+        (str(uuid.uuid4()).upper(), True),
+        (f"stainless-python-retry-{uuid.uuid4()}", True),  # the OpenAI and Anthropic SDKs
+        ("c0a8f3e1-9b7d-e2f4-5a6b-8c9d0e1f2a3b", True),  # stripe-python: random bits, no version digit
+        (str(uuid.uuid1()), True),
+        ("run-1:4", False),
+        (f"{uuid.uuid4()}:4", False),  # a run id that is a UUID, and its step
+        (f"{uuid.uuid4().hex}:4:2", False),
+        ("order-2024-06-01", False),
+        ("c0a8f3e1-9b7d-e2f4-5a6b-8c9d0e1f2a3", False),  # one digit short
+    ],
+)
+def test_keys_that_end_in_a_uuid_look_made_up(key: str, made_up: bool) -> None:
+    """A key ending in a UUID (any version, any prefix) looks made up per call; step keys do not."""
+    assert looks_made_up(key) is made_up
+
+
+@given(visible | st.uuids().map(str), st.integers(1, 10_000), st.integers(1, 50))
+def test_no_key_the_journal_makes_looks_made_up(run_id: str, step: int, call: int) -> None:
+    """Whatever the run's id, the journal's keys end in the step (and call), never in a UUID."""
+    ctx = StepContext(run_id, step, "order")
+    keys = [ctx.key_for(bytes([n])) for n in range(call % 3 + 1)]
+    assert not any(looks_made_up(key) for key in keys)
+
+
+async def test_an_upstream_that_takes_step_keys_only_refuses_a_made_up_one(
+    dsn: str, upstream: Upstream
+) -> None:
+    """refuse_random_keys: 400 key-random, nothing recorded or sent; other upstreams take the same key."""
+    upstreams = {
+        "strict": {"base_url": upstream.url, "refuse_random_keys": True},
+        "lenient": {"base_url": upstream.url},
+    }
+    key = f"stainless-python-retry-{uuid.uuid4()}"
+    async with gateway_server(dsn, upstreams=upstreams) as gw, aiohttp.ClientSession() as http:
+        async with http.post(f"{gw.url}/strict/orders", json={}, headers={"Idempotency-Key": key}) as resp:
+            refused = resp.status, resp.content_type, await resp.json()
+        assert (await effect_rows(dsn), upstream.calls) == ([], [])
+        async with http.post(f"{gw.url}/lenient/orders", json={}, headers={"Idempotency-Key": key}) as resp:
+            assert resp.status == 201
+        async with http.post(
+            f"{gw.url}/strict/orders", json={}, headers={"Idempotency-Key": "run-1:4"}
+        ) as resp:
+            assert resp.status == 201
+    status, content_type, body = refused
+    assert (status, content_type, body["type"]) == (
+        400,
+        "application/problem+json",
+        "https://effect-gateway.dev/problems/key-random",
+    )
+    assert "a key made up per call is new on the agent's re-run" in body["detail"]
+    assert len(upstream.effects()) == 2

@@ -81,6 +81,10 @@ def test_the_config_variable_names_the_file(tmp_path: Path, monkeypatch: pytest.
         ('[upstreams.shop]\nbase_url = "http://x"\nmax_connections = 0', "max_connections"),
         ('[upstreams.shop]\nbase_url = "http://x"\nconnect_timeout = "0s"', "upstreams.shop"),
         ('request_body_timeout = "0s"', "request_body_timeout"),
+        ('[upstreams.m]\nbase_url = "x"\nfingerprint_fields = ["a"]\nfingerprint_ignore = ["b"]', "not both"),
+        ('[upstreams.m]\nbase_url = "http://x"\nfingerprint_ignore = []', "at least one field"),
+        ('[upstreams.m]\nbase_url = "http://x"\nfingerprint_fields = ["a..b"]', "fingerprint_fields"),
+        ('[upstreams.m]\nbase_url = "http://x"\nerror_format = "json"', "upstreams.m.error_format"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_it(tmp_path: Path, text: str, names: str) -> None:
