@@ -411,6 +411,7 @@ class SimDatabase:
             and (where.run_id is None or row.run_id == where.run_id)
             and (where.key is None or row.key == where.key)
             and (where.since is None or row.created_at >= where.since)
+            and (where.until is None or row.created_at < where.until)
             and (where.before_id is None or row.id < where.before_id)
         ]
         found.sort(key=lambda row: row.id, reverse=True)
