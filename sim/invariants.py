@@ -66,14 +66,6 @@ if TYPE_CHECKING:
     from sim.world import Gateway, World
 
 Scope = tuple[str, str, str]
-# Real bugs the simulator finds in main, parked while they are fixed: each gets a failing regression
-# test (tests/test_simulation.py), default runs steer clear of it, so that a violation means something
-# new (and a mutation's run means the mutation), and ``python -m sim run --reveal NAME`` walks into it.
-KNOWN_BUGS: dict[str, str] = {
-    # None now: the three it found (an operator's verdict not fenced on the record judged; "nothing was
-    # sent" after a store outage following a refused answer; a probe's "not found" judged before a
-    # stall) are fixed, each with a regression test in tests/test_simulation.py.
-}
 # Taken when the simulator is imported, before any mutation can touch the table.
 PRISTINE: dict[State | None, frozenset[State]] = {source: frozenset(t) for source, t in TRANSITIONS.items()}
 LIVE = (State.PENDING, State.IN_DOUBT)

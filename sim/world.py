@@ -259,9 +259,8 @@ class Tally:
 class World:
     """Implements the upstreams' Stage and the store's Weather; runs the clients, faults and checks."""
 
-    def __init__(self, choices: Choices, loop: SimLoop, reveal: frozenset[str] = frozenset()) -> None:
+    def __init__(self, choices: Choices, loop: SimLoop) -> None:
         self.choices = choices
-        self.reveal = reveal
         self.net = choices["net"]
         self.chaos = choices["faults"]
         self.loop = loop
