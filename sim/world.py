@@ -285,6 +285,7 @@ class World:
         self.operator_store = SimStore(self.db, self, who="operator")
         self.checks = Checks(self)
         self.db.observers.append(self.checks.write)
+        loop.after_step = self.checks.step
         self.outage_until = 0.0
         self.requested: dict[Scope, float] = {}  # first time any client asked for the scope
         self.tally = Tally()
@@ -393,6 +394,7 @@ class World:
         """One request of a client through a gateway, and the checks of its answer."""
         self.tally.requests += 1
         number = self.tally.requests
+        started = self.loop.time()
         self.requested.setdefault(scope, self.loop.time())
         self.note(
             client,
@@ -406,7 +408,7 @@ class World:
         else:
             result = await gateway.serve(self.inbound(scope, wait), number)
         self.note(client, f"r{number} <- {_shown(result)}")
-        self.checks.reply(scope, number, gateway, result)
+        self.checks.reply(scope, number, started, gateway, result)
         return result
 
     def gap(self, mind: Stream, scope: Scope, later: bool) -> float:
@@ -547,6 +549,7 @@ class World:
             if not gateway.up:
                 gateway.start()
         await asyncio.sleep(self.longest_lease + 1)
+        self.checks.at_rest()
         for scope in list(self.requested):
             await self.answered(scope)
         for record in await self.operator_store.find(EffectFilter(state=State.NEEDS_REVIEW, limit=1000)):
