@@ -297,7 +297,7 @@ class Checks:
                 return
             case Reply(response=response):
                 told = f"{response.status} {response.body[:60]!r}"
-            case problems.ResponsePurged() | problems.ProbeUnavailable() | problems.StoreDown():
+            case problems.ResponsePurged() | problems.ProbeUnavailable():
                 return
             case StoreUnavailable() | StoreRejected() | ConnectionError():
                 return
