@@ -91,6 +91,7 @@ class Run:
     # filled in by the run
     errors: int | None = None
     states: int = 0
+    matched: int = 0
     transitions: int = 0
     depth: int = 0
     seconds: float = 0.0
@@ -166,6 +167,7 @@ def _execute(run: Run, workdir: Path) -> None:
         return
     run.depth, run.errors = int(found.group(1)), int(found.group(2))
     run.states = _number(r"(\d+) states, stored", out)
+    run.matched = _number(r"(\d+) states, matched", out)
     run.transitions = _number(r"(\d+) transitions", out)
     if "max search depth too small" in out:
         run.problem = "the search depth limit was reached: the search is not exhaustive"
@@ -254,7 +256,8 @@ def plan(
 def report(runs: list[Run], verbose: bool) -> None:
     width = max(len(run.name) for run in runs)
     print(
-        f"{'run':<{width}}  {'verdict':<12} {'states':>10} {'transitions':>12} {'depth':>6} {'s':>6}  trail"
+        f"{'run':<{width}}  {'verdict':<12} {'stored':>10} {'matched':>10} {'transitions':>12} {'depth':>6} "
+        f"{'s':>6}  trail"
     )
     for run in runs:
         if run.problem:
@@ -265,7 +268,7 @@ def report(runs: list[Run], verbose: bool) -> None:
             verdict = "no error" if run.ok else "VIOLATION"
         steps = f"{run.trail_steps} steps" if run.errors else ""
         print(
-            f"{run.name:<{width}}  {verdict:<12} {run.states:>10} {run.transitions:>12} "
+            f"{run.name:<{width}}  {verdict:<12} {run.states:>10} {run.matched:>10} {run.transitions:>12} "
             f"{run.depth:>6} {run.seconds:>6.1f}  {steps}"
         )
         if run.problem:

@@ -1,7 +1,7 @@
 """``python -m sim``: explore fresh seeds, or replay one (see sim/README.md).
 
-    python -m sim run [--seconds 180] [--seed N] [--reveal NAME]...
-    python -m sim replay SEED [--choices TEXT] [--reveal NAME]... [--shrink]
+    python -m sim run [--seconds 180] [--seed N]
+    python -m sim replay SEED [--choices TEXT] [--shrink]
 
 ``run`` exits 1 when a run breaks an invariant, after printing its seed and its shrunk schedule.
 """
@@ -14,7 +14,6 @@ import sys
 import time
 
 from sim.choices import decode
-from sim.invariants import KNOWN_BUGS
 from sim.run import Exploration, explore, report, run, shrink
 
 
@@ -30,30 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     replay_cmd.add_argument("seed", type=int)
     replay_cmd.add_argument("--choices", default=None, help="a shrunk schedule, as a report prints it")
     replay_cmd.add_argument("--shrink", action="store_true", help="shrink the run if it fails")
-    for cmd in (explore_cmd, replay_cmd):
-        cmd.add_argument(
-            "--reveal",
-            action="append",
-            default=[],
-            choices=sorted(KNOWN_BUGS),
-            help="walk into a known bug instead of steering clear of it",
-        )
     args = parser.parse_args(argv)
-    reveal = frozenset(args.reveal)
     if args.command == "replay":
-        outcome = run(args.seed, decode(args.choices) if args.choices else None, reveal)
+        outcome = run(args.seed, decode(args.choices) if args.choices else None)
         if outcome.failed and args.shrink:
             outcome = shrink(outcome)
         print(report(outcome, title=f"seed {args.seed}" + (" (given choices)" if args.choices else "")))
         return 1 if outcome.failed else 0
     first = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "big")
-    print(f"simulating from seed {first} for {args.seconds:g}s" + "".join(f" --reveal {n}" for n in reveal))
+    print(f"simulating from seed {first} for {args.seconds:g}s")
 
     def progress(found: Exploration) -> None:
         if found.runs % 2000 == 0:
             print(f"  {found.runs} schedules, {found.runs / max(found.seconds, 1e-9):.0f}/s", flush=True)
 
-    found = explore(first, seconds=args.seconds, reveal=reveal, progress=progress)
+    found = explore(first, seconds=args.seconds, progress=progress)
     rate = found.runs / max(found.seconds, 1e-9)
     print(
         f"explored {found.runs} schedules in {found.seconds:.0f}s ({rate:.0f}/s; seeds {first}.."

@@ -1,9 +1,11 @@
 """What must hold in every simulated world, checked where it can change.
 
-Each check runs at the event that could break it, which is the same as after every step: every
-write the database applies (:meth:`Checks.write`), every request that reaches an upstream
-(:meth:`Checks.arrived`), every effect an upstream makes (:meth:`Checks.landed`), every answer a
-client gets (:meth:`Checks.reply`), and once the world has healed (:meth:`Checks.final`).
+Each check runs at the event that could break it: every write the database applies
+(:meth:`Checks.write`), every request that reaches an upstream (:meth:`Checks.arrived`), every
+effect an upstream makes (:meth:`Checks.landed`), every answer a client gets (:meth:`Checks.reply`),
+once clients have stopped (:meth:`Checks.at_rest`) and once the world has healed
+(:meth:`Checks.final`). After every step of the loop, :meth:`Checks.step` makes sure that no record
+changed state or attempt without a write those checks saw, so what they check holds after every step.
 
 The invariants, by the name a violation is reported under:
 
@@ -12,8 +14,9 @@ never-twice
     native key (within its TTL), a probe (within its horizon) or neither, the gateway re-sends only
     what the key or the probe covers and sends the rest to review. The one exception is an upstream
     marked ``repeat_harmless``, where a record in doubt is re-sent on purpose: there a second effect
-    is allowed, but only under the next two invariants (never two attempts at once, never after the
-    record completed).
+    is allowed only from a request that took the record over *because* repeats are harmless (the
+    recovery's last resort before review), and only under the next two invariants (never two
+    attempts at once, never after the record completed).
 one-attempt-at-a-time
     A request reaches the upstream only once every earlier attempt at the same effect is over there
     (the lease's promise: a take-over waits for it to run out).
@@ -21,7 +24,11 @@ effect-under-lease
     An effect lands only while its record is pending or in doubt under a lease that still runs.
 same-answer
     Every 2xx that any client gets for a key is byte for byte the first one (status, headers, body),
-    and, except for harmless upstreams, it is the answer of the upstream's one effect.
+    and, except for harmless upstreams, it is the answer of the upstream's one effect; the record is
+    completed when a client gets it. Every request for the key that starts after a client got that
+    2xx is answered with it byte for byte (a replay), or told that its response was purged after the
+    retention, that the probe to restore it failed, or that Postgres or the gateway is unreachable;
+    nothing else.
 completed-stays
     A completed record is never written again, except to put back a response the retention dropped.
 legal-transition
@@ -41,6 +48,12 @@ no-unexpected-error
 nothing-sent-is-true
     An answer that tells the client nothing was sent (502 upstream-unreachable; a store error, which
     the app answers "nothing was sent") is only given when this request sent nothing upstream.
+at-rest
+    Once clients stop and one more lease has run out, every record is completed, retryable, in doubt
+    or in review, or pending with its lease run out: the holder died or could not write what came of
+    its attempt, which every gateway reads as in doubt.
+unobserved-write (every step)
+    No record changed state or attempt without a write that the checks above saw.
 settles (final)
     Once faults stop, clients retry and an operator has settled what waits for one, no record is left
     pending and every record is completed.
@@ -51,6 +64,8 @@ audit-is-true (final)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -66,17 +81,31 @@ if TYPE_CHECKING:
     from sim.world import Gateway, World
 
 Scope = tuple[str, str, str]
-# Real bugs the simulator finds in main, parked while they are fixed: each gets a failing regression
-# test (tests/test_simulation.py), default runs steer clear of it, so that a violation means something
-# new (and a mutation's run means the mutation), and ``python -m sim run --reveal NAME`` walks into it.
-KNOWN_BUGS: dict[str, str] = {
-    # None now: the three it found (an operator's verdict not fenced on the record judged; "nothing was
-    # sent" after a store outage following a refused answer; a probe's "not found" judged before a
-    # stall) are fixed, each with a regression test in tests/test_simulation.py.
-}
+Answer = tuple[int, StoredResponse, float]  # the request that got it, the answer, when it got it
 # Taken when the simulator is imported, before any mutation can touch the table.
 PRISTINE: dict[State | None, frozenset[State]] = {source: frozenset(t) for source, t in TRANSITIONS.items()}
 LIVE = (State.PENDING, State.IN_DOUBT)
+# What a user would notice; the other invariants are the rules behind these, and catch a broken rule
+# at the step that breaks it (python -m sim.mutations --user-visible checks these alone).
+USER_VISIBLE = frozenset(
+    {"never-twice", "same-answer", "nothing-sent-is-true", "no-unexpected-error", "settles", "audit-is-true"}
+)
+_checked: frozenset[str] | None = None
+
+
+@contextmanager
+def checking_only(names: frozenset[str] | None) -> Iterator[None]:
+    """Report only the invariants named (None: all of them) for runs within the block."""
+    global _checked
+    before, _checked = _checked, names
+    try:
+        yield
+    finally:
+        _checked = before
+
+
+# The reason of the take-over by which a gateway late to send renews its own attempt (gateway.service).
+RENEWED = "late to send"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +120,17 @@ class Checks:
         self.world = world
         # (effect id, attempt) of writes Postgres was made to refuse: the answer could not be stored.
         self.refused: set[tuple[int, int]] = set()
-        self.answers: dict[Scope, tuple[int, StoredResponse]] = {}
+        # The first 2xx of each key: the request that got it, the answer, when the client got it.
+        self.answers: dict[Scope, Answer] = {}
+        # Why each client request's handling last took a record (the claim: None; a take-over: its
+        # reason); a request renewing its own attempt before sending keeps the reason it had.
+        self.took_because: dict[int, str | None] = {}
+        # Each record's (state, attempt) as the last write the checks saw left it.
+        self.seen: dict[int, tuple[State, int]] = {}
 
     def fail(self, invariant: str, detail: str) -> None:
+        if _checked is not None and invariant not in _checked:
+            return
         self.world.violate(Violation(invariant, detail, self.world.loop.time()))
 
     # --- the database's writes ----------------------------------------------------------------------------
@@ -106,6 +143,11 @@ class Checks:
             f"{write.op} {label}: {write.source or 'new'} -> {row.state} (attempt {row.attempt})"
             + (f" [{write.note}]" if write.note else ""),
         )
+        self.seen[row.id] = (row.state, row.attempt)
+        if write.op == "claim":
+            self.took_because[write.request] = None
+        elif write.op == "reclaim" and write.note != RENEWED:
+            self.took_because[write.request] = write.note
         if row.state not in PRISTINE[write.source]:
             self.fail("legal-transition", f"{write.op} moved {label} from {write.source} to {row.state}")
         if write.source is State.COMPLETED and write.op != "restore":
@@ -168,12 +210,13 @@ class Checks:
 
     def landed(self, upstream: SimUpstream, effect: Effect, call: Call) -> None:
         earlier = [e for e in upstream.effects(effect.scope) if e is not effect]
-        if earlier and upstream.kind is not Kind.HARMLESS:
+        because = self.took_because.get(call.request)
+        if earlier and not (upstream.kind is Kind.HARMLESS and because == "harmless"):
             self.fail(
                 "never-twice",
                 f"{upstream.name} ({upstream.kind.value}) made {_label(effect.scope)} twice: effect "
                 f"#{earlier[0].n} at {earlier[0].at:.6f}s and #{effect.n} at {effect.at:.6f}s "
-                f"(by {call.who})",
+                f"(by {call.who}, " + (f"taken over for {because})" if because else "its claim)"),
             )
         known = self.world.db.keys.get(effect.scope)
         row = self.world.db.rows.get(known[0]) if known else None
@@ -194,13 +237,25 @@ class Checks:
 
     # --- what clients are told --------------------------------------------------------------------------
 
-    def reply(self, scope: Scope, number: int, gateway: Gateway, result: Reply | BaseException) -> None:
+    def reply(
+        self, scope: Scope, number: int, started: float, gateway: Gateway, result: Reply | BaseException
+    ) -> None:
         sent = number in gateway.client.sent
+        first = self.answers.get(scope)
+        if first is not None and started > first[2]:
+            self._after_answer(scope, number, first, result)
         match result:
             case Reply(response=response) if 200 <= response.status < 300:
-                first = self.answers.get(scope)
+                known = self.world.db.keys.get(scope)
+                row = self.world.db.rows.get(known[0]) if known else None
+                if row is None or row.state is not State.COMPLETED:
+                    self.fail(
+                        "same-answer",
+                        f"r{number} got a 2xx for {_label(scope)}, whose record is "
+                        f"{row.state if row else 'missing'}",
+                    )
                 if first is None:
-                    self.answers[scope] = (number, response)
+                    self.answers[scope] = (number, response, self.world.loop.time())
                     truth = self.world.truth(scope)
                     if self.world.upstreams[scope[1]].kind is not Kind.HARMLESS and response != truth:
                         self.fail(
@@ -235,7 +290,47 @@ class Checks:
                     f"r{number} for {_label(scope)} raised {type(result).__name__}: {result}",
                 )
 
-    # --- once the world has healed ------------------------------------------------------------------------
+    def _after_answer(self, scope: Scope, number: int, first: Answer, result: Reply | BaseException) -> None:
+        """A request that started after a client got the key's 2xx: that 2xx again, or why not."""
+        match result:
+            case Reply(response=response) if response == first[1]:
+                return
+            case Reply(response=response):
+                told = f"{response.status} {response.body[:60]!r}"
+            case problems.ResponsePurged() | problems.ProbeUnavailable():
+                return
+            case StoreUnavailable() | StoreRejected() | ConnectionError():
+                return
+            case _:
+                told = type(result).__name__
+        self.fail(
+            "same-answer",
+            f"r{number} for {_label(scope)} started after r{first[0]} got {first[1].status} and was "
+            f"answered {told}",
+        )
+
+    # --- every step, once clients stop, once the world has healed -----------------------------------------
+
+    def step(self) -> None:
+        for row in self.world.db.rows.values():
+            if self.seen.get(row.id) != (row.state, row.attempt):
+                self.fail(
+                    "unobserved-write",
+                    f"{row.tenant}/{row.upstream}/{row.key} is {row.state} at attempt {row.attempt}, but "
+                    f"the last write seen left it {self.seen.get(row.id)}",
+                )
+                return
+
+    def at_rest(self) -> None:
+        now = self.world._db_clock()
+        for row in self.world.db.rows.values():
+            if row.state is State.PENDING and (row.lease_expires_at is None or row.lease_expires_at > now):
+                self.fail(
+                    "at-rest",
+                    f"{row.tenant}/{row.upstream}/{row.key} is pending under a running lease (until "
+                    f"{row.lease_expires_at}) after clients stopped",
+                )
+                return
 
     def final(self) -> None:
         for row in self.world.db.rows.values():

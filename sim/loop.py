@@ -75,6 +75,8 @@ class SimLoop(asyncio.AbstractEventLoop):
         self._owners: dict[int, Owner | None] = {}
         # The owner of the callback running now.
         self.current: Owner | None = None
+        # Called after every step (the world's checks of what must hold after each one).
+        self.after_step: Callable[[], None] | None = None
 
     # --- time and scheduling ------------------------------------------------------------------------
 
@@ -193,6 +195,8 @@ class SimLoop(asyncio.AbstractEventLoop):
             raise Runaway(f"more than {self._max_steps} steps by {self._now:.3f}s")
         handle._run()
         self.current = None
+        if self.after_step is not None:
+            self.after_step()
         return True
 
     def is_running(self) -> bool:

@@ -27,21 +27,17 @@ class Outcome:
     requests: int
     effects: int
     crashes: int
-    reveal: frozenset[str] = frozenset()
 
     @property
     def failed(self) -> bool:
         return self.violation is not None
 
 
-def run(seed: int = 0, given: Made | None = None, reveal: frozenset[str] = frozenset()) -> Outcome:
-    """One world, from a seed or from a record of choices (a replay); deterministic either way.
-
-    ``reveal`` names known bugs (sim.invariants.KNOWN_BUGS) that the run does not steer clear of.
-    """
+def run(seed: int = 0, given: Made | None = None) -> Outcome:
+    """One world, from a seed or from a record of choices (a replay); deterministic either way."""
     choices = Choices(seed, given)
     loop = new_loop(choices["sched"].below, max_steps=MAX_STEPS)
-    world = World(choices, loop, reveal)
+    world = World(choices, loop)
     try:
         with service_log_silenced():
             loop.run_until_complete(world.main())
@@ -67,7 +63,6 @@ def run(seed: int = 0, given: Made | None = None, reveal: frozenset[str] = froze
         requests=world.tally.requests,
         effects=world.tally.effects,
         crashes=world.tally.crashes,
-        reveal=reveal,
     )
 
 
@@ -91,7 +86,6 @@ def explore(
     seconds: float | None = None,
     seeds: int | None = None,
     stop_at_first: bool = True,
-    reveal: frozenset[str] = frozenset(),
     progress: Callable[[Exploration], None] | None = None,
 ) -> Exploration:
     """Run seeds first_seed, first_seed + 1, ... until the time or the count is up (or one fails)."""
@@ -99,7 +93,7 @@ def explore(
     start = time.monotonic()
     seed = first_seed
     while (seconds is None or time.monotonic() - start < seconds) and (seeds is None or found.runs < seeds):
-        outcome = run(seed, reveal=reveal)
+        outcome = run(seed)
         found.runs += 1
         found.steps += outcome.steps
         found.requests += outcome.requests
@@ -142,7 +136,7 @@ def shrink(failure: Outcome, *, runs: int = 600, seconds: float = 60.0) -> Outco
         if spent() or values == best.made.get(name):
             return False
         tried += 1
-        outcome = run(failure.seed, {**best.made, name: values}, failure.reveal)
+        outcome = run(failure.seed, {**best.made, name: values})
         if outcome.violation is not None and outcome.violation.invariant == invariant:
             if size(outcome.made) <= size(best.made):
                 best = outcome
@@ -209,6 +203,5 @@ def report(outcome: Outcome, *, title: str) -> str:
     lines.extend(f"  {clock(at)}  {who:<10} {text}" for at, who, text in outcome.trace)
     if outcome.violation is not None:
         lines.append(f"  VIOLATED {outcome.violation.invariant}: {outcome.violation.detail}")
-    reveal = "".join(f" --reveal {name}" for name in sorted(outcome.reveal))
-    lines.append(f"  replay: python -m sim replay {outcome.seed}{reveal} --choices '{encode(outcome.made)}'")
+    lines.append(f"  replay: python -m sim replay {outcome.seed} --choices '{encode(outcome.made)}'")
     return "\n".join(lines)

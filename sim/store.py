@@ -29,7 +29,7 @@ from gateway.errors import StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State, Transition
 from gateway.store import EffectFilter, NewEffect, head_bytes, head_pairs
-from sim.loop import OWNER
+from sim.loop import OWNER, REQUEST
 
 T = TypeVar("T")
 Scope = tuple[str, str, str]  # (tenant, upstream, key)
@@ -83,6 +83,7 @@ class Write:
     now: datetime
     who: str
     note: str | None = None
+    request: int = 0  # the simulator's number of the client request whose handling sent the statement
 
 
 def _least(a: datetime | None, b: datetime) -> datetime:
@@ -115,8 +116,10 @@ class SimDatabase:
         self.key_secret = key_secret
         # Called with every write the database applied (the simulator's invariants listen here).
         self.observers: list[Callable[[Write], None]] = []
-        # Who sent the statement being applied (for the trace), set by the connection.
+        # Who sent the statement being applied (for the trace), and for which client request (0: none),
+        # set by the connection.
         self.caller = ""
+        self.request = 0
 
     def now(self) -> datetime:
         """The database's clock: never the same instant twice, as clock_timestamp() at microseconds."""
@@ -127,7 +130,7 @@ class SimDatabase:
         return now
 
     def _wrote(self, op: str, source: State | None, row: Row, now: datetime, note: str | None = None) -> None:
-        write = Write(op, source, row, now, self.caller, note)
+        write = Write(op, source, row, now, self.caller, note, self.request)
         for observer in self.observers:
             observer(write)
 
@@ -411,6 +414,7 @@ class SimDatabase:
             and (where.run_id is None or row.run_id == where.run_id)
             and (where.key is None or row.key == where.key)
             and (where.since is None or row.created_at >= where.since)
+            and (where.until is None or row.created_at < where.until)
             and (where.before_id is None or row.id < where.before_id)
         ]
         found.sort(key=lambda row: row.id, reverse=True)
@@ -527,6 +531,7 @@ class SimStore:
         loop = asyncio.get_running_loop()
         owner = OWNER.get()
         caller = owner.name if owner is not None else self._who
+        request = REQUEST.get()
         trip = self._weather.trip(name, caller, refusable)
         answer: asyncio.Future[T] = loop.create_future()
 
@@ -547,7 +552,7 @@ class SimStore:
                 error = StoreRejected("Postgres refused the write: DataError (simulated)")
             else:
                 try:
-                    self.db.caller = caller
+                    self.db.caller, self.db.request = caller, request
                     result = apply()
                 except (StoreRejected, StoreUnavailable) as exc:
                     error = exc

@@ -87,6 +87,7 @@ class Call:
     fate: Fate
     sent: float
     timeout: float
+    request: int = 0  # the simulator's number of the client request being served
     over: bool = False
 
 
@@ -273,7 +274,7 @@ class SimClient:
             await asyncio.sleep(self._stage.net.between(*NET))
             return NotSent("could not send: ClientConnectorError: connection refused")
         self.sent.add(REQUEST.get())
-        call = Call(upstream.scope_of(request), who, fate, loop.time(), timeout)
+        call = Call(upstream.scope_of(request), who, fate, loop.time(), timeout, REQUEST.get())
         self._stage.note(who, f"-> {upstream.name} {request.method} {request.url.path} ({fate.value})")
         reply: asyncio.Future[Outcome] = loop.create_future()
         loop.call_later(

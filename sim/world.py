@@ -60,6 +60,10 @@ LEVELS: dict[str, tuple[int, ...]] = {
     "fate": (0, 100, 300, 600),
     "probe": (0, 150, 450),
     "operator": (0, 400, 1000),
+    # A short pause (within the send window) just after a take-over: the moment a wave of retries at a
+    # TTL's or horizon's edge makes a gateway busiest. Drawn last, from a stream of its own ("pauses"),
+    # so that a schedule recorded before it existed replays as it did.
+    "take-over-pause": (0, 300, 700),
 }
 
 
@@ -259,9 +263,8 @@ class Tally:
 class World:
     """Implements the upstreams' Stage and the store's Weather; runs the clients, faults and checks."""
 
-    def __init__(self, choices: Choices, loop: SimLoop, reveal: frozenset[str] = frozenset()) -> None:
+    def __init__(self, choices: Choices, loop: SimLoop) -> None:
         self.choices = choices
-        self.reveal = reveal
         self.net = choices["net"]
         self.chaos = choices["faults"]
         self.loop = loop
@@ -279,13 +282,13 @@ class World:
                 search_retention=horizon.total_seconds() if horizon is not None else None,
             )
         self.longest_lease = max(p.lease.total_seconds() for _, p in self.setup.upstreams)
-        self.shortest_window = min(
-            p.lease.total_seconds() - p.timeout.total_seconds() for _, p in self.setup.upstreams
-        )
+        windows = [p.lease.total_seconds() - p.timeout.total_seconds() for _, p in self.setup.upstreams]
+        self.shortest_window, self.longest_window = min(windows), max(windows)
         self.gateways = [Gateway(self, f"g{i}") for i in range(1, self.setup.gateways + 1)]
         self.operator_store = SimStore(self.db, self, who="operator")
         self.checks = Checks(self)
         self.db.observers.append(self.checks.write)
+        loop.after_step = self.checks.step
         self.outage_until = 0.0
         self.requested: dict[Scope, float] = {}  # first time any client asked for the scope
         self.tally = Tally()
@@ -339,6 +342,13 @@ class World:
         elif self.faulty("hiccup"):
             gateway.freeze(self.chaos.between(0, 1.25 * self.shortest_window))
 
+    def _after_take_over(self, who: str) -> None:
+        """A take-over's gateway may pause as its answer comes back, yet within its send window."""
+        gateway = self._gateway(who)
+        pauses = self.choices["pauses"]
+        if gateway is not None and gateway.up and pauses.chance(self.setup.levels["take-over-pause"]):
+            gateway.freeze(pauses.between(0, self.longest_window))
+
     def _crash(self, gateway: Gateway, owner: Owner) -> None:
         if gateway.owner is owner and not self.choices.quiet:
             self.tally.crashes += 1
@@ -353,6 +363,8 @@ class World:
         if self.choices.quiet:
             return Trip(there, back)
         self.hazard(who, there + back)
+        if statement == "reclaim":
+            self._after_take_over(who)
         now = self.loop.time()
         if now < self.outage_until or self.faulty("store-down"):
             if now >= self.outage_until:
@@ -394,6 +406,7 @@ class World:
         """One request of a client through a gateway, and the checks of its answer."""
         self.tally.requests += 1
         number = self.tally.requests
+        started = self.loop.time()
         self.requested.setdefault(scope, self.loop.time())
         self.note(
             client,
@@ -407,10 +420,10 @@ class World:
         else:
             result = await gateway.serve(self.inbound(scope, wait), number)
         self.note(client, f"r{number} <- {_shown(result)}")
-        self.checks.reply(scope, number, gateway, result)
+        self.checks.reply(scope, number, started, gateway, result)
         return result
 
-    def gap(self, mind: Stream, scope: Scope, later: bool) -> float:
+    def gap(self, mind: Stream, aim: Stream, scope: Scope, later: bool) -> float:
         """How long a client waits before asking again: soon, about a lease, at an edge, or days."""
         lease = self.longest_lease
         upstream = self.upstreams[scope[1]].policy.decision
@@ -423,13 +436,21 @@ class World:
         if way == 2 and edges:
             # Aim at an edge of trust (a TTL or a horizon less the margin), measured from the first request.
             edge = mind.pick(edges) - mind.pick([lease, 0.0])
-            target = self.requested.get(scope, self.loop.time()) + edge + mind.between(-lease, lease)
+            offset = mind.between(-lease, lease)
+            if aim.chance(750):
+                # Just short of the edge, by up to one send window (a scheduler retrying at the TTL it
+                # was told): the take-over still trusts what the edge bounds, and a short pause after
+                # it lands the request past it. A stream of its own, as for "take-over-pause".
+                assert upstream.send_window is not None
+                offset = -aim.between(0, upstream.send_window.total_seconds())
+            target = self.requested.get(scope, self.loop.time()) + edge + offset
             return max(0.0, target - self.loop.time())
         retention = self.setup.retention.total_seconds()
         return mind.between(retention, retention + 2 * DAY)
 
     async def client(self, name: str, jobs: list[Scope]) -> None:
         mind = self.choices[name]
+        aim = self.choices[f"{name}/aim"]
         await asyncio.sleep(mind.between(0, 3))
         for scope in jobs:
             reruns = mind.below(3)
@@ -444,7 +465,7 @@ class World:
                     break
                 if verdict == "done":
                     reruns -= 1
-                await asyncio.sleep(self.gap(mind, scope, later=verdict != "retry"))
+                await asyncio.sleep(self.gap(mind, aim, scope, later=verdict != "retry"))
 
     # --- operators and the retention --------------------------------------------------------------------
 
@@ -548,6 +569,7 @@ class World:
             if not gateway.up:
                 gateway.start()
         await asyncio.sleep(self.longest_lease + 1)
+        self.checks.at_rest()
         for scope in list(self.requested):
             await self.answered(scope)
         for record in await self.operator_store.find(EffectFilter(state=State.NEEDS_REVIEW, limit=1000)):

@@ -317,7 +317,10 @@ async def backdate_bodies(dsn: str, days: int = 10) -> None:
 
     conn = await asyncpg.connect(dsn)
     try:
-        past = await conn.fetchval("select now() - $1 * interval '1 day'", days)
+        # The day the oldest body moves to (bodies backdated before move further back).
+        past = await conn.fetchval(
+            "select coalesce(min(stored_at), now()) - $1 * interval '1 day' from effect_bodies", days
+        )
         await partitions.ensure(conn, past)
         async with conn.transaction():
             await conn.execute("update effect_bodies set stored_at = stored_at - $1 * interval '1 day'", days)

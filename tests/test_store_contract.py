@@ -15,8 +15,8 @@ from typing import cast
 import asyncpg
 import pytest
 
-from gateway.decision import Policy, Settlement, review, settle, settle_probe, take_over
-from gateway.outcome import Answered, NoAnswer, NotSent, ProbeError
+from gateway.decision import Policy, Send, Settlement, review, settle, settle_probe, take_over
+from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State, Transition
 from gateway.store import EffectFilter, NewEffect, Store, opened
@@ -30,6 +30,9 @@ LATER = StoredResponse(201, (("Content-Type", "application/json"),), b'{"order":
 DONE = settle(Answered(OK.status, OK.headers, OK.body), earlier_doubt=False)
 TIMED_OUT = settle(NoAnswer("no answer within 1s", timed_out=True), earlier_doubt=False)
 RETENTION = timedelta(days=7)
+# The simulated database's clock runs this far behind the machine's: a store that stamped a time from
+# the caller's clock instead of its own would be told apart.
+SIM_CLOCK_BEHIND = timedelta(hours=5)
 
 
 def effect(
@@ -56,6 +59,8 @@ class Subject:
     store: Store
     # Moves every stored body ``days`` back in time, as tests/support.py's backdate_bodies does.
     backdate: Callable[[int], Awaitable[None]]
+    # The database's own clock, read apart from any statement of the store.
+    clock: Callable[[], Awaitable[datetime]]
 
 
 @pytest.fixture(params=["postgres", "simulated"])
@@ -70,12 +75,15 @@ def which(request: pytest.FixtureRequest) -> tuple[str, str | None]:
 async def subject(which: tuple[str, str | None]) -> AsyncIterator[Subject]:
     _, dsn = which
     if dsn is None:
-        db = SimDatabase(clock=lambda: datetime.now(UTC))
+        db = SimDatabase(clock=lambda: datetime.now(UTC) - SIM_CLOCK_BEHIND)
 
         async def sim_backdate(days: int) -> None:
             db.backdate_bodies(days)
 
-        yield Subject(cast(Store, SimStore(db)), sim_backdate)
+        async def sim_clock() -> datetime:
+            return db.now()
+
+        yield Subject(cast(Store, SimStore(db)), sim_backdate, sim_clock)
         return
     conn = await asyncpg.connect(dsn)
     try:
@@ -86,8 +94,16 @@ async def subject(which: tuple[str, str | None]) -> AsyncIterator[Subject]:
     async def pg_backdate(days: int) -> None:
         await backdate_bodies(dsn, days)
 
+    async def pg_clock() -> datetime:
+        conn = await asyncpg.connect(dsn)
+        try:
+            now: datetime = await conn.fetchval("select clock_timestamp()")
+            return now
+        finally:
+            await conn.close()
+
     async with opened(dsn) as store:
-        yield Subject(store, pg_backdate)
+        yield Subject(store, pg_backdate, pg_clock)
 
 
 async def claimed(store: Store, key: str = "k", lease: timedelta = LEASE, **kw: str) -> EffectRecord:
@@ -134,6 +150,38 @@ async def test_a_known_key_reads_the_record_that_holds_it(subject: Subject) -> N
     assert other.id != first.id
 
 
+async def test_every_time_on_record_is_the_databases_clock(subject: Subject) -> None:
+    """Claim, take-over and settle stamp their times, leases and history with the database's clock."""
+    store = subject.store
+    before = await subject.clock()
+    record = await claimed(store, lease=EXPIRED)
+    taken = await store.reclaim(record, take_over(record), LEASE, "native_key", sends=True)
+    assert taken is not None
+    done = await store.settle(taken, DONE, response=OK, recovered_by="native_key")
+    assert done is not None
+    after = await subject.clock()
+    assert record.read_at is not None
+    assert taken.read_at is not None
+    assert done.read_at is not None
+    assert before <= record.created_at <= record.read_at <= taken.read_at <= done.read_at <= after
+    assert record.first_sent_at == record.created_at
+    assert record.lease_expires_at == record.created_at + EXPIRED
+    assert taken.last_sent_at is not None
+    assert taken.lease_expires_at is not None
+    assert record.created_at < taken.last_sent_at <= taken.read_at
+    assert taken.lease_expires_at == taken.last_sent_at + LEASE
+    assert done.completed_at is not None
+    assert done.response_at == done.completed_at
+    assert taken.read_at < done.completed_at <= done.read_at
+    assert done.lease_expires_at == done.completed_at, "the answer ends the lease at the settle's clock"
+    full = await store.get(record.id)
+    assert full is not None
+    stamped = [datetime.fromisoformat(entry["at"]) for entry in full.history]
+    assert stamped == sorted(stamped)
+    assert before <= stamped[0]
+    assert stamped[-1] <= after
+
+
 # --- fences --------------------------------------------------------------------------------------------
 
 
@@ -161,6 +209,23 @@ async def test_a_take_over_from_a_stale_read_is_fenced_by_state(subject: Subject
     assert await store.reclaim(record, take_over(record), LEASE, "t", sends=True) is None
     assert await store.send_to_review(record, review(record), "t") is None
     assert (await store.reread(record)).state is State.COMPLETED
+
+
+async def test_of_two_take_overs_from_one_read_only_the_first_holds(subject: Subject) -> None:
+    """Two gateways that read the same in-doubt record: one takes it over, the other's take-over, review
+    and settle are refused, and the record is the winner's."""
+    store = subject.store
+    record = await claimed(store, lease=EXPIRED)
+    doubt = await store.settle(record, TIMED_OUT, response=None, recovered_by=None)
+    assert doubt is not None
+    first = await store.reclaim(doubt, take_over(doubt), LEASE, "native_key", sends=True)
+    assert first is not None
+    assert (first.state, first.attempt, first.may_have_sent) == (State.PENDING, 2, True)
+    assert await store.reclaim(doubt, take_over(doubt), LEASE, "native_key", sends=True) is None
+    assert await store.send_to_review(doubt, review(doubt), "nothing can tell") is None
+    assert await store.resolve(doubt, Transition(State.IN_DOUBT, State.RETRYABLE), None, "op") is None
+    now = await store.reread(record)
+    assert (now.state, now.attempt, now.lease_expires_at) == (State.PENDING, 2, first.lease_expires_at)
 
 
 async def test_a_move_from_another_state_than_the_one_read_raises(subject: Subject) -> None:
@@ -293,6 +358,51 @@ async def test_a_probe_that_failed_puts_a_take_over_back_in_doubt(subject: Subje
     assert (saved.state, saved.attempt, saved.may_have_sent) == (State.IN_DOUBT, 2, True)
 
 
+async def test_a_probe_that_found_the_effect_completes_the_take_over_with_its_answer(
+    subject: Subject,
+) -> None:
+    """settle_probe's Found is written under the take-over: completed, by the probe, its answer replayed."""
+    store = subject.store
+    record = await claimed(store, lease=EXPIRED)
+    probing = await store.reclaim(record, take_over(record), LEASE, "probe", sends=False)
+    assert probing is not None
+    assert probing.read_at is not None
+    verdict = settle_probe(probing, Found(OK), probing.read_at, Policy(lease=LEASE, has_probe=True))
+    assert isinstance(verdict, Settlement)
+    saved = await store.settle(probing, verdict, response=OK, recovered_by="probe", note="found by probe")
+    assert saved is not None
+    assert (saved.state, saved.attempt, saved.recovered_by) == (State.COMPLETED, 2, "probe")
+    assert (await store.reread(record)).response == OK
+
+
+async def test_a_probe_that_found_nothing_sends_under_a_re_take_or_goes_to_review(subject: Subject) -> None:
+    """Within the horizon, "not found" re-takes the record (a fresh lease, its clock) and sends; past the
+    horizon less a lease, as read at that re-take, it goes to review."""
+    store = subject.store
+    lease = timedelta(seconds=1)
+    for key, horizon, sends in (("young", timedelta(hours=1), True), ("old", timedelta(seconds=1), False)):
+        record = await claimed(store, key, lease=EXPIRED)
+        probing = await store.reclaim(record, take_over(record), lease, "probe", sends=False)
+        assert probing is not None
+        again = await store.reclaim(
+            probing, take_over(probing), lease, "the probe found nothing", sends=True, renew=True
+        )
+        assert again is not None
+        assert (again.attempt, again.may_have_sent) == (3, True)
+        assert again.read_at is not None
+        assert probing.read_at is not None
+        assert again.read_at > probing.read_at
+        verdict = settle_probe(
+            again, NotFound(), again.read_at, Policy(lease=lease, has_probe=True, probe_horizon=horizon)
+        )
+        assert isinstance(verdict, Send) == sends
+        if isinstance(verdict, Settlement):
+            saved = await store.settle(again, verdict, response=None, recovered_by=None)
+            assert saved is not None
+            assert (saved.state, saved.attempt) == (State.NEEDS_REVIEW, 3)
+            assert await store.settle(probing, DONE, response=OK, recovered_by=None) is None
+
+
 # --- operators -----------------------------------------------------------------------------------------
 
 
@@ -340,6 +450,35 @@ async def test_an_operator_verdict_that_it_did_not_happen_makes_it_retryable(sub
     assert resolved.completed_at is None
 
 
+async def test_an_operator_resolves_a_pending_record_only_once_its_lease_is_over(subject: Subject) -> None:
+    """A pending record whose holder died is resolved once its lease ran out, as "did not happen" too."""
+    store = subject.store
+    alive = await claimed(store, "alive")
+    assert await store.resolve(alive, Transition(State.PENDING, State.RETRYABLE), None, "op") is None
+    dead = await claimed(store, "dead", lease=EXPIRED)
+    resolved = await store.resolve(dead, Transition(State.PENDING, State.RETRYABLE), None, "op")
+    assert resolved is not None
+    assert (resolved.state, resolved.attempt, resolved.may_have_sent) == (State.RETRYABLE, 2, False)
+    assert resolved.recovered_by == "operator"
+    assert await store.settle(dead, DONE, response=OK, recovered_by=None) is None, "the holder is fenced out"
+
+
+async def test_an_operator_waits_for_the_lease_of_a_call_in_doubt(subject: Subject) -> None:
+    """A timed-out call keeps its lease: no verdict on it until the lease is over, then one is taken."""
+    store = subject.store
+    running = await claimed(store, "running")
+    in_doubt = await store.settle(running, TIMED_OUT, response=None, recovered_by=None)
+    assert in_doubt is not None
+    assert await store.resolve(in_doubt, Transition(State.IN_DOUBT, State.COMPLETED), OK, "op") is None
+    over = await claimed(store, "over", lease=EXPIRED)
+    expired = await store.settle(over, TIMED_OUT, response=None, recovered_by=None)
+    assert expired is not None
+    resolved = await store.resolve(expired, Transition(State.IN_DOUBT, State.COMPLETED), OK, "op")
+    assert resolved is not None
+    assert resolved.state is State.COMPLETED
+    assert (await store.reread(over)).response == OK
+
+
 async def test_an_operator_verdict_is_fenced_by_the_attempt_read(subject: Subject) -> None:
     """A verdict on a stale read of the record is refused."""
     store = subject.store
@@ -354,13 +493,17 @@ async def test_an_operator_verdict_is_fenced_by_the_attempt_read(subject: Subjec
 
 
 async def test_replays_are_counted_in_batches(subject: Subject) -> None:
-    """add_replays adds each count to its effect."""
+    """add_replays adds each count to its effect, and counts for no effect are dropped."""
     store = subject.store
     one = await completed(store, "one")
     two = await completed(store, "two")
     await store.add_replays({(one.id, one.created_at): 3, (two.id, two.created_at): 1})
     await store.add_replays({(one.id, one.created_at): 2})
     await store.add_replays({})
+    # No such effect, and the same id in another partition (another creation time): nothing to count.
+    await store.add_replays(
+        {(two.id + 100, two.created_at): 7, (one.id, one.created_at - timedelta(days=1)): 9}
+    )
     assert (await store.reread(one)).replays == 5
     assert (await store.reread(two)).replays == 1
 
@@ -381,6 +524,33 @@ async def test_the_retention_purges_a_completed_response_and_keeps_the_row(subje
     assert full is not None
     assert full.request_body is None
     assert [e["event"] for e in full.history] == ["claimed", "settled"]
+
+
+async def test_the_retention_drops_whole_days_only(subject: Subject) -> None:
+    """A body older than the retention stays while its day is not wholly older; then the whole day goes."""
+    store = subject.store
+    record = await completed(store)
+    await subject.backdate(RETENTION.days)  # just past the retention, in a day that ends after it
+    assert await store.maintain(RETENTION) == []
+    assert not (await store.reread(record)).purged
+    await subject.backdate(1)
+    dropped = await store.maintain(RETENTION)
+    cutoff = await subject.clock() - RETENTION
+    assert dropped
+    assert all(day.upper <= cutoff for day in dropped)
+    assert (await store.reread(record)).purged
+
+
+async def test_a_purged_effect_keeps_its_key(subject: Subject) -> None:
+    """After the retention the key still names the effect: a claim reads it, purged, and creates nothing."""
+    store = subject.store
+    record = await completed(store)
+    await subject.backdate(10)
+    await store.maintain(RETENTION)
+    again, created = await store.claim(effect(), LEASE)
+    assert not created
+    assert again is not None
+    assert (again.id, again.state, again.response, again.purged) == (record.id, State.COMPLETED, None, True)
 
 
 async def test_the_retention_carries_the_bodies_of_open_effects_forward(subject: Subject) -> None:
@@ -453,6 +623,9 @@ async def test_find_filters_and_pages_newest_first(subject: Subject) -> None:
     assert [r.id for r in await store.find(EffectFilter(key="a"))] == [a.id]
     assert [r.id for r in await store.find(EffectFilter(before_id=c.id, limit=1))] == [b.id]
     assert await store.find(EffectFilter(since=datetime.now(UTC) + timedelta(days=1))) == []
+    assert [r.id for r in await store.find(EffectFilter(since=b.created_at))] == [c.id, b.id]
+    assert [r.id for r in await store.find(EffectFilter(until=c.created_at))] == [b.id, a.id]
+    assert [r.id for r in await store.find(EffectFilter(since=b.created_at, until=c.created_at))] == [b.id]
     page = await store.find(EffectFilter(limit=2))
     assert [r.id for r in page] == [c.id, b.id]
     assert not page[0].response_read
@@ -475,8 +648,9 @@ async def test_state_counts_count_every_state(subject: Subject) -> None:
     }
 
 
-async def test_the_key_secret_is_stable(subject: Subject) -> None:
-    """The secret of derived keys is the same on every read."""
+async def test_the_key_secret_is_stable_and_ping_answers(subject: Subject) -> None:
+    """The secret of derived keys is the same on every read; ping answers while the database is up."""
+    await subject.store.ping()
     first = await subject.store.key_secret()
     assert isinstance(first, bytes)
     assert len(first) >= 16
