@@ -522,9 +522,8 @@ async def test_an_outcome_that_cannot_be_recorded_is_recovered_not_resent(
         return web.json_response({"order": "L-1", "ref": json.loads(await request.read())["ref"]}, status=201)
 
     async def search(request: web.Request) -> web.Response:
-        found = [
-            {"order": "L-1"} for c in upstream.effects("/orders") if request.query["ref"] in c.body.decode()
-        ]
+        ref = request.query["ref"]
+        found = [{"order": "L-1", "ref": ref} for c in upstream.effects("/orders") if ref in c.body.decode()]
         return web.json_response({"items": found})
 
     upstream.routes["/orders"] = place
@@ -551,6 +550,6 @@ async def test_an_outcome_that_cannot_be_recorded_is_recovered_not_resent(
                 if status != 503:
                     break
         assert status == 201
-        assert json.loads(body) == {"order": "L-1"}
+        assert json.loads(body) == {"order": "L-1", "ref": (await effect_rows(db.dsn))[0]["derived_key"]}
         assert len(upstream.effects("/orders")) == 1
         assert (await effect_rows(db.dsn))[0]["recovered_by"] == "probe"

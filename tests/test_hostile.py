@@ -1,0 +1,82 @@
+"""Regression tests for what an attack on the gateway found after issue 7 was closed.
+
+Each failed on b689cc9, the commit the attack started from: a tenant got another tenant's effect, a
+completed effect could not be answered, an operator could store an answer no agent can read, or odd input
+was a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.support import Upstream, effect_rows, gateway_server
+
+TENANTS = {"a": {"token": "token-a"}, "b": {"token": "token-b"}}
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def order(
+    http: aiohttp.ClientSession, url: str, items: list[str], tenant: str, key: str = "k"
+) -> tuple[int, Any]:
+    headers = {"Idempotency-Key": key, "Effect-Gateway-Token": f"token-{tenant}"}
+    async with http.post(f"{url}/shop/orders", json={"items": items}, headers=headers) as resp:
+        return resp.status, await resp.json()
+
+
+# --- probes ------------------------------------------------------------------------------------------------
+
+
+async def test_a_search_that_ignores_the_key_cannot_hand_a_tenant_another_tenants_order(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """A probe whose search lists every order is a failed probe: a's retry never gets b's order as its own.
+
+    Before, the first item of the unfiltered list (b's order) completed a's effect: a read b's order, and
+    a's own order, which the upstream never placed, was never placed.
+    """
+    orders: list[dict[str, Any]] = []
+
+    async def create(request: web.Request) -> web.Response:
+        doc = await request.json()
+        if doc["items"] == ["slow"]:
+            await asyncio.sleep(1)  # a's order: the gateway gives up first, and none is placed
+            return web.json_response({}, status=500)
+        orders.append({"order": len(orders) + 1, **doc})
+        return web.json_response(orders[-1], status=201)
+
+    async def search(request: web.Request) -> web.Response:
+        return web.json_response({"items": orders})  # the filter it does not know is ignored
+
+    upstream.routes["/orders"] = create
+    upstream.routes["/orders/search"] = search
+    probe = {"path": "/orders/search?reference={key}", "found": "items.0", "status": 201}
+    cfg = {
+        "shop": {
+            "base_url": upstream.url,
+            "timeout": "300ms",
+            "stamp": {"json_field": "client_reference"},
+            "probe": probe,
+        }
+    }
+    async with gateway_server(dsn, upstreams=cfg, tenants=TENANTS, lease_grace="100ms") as gw:
+        assert (await order(http, gw.url, ["b's secret"], "b"))[0] == 201
+        assert (await order(http, gw.url, ["slow"], "a"))[0] == 504
+        await asyncio.sleep(0.5)  # a's lease runs out
+        status, body = await order(http, gw.url, ["slow"], "a")
+    assert (status, body["type"].rsplit("/", 1)[1]) == (503, "probe-failed")
+    assert "b's secret" not in json.dumps(body)
+    rows = {row["tenant"]: row for row in await effect_rows(dsn)}
+    assert rows["a"]["state"] == "in_doubt"
+    assert rows["a"]["response_body"] is None or b"secret" not in rows["a"]["response_body"]
