@@ -147,8 +147,8 @@ class Prober:
             # A search that ignores a filter it does not know (a typo in probe.path, an API that changed)
             # lists other effects: the first may be another tenant's, and this one may never have happened.
             raise ProbeFailed(
-                f"the probe of {policy.name} found an item at {http.found!r} that does not carry the effect's "
-                "key: does probe.path filter by {key}?"
+                f"the probe of {policy.name} found an item at {http.found!r} that does not carry the "
+                "effect's key: does probe.path filter by {key}?"
             )
         return self._stored(http.status, jsonbody.compact(found).encode(), f"the probe of {policy.name}")
 
