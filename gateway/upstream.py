@@ -25,7 +25,7 @@ from gateway.headers import (
 )
 from gateway.outcome import Answered, NoAnswer, NotSent, Outcome
 from gateway.policy import UpstreamPolicy
-from gateway.stamp import stamp_request
+from gateway.stamp import same_header, stamp_request
 
 # Re-exported: the service keeps them out of the audit.
 __all__ = ["GATEWAY_REQUEST_HEADERS", "HOP_BY_HOP", "UNSTORED_RESPONSE_HEADERS", "Outbound", "UpstreamClient"]
@@ -62,8 +62,10 @@ def build_outbound(
     if derived_key is not None and policy.stamp is not None:
         kind, name = policy.stamp
         query, raw = stamp_request(kind, name, derived_key, query=query, headers=out, body=body)
-    # Injected credentials replace whatever the agent sent under any spelling: agents hold no secrets.
-    for name in policy.inject.headers:
+    # Injected credentials replace whatever the agent sent under any spelling (``_`` for ``-`` too, which
+    # CGI and WSGI servers read as the same header): agents hold no secrets.
+    injected = {same_header(name) for name in policy.inject.headers}
+    for name in [name for name in out if same_header(name) in injected]:
         out.popall(name, None)
     out.extend(policy.inject.headers)
     target = policy.base_url + path + (f"?{query}" if query else "")

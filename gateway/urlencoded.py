@@ -41,9 +41,9 @@ def canonical(parsed: tuple[Pair, ...]) -> bytes:
     return b"&".join(pair.canonical for pair in parsed)
 
 
-def has_name(parsed: tuple[Pair, ...], name: str) -> bool:
-    wanted = name.encode()
-    return any(pair.name == wanted for pair in parsed)
+def loose_names(raw: bytes) -> set[bytes]:
+    """Every decoded name in ``raw`` when ``;`` separates pairs too, as some parsers still read it."""
+    return {_decode(segment.partition(b"=")[0]) for segment in re.split(rb"[&;]", raw)}
 
 
 def append(raw: bytes, name: str, value: str) -> bytes:

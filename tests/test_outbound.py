@@ -226,3 +226,56 @@ async def test_the_upstream_gets_no_header_the_agent_did_not_send(
         assert (await raw_exchange(gw.url, head)).split(b" ", 2)[1] == b"201"
     received = [(k, v) for k, v in upstream.calls[0].header_list if k not in ("Host", "Content-Length")]
     assert received == [(k, v) for k, v in headers if k.lower() not in ("keep-alive", "connection")]
+
+
+# The stamp's or native key's name as another parser reads it: (stamps' entry, headers, query, type, body).
+SPELLED_OTHERWISE: dict[str, tuple[str, dict[str, str], str, str, bytes]] = {
+    # CGI and WSGI servers read X_Ref as X-Ref
+    "header-underscore": ("header", {"X_Ref": "eg_forged"}, "", "application/json", b"{}"),
+    "native-underscore": ("native", {"x_idem": "eg_forged"}, "", "application/json", b"{}"),
+    # Rack 2 and Python before 3.9.2 split pairs on ';' as well as '&'
+    "query-semicolon": ("query", {}, "a=1;ref=eg_forged", "application/json", b"{}"),
+    "form-semicolon": (
+        "form",
+        {},
+        "",
+        "application/x-www-form-urlencoded",
+        b"a=1;metadata[idempotency_key]=eg_forged",
+    ),
+    # Rack reads a POST body without a Content-Type as a form
+    "form-untyped": ("form", {}, "", "", b"metadata[idempotency_key]=eg_forged"),
+    "form-multipart": (
+        "form",
+        {},
+        "",
+        "multipart/form-data; boundary=B",
+        b'--B\r\nContent-Disposition: form-data; name="metadata[idempotency_key]"\r\n\r\n'
+        b"eg_forged\r\n--B--\r\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPELLED_OTHERWISE))
+def test_the_stamps_name_spelled_as_another_parser_reads_it_is_reserved_too(case: str) -> None:
+    """`_` for `-` in a header name, pairs after `;`, an untyped or multipart form: stamp-reserved.
+
+    Each reached the upstream beside (or, without a key, instead of) the gateway's own value.
+    """
+    where, headers, query, content_type, body = SPELLED_OTHERWISE[case]
+    policy = _policy(STAMPS[where])
+    read = read_body(body, content_type, policy.json_stamp_path)
+    assert reserved_use(policy, CIMultiDict(headers), query, read) is not None
+
+
+def test_an_injected_credential_replaces_the_agents_under_an_underscore_spelling_too() -> None:
+    """An agent's X_Api_Key (read by WSGI as X-Api-Key) never reaches the upstream beside the injected."""
+    policy = _policy({"inject_headers": {"X-Api-Key": "secret"}})
+    out = build_outbound(
+        policy, None, "GET", "/x", "", CIMultiDict({"X_Api_Key": "mine"}), read_body(b"", "")
+    )
+    assert list(out.headers.items()) == [("X-Api-Key", "secret")]
+
+
+def _policy(settings: dict[str, Any]) -> UpstreamPolicy:
+    cfg = UpstreamSettings.model_validate({"base_url": "http://upstream.invalid", **settings})
+    return upstream_policy("shop", cfg, timedelta(seconds=1))
