@@ -80,3 +80,68 @@ async def test_a_search_that_ignores_the_key_cannot_hand_a_tenant_another_tenant
     rows = {row["tenant"]: row for row in await effect_rows(dsn)}
     assert rows["a"]["state"] == "in_doubt"
     assert rows["a"]["response_body"] is None or b"secret" not in rows["a"]["response_body"]
+
+
+# --- leases ------------------------------------------------------------------------------------------------
+
+
+async def test_a_request_that_waits_for_a_connection_past_its_grace_is_not_sent(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """The only connection is busy beyond lease_grace: the request is never sent (502), so no late copy.
+
+    Before, it waited up to connect_timeout and reached the upstream near the end of its lease; the
+    upstream, well within its timeout of receiving it, placed the order after the lease ran out, when a
+    retry had already probed, found nothing yet, and placed it again: two orders.
+    """
+    placed: list[dict[str, Any]] = []
+
+    async def create(request: web.Request) -> web.Response:
+        doc = await request.json()
+        if doc["items"] == ["hog"]:
+            await asyncio.sleep(1.5)  # holds the upstream's only connection
+            return web.json_response({}, status=200)
+        await asyncio.sleep(1.2)  # well within the upstream's timeout of receiving it
+        placed.append(doc)
+        return web.json_response({"order": len(placed), **doc}, status=201)
+
+    async def search(request: web.Request) -> web.Response:
+        ref = request.query["ref"]
+        return web.json_response({"items": [o for o in placed if o["client_reference"] == ref]})
+
+    upstream.routes["/orders"] = create
+    upstream.routes["/orders/search"] = search
+    probe = {"path": "/orders/search?ref={key}", "found": "items.0", "status": 201}
+    cfg = {
+        "shop": {
+            "base_url": upstream.url,
+            "timeout": "1500ms",
+            "connect_timeout": "1500ms",
+            "max_connections": 1,
+            "stamp": {"json_field": "client_reference"},
+            "probe": probe,
+        }
+    }
+    async with gateway_server(dsn, upstreams=cfg, lease_grace="200ms") as gw:
+        hog = asyncio.create_task(_put(http, f"{gw.url}/shop/orders", {"items": ["hog"]}))
+        await asyncio.sleep(0.1)
+        first = await _post(http, f"{gw.url}/shop/orders", {"items": ["atta"]})
+        await asyncio.sleep(0.4)  # past the first attempt's lease (had it waited for the connection)
+        await _post(http, f"{gw.url}/shop/orders", {"items": ["atta"]})
+        await hog
+        last = await _post(http, f"{gw.url}/shop/orders", {"items": ["atta"]})
+        await asyncio.sleep(1.5)  # any copy still at the upstream has landed by now
+    assert len(placed) == 1
+    assert first[0] == 502, first
+    assert first[1]["type"].endswith("/upstream-unreachable")
+    assert last[0] == 201
+
+
+async def _post(http: aiohttp.ClientSession, url: str, doc: Any) -> tuple[int, Any]:
+    async with http.post(url, json=doc, headers={"Idempotency-Key": "b"}) as resp:
+        return resp.status, await resp.json()
+
+
+async def _put(http: aiohttp.ClientSession, url: str, doc: Any) -> int:
+    async with http.put(url, json=doc) as resp:
+        return resp.status
