@@ -71,6 +71,7 @@ def make_app(settings: Settings, dsn: str) -> web.Application:
     )
     app[DSN] = dsn
     app.cleanup_ctx.append(_runtime(settings))
+    app.on_shutdown.append(_finish_calls)
     admin.add_routes(app)
     audit_routes.add_routes(app)
     app.router.add_route("*", "/{tail:.*}", proxy)
@@ -104,12 +105,25 @@ def _runtime(settings: Settings) -> Callable[[web.Application], AsyncIterator[No
             with contextlib.suppress(asyncio.CancelledError):
                 await purger
             # Calls under way finish and record before the store closes (bounded by the longest lease).
-            longest = max((p.lease.total_seconds() for p in policies.values()), default=0.0)
-            await service.drain(timeout=longest)
+            await service.drain(timeout=_longest_lease(policies))
             await client.close()
             await store.close()
 
     return ctx
+
+
+async def _finish_calls(app: web.Application) -> None:
+    """At shutdown, once no connection takes new requests: the calls under way finish and record.
+
+    Their agents then get their answers in the runner's short shutdown timeout (see gateway.serve),
+    instead of aiohttp waiting that long for handlers that may still be calling their upstream.
+    """
+    runtime = app[RUNTIME]
+    await runtime.service.drain(timeout=_longest_lease(runtime.policies))
+
+
+def _longest_lease(policies: dict[str, UpstreamPolicy]) -> float:
+    return max((p.lease.total_seconds() for p in policies.values()), default=0.0)
 
 
 async def _maintain_periodically(store: Store, settings: Settings) -> None:
