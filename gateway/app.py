@@ -22,7 +22,15 @@ from gateway.keys import KeySyntaxError, looks_made_up, parse_key
 from gateway.policy import UpstreamPolicy, upstream_policies
 from gateway.probes import Prober
 from gateway.record import StoredResponse
-from gateway.runtime import RUNTIME, ClientGone, Runtime, check_headers, read_request_body, tenant_of
+from gateway.runtime import (
+    RUNTIME,
+    ClientGone,
+    Runtime,
+    check_headers,
+    check_host,
+    read_request_body,
+    tenant_of,
+)
 from gateway.schema import migrate
 from gateway.service import EffectService, Inbound, Reply
 from gateway.settings import ErrorFormat, Settings
@@ -169,6 +177,7 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
     """The one place where errors become problem+json (or the upstream's error format)."""
     try:
         check_headers(request)
+        check_host(request, request.app[RUNTIME].settings)
         return await handler(request)
     except problems.Problem as problem:
         instance = request.path_qs if request.path_qs.isascii() else None

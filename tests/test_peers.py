@@ -38,7 +38,7 @@ async def _connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter
 
 
 HEAD_WITHOUT_BODY = (
-    b"POST /shop/orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow\r\nContent-Length: 10\r\n\r\n"
+    b"POST /shop/orders HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: slow\r\nContent-Length: 10\r\n\r\n"
 )
 
 
@@ -66,7 +66,7 @@ async def test_a_head_that_does_not_arrive_in_time_closes_the_connection(
         dsn, upstreams={"shop": {"base_url": upstream.url}}, request_head_timeout="300ms"
     ) as gw:
         reader, writer = await _connect(gw.url)
-        writer.write(b"POST /shop/orders HTTP/1.1\r\nHost: x\r\nIdempotency-")
+        writer.write(b"POST /shop/orders HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-")
         started = time.monotonic()
         assert await asyncio.wait_for(reader.read(), 5) == b""
         writer.close()
@@ -127,7 +127,7 @@ async def test_agents_that_do_not_read_their_answers_do_not_hold_a_shutdown(
             agent = socket.socket()
             agent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and never read
             agent.connect((host, int(port)))
-            agent.sendall(b"POST /shop/orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: big%d\r\n" % n)
+            agent.sendall(b"POST /shop/orders HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: big%d\r\n" % n)
             agent.sendall(b"Content-Length: 2\r\n\r\n{}")
             agents.append(agent)
         for _ in range(200):  # the answers are recorded, and being written to agents that do not read

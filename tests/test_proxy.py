@@ -286,7 +286,7 @@ async def test_paths_that_could_escape_the_upstream_are_refused(
     host, port = gateway.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(
-        f"POST {target} HTTP/1.1\r\nHost: x\r\nIdempotency-Key: p\r\nContent-Length: 2\r\n"
+        f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: p\r\nContent-Length: 2\r\n"
         "Connection: close\r\n\r\n{}".encode()
     )
     await writer.drain()
@@ -455,7 +455,7 @@ async def test_non_utf8_headers_are_refused_without_crashing(
     for header in (b"Idempotency-Key: \xff\xfe", b"X-Note: caf\xe9"):
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(
-            b"POST /shop/orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: u1\r\n"
+            b"POST /shop/orders HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: u1\r\n"
             + header
             + b"\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
         )

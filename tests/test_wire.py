@@ -63,11 +63,11 @@ async def raw_request(url: str, head: bytes, body: bytes = b"{}") -> tuple[bytes
     return status, lines, rest
 
 
-GET = b"GET /shop/x HTTP/1.1\r\nHost: x\r\n"
+GET = b"GET /shop/x HTTP/1.1\r\nHost: 127.0.0.1\r\n"
 
 
 def post(key: str) -> bytes:
-    return b"POST /shop/x HTTP/1.1\r\nHost: x\r\nIdempotency-Key: " + key.encode() + b"\r\n"
+    return b"POST /shop/x HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: " + key.encode() + b"\r\n"
 
 
 def answer(*lines: bytes, status: bytes = b"201 Created") -> bytes:
@@ -128,7 +128,7 @@ async def _serve_stored(stored: StoredResponse, *, replayed: bool) -> list[bytes
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     try:
         _, lines, _ = await raw_request(
-            f"http://127.0.0.1:{runner.addresses[0][1]}", b"GET / HTTP/1.1\r\nHost: x\r\n"
+            f"http://127.0.0.1:{runner.addresses[0][1]}", b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         )
     finally:
         await runner.cleanup()
