@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.support import Upstream, effect_rows, gateway_server
+from tests.support import Upstream, effect_rows, gateway_server, raw_upstream
 
 TENANTS = {"a": {"token": "token-a"}, "b": {"token": "token-b"}}
 
@@ -145,3 +145,24 @@ async def _post(http: aiohttp.ClientSession, url: str, doc: Any) -> tuple[int, A
 async def _put(http: aiohttp.ClientSession, url: str, doc: Any) -> int:
     async with http.put(url, json=doc) as resp:
         return resp.status
+
+
+# --- the audit page ----------------------------------------------------------------------------------------
+
+
+async def test_an_effect_whose_answer_has_header_bytes_that_are_not_utf8_has_a_page(dsn: str) -> None:
+    """The effect's page shows an upstream's header byte that is not UTF-8 as \\xe9; it was a 500.
+
+    An operator could not open such an effect's page, nor resolve it there.
+    """
+    async with (
+        raw_upstream(b"HTTP/1.1 201 Created\r\nX-Bin: caf\xe9\r\nContent-Length: 2\r\n\r\nok") as up,
+        gateway_server(dsn, upstreams={"shop": {"base_url": up.url}}) as gw,
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.post(f"{gw.url}/shop/orders", data=b"{}", headers={"Idempotency-Key": "k"}) as resp:
+            assert resp.status == 201
+        async with http.get(f"{gw.url}/_gateway/audit/1") as resp:
+            page = await resp.text()
+            assert resp.status == 200
+    assert "caf\\xe9" in page
