@@ -37,6 +37,7 @@ from gateway.settings import ErrorFormat, Settings
 from gateway.stamp import reserved_use
 from gateway.store import Store, StoreLimits
 from gateway.upstream import UpstreamClient
+from gateway.urlencoded import FormRefused
 from gateway.wire import HeaderRefused, RawHeadResponse
 
 log = logging.getLogger("effect_gateway")
@@ -323,7 +324,7 @@ async def _body(request: web.Request, settings: Settings, policy: UpstreamPolicy
         if len(raw) > OFF_LOOP_BYTES:
             return await asyncio.to_thread(read_body, raw, content_type, policy.json_stamp_path)
         return read_body(raw, content_type, policy.json_stamp_path)
-    except JsonRefused as exc:
+    except (JsonRefused, FormRefused) as exc:
         raise problems.BodyMalformed(f"{exc}; nothing was sent") from None
 
 

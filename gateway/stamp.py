@@ -79,7 +79,7 @@ def reserved_use(
     if policy.stamp is None:
         return None
     kind, name = policy.stamp
-    if kind == "query_param" and name.encode() in urlencoded.loose_names(query.encode()):
+    if kind == "query_param" and urlencoded.sets_name(query.encode(), name):
         return f"the query parameter {name}"
     if kind == "form_field" and body.kind != "json" and _names_form_field(body.raw, name):
         return f"the form field {name}"
@@ -94,5 +94,4 @@ def _names_form_field(raw: bytes, name: str) -> bool:
     Read as a form whatever its Content-Type says (Rack reads a POST without one as a form), and as
     multipart by the field names its parts give.
     """
-    wanted = name.encode()
-    return wanted in urlencoded.loose_names(raw) or b'name="' + wanted + b'"' in raw
+    return urlencoded.sets_name(raw, name) or b'name="' + name.encode() + b'"' in raw

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
@@ -13,6 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
+from gateway import urlencoded
 from gateway.body import read_body
 from gateway.jsonbody import JsonRefused
 from gateway.policy import UpstreamPolicy, upstream_policy
@@ -280,3 +282,26 @@ def test_an_injected_credential_replaces_the_agents_under_an_underscore_spelling
 def _policy(settings: dict[str, Any]) -> UpstreamPolicy:
     cfg = UpstreamSettings.model_validate({"base_url": "http://upstream.invalid", **settings})
     return upstream_policy("shop", cfg, timedelta(seconds=1))
+
+
+NAMES = st.sampled_from(["ref", "metadata[idempotency_key]", "a b", "%", "x;y", "é"])
+
+
+@given(NAMES, st.lists(st.tuples(FORM_BYTES, st.booleans()), max_size=5), st.data())
+def test_a_pair_is_found_by_its_decoded_name_in_any_spelling(
+    name: str, pieces: list[tuple[bytes, bool]], data: st.DataObject
+) -> None:
+    """sets_name() finds a pair whose name decodes to the stamp's, split on & or ;, and nothing else."""
+    raw = b""
+    for piece, named in pieces:
+        segment = data.draw(spelled(name.encode())) + b"=1" if named else piece
+        raw += (data.draw(st.sampled_from([b"&", b";"])) if raw else b"") + segment
+    names = {urlencoded._decode(seg.partition(b"=")[0]) for seg in re.split(rb"[&;]", raw)}
+    assert urlencoded.sets_name(raw, name) == (name.encode() in names)
+
+
+def test_a_form_of_too_many_fields_is_refused() -> None:
+    """More than 10,000 fields is a 400: read as pairs, a megabyte of "&" held a core for seconds."""
+    with pytest.raises(urlencoded.FormRefused):
+        read_body(b"&" * (1024 * 1024), "application/x-www-form-urlencoded")
+    read_body(b"a=1&" * 9_000, "application/x-www-form-urlencoded")
