@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.support import Upstream, effect_rows, gateway_server, raw_upstream
+from tests.support import Handler, Upstream, effect_rows, gateway_server, raw_upstream
 
 TENANTS = {"a": {"token": "token-a"}, "b": {"token": "token-b"}}
 
@@ -33,6 +33,15 @@ async def order(
     headers = {"Idempotency-Key": key, "Effect-Gateway-Token": f"token-{tenant}"}
     async with http.post(f"{url}/shop/orders", json={"items": items}, headers=headers) as resp:
         return resp.status, await resp.json()
+
+
+def probed_shop(upstream: Upstream, create: Handler, search: Handler, path: str, **settings: Any) -> Any:
+    """A shop that places orders with ``create`` and finds them with ``search``, stamped and probed."""
+    upstream.routes["/orders"] = create
+    upstream.routes["/orders/search"] = search
+    probe = {"path": path, "found": "items.0", "status": 201}
+    stamp = {"json_field": "client_reference"}
+    return {"shop": {"base_url": upstream.url, "stamp": stamp, "probe": probe, **settings}}
 
 
 # --- probes ------------------------------------------------------------------------------------------------
@@ -59,17 +68,7 @@ async def test_a_search_that_ignores_the_key_cannot_hand_a_tenant_another_tenant
     async def search(request: web.Request) -> web.Response:
         return web.json_response({"items": orders})  # the filter it does not know is ignored
 
-    upstream.routes["/orders"] = create
-    upstream.routes["/orders/search"] = search
-    probe = {"path": "/orders/search?reference={key}", "found": "items.0", "status": 201}
-    cfg = {
-        "shop": {
-            "base_url": upstream.url,
-            "timeout": "300ms",
-            "stamp": {"json_field": "client_reference"},
-            "probe": probe,
-        }
-    }
+    cfg = probed_shop(upstream, create, search, "/orders/search?reference={key}", timeout="300ms")
     async with gateway_server(dsn, upstreams=cfg, tenants=TENANTS, lease_grace="100ms") as gw:
         assert (await order(http, gw.url, ["b's secret"], "b"))[0] == 201
         assert (await order(http, gw.url, ["slow"], "a"))[0] == 504
@@ -109,19 +108,15 @@ async def test_a_request_that_waits_for_a_connection_past_its_grace_is_not_sent(
         ref = request.query["ref"]
         return web.json_response({"items": [o for o in placed if o["client_reference"] == ref]})
 
-    upstream.routes["/orders"] = create
-    upstream.routes["/orders/search"] = search
-    probe = {"path": "/orders/search?ref={key}", "found": "items.0", "status": 201}
-    cfg = {
-        "shop": {
-            "base_url": upstream.url,
-            "timeout": "1500ms",
-            "connect_timeout": "1500ms",
-            "max_connections": 1,
-            "stamp": {"json_field": "client_reference"},
-            "probe": probe,
-        }
-    }
+    cfg = probed_shop(
+        upstream,
+        create,
+        search,
+        "/orders/search?ref={key}",
+        timeout="1500ms",
+        connect_timeout="1500ms",
+        max_connections=1,
+    )
     async with gateway_server(dsn, upstreams=cfg, lease_grace="200ms") as gw:
         hog = asyncio.create_task(_put(http, f"{gw.url}/shop/orders", {"items": ["hog"]}))
         await asyncio.sleep(0.1)
