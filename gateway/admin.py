@@ -83,8 +83,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     runtime = _runtime(request)
-    _viewer(request, runtime)
-    counts = await runtime.store.state_counts()
+    # A tenant's token counts its own effects (the open ones), as health does; the admin's every one.
+    counts = await runtime.store.state_counts(_viewer(request, runtime))
     lines = [
         "# HELP effect_gateway_effects Effect records by state.",
         "# TYPE effect_gateway_effects gauge",
@@ -151,7 +151,11 @@ def parse_moment(value: str, name: str) -> datetime:
     except ValueError:
         pass
     else:
-        return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+        try:
+            # In UTC, as Postgres compares it: 9999-12-31T23:59-14:00 is past the last year Python holds.
+            return (when if when.tzinfo is not None else when.replace(tzinfo=UTC)).astimezone(UTC)
+        except OverflowError:
+            raise problems.BadRequest(f"{name}={value!r} is outside the years 1 to 9999 in UTC") from None
     try:
         return datetime.now(UTC) - parse_duration(value)
     except (ValueError, OverflowError):
@@ -175,6 +179,14 @@ def _int(value: str, name: str, low: int, high: int) -> int:
     return number
 
 
+def _text(query: dict[str, str], name: str) -> str | None:
+    value = query.get(name)
+    if value is not None and "\x00" in value:
+        # No Postgres text holds a NUL: asked for one, it refuses the whole statement.
+        raise problems.BadRequest(f"{name} may not hold a NUL character")
+    return value
+
+
 def parse_filter(query: dict[str, str], tenant: str | None) -> EffectFilter:
     state = query.get("state")
     if state is not None and state not in State.__members__.values():
@@ -182,9 +194,9 @@ def parse_filter(query: dict[str, str], tenant: str | None) -> EffectFilter:
     return EffectFilter(
         tenant=tenant,
         state=State(state) if state else None,
-        upstream=query.get("upstream"),
-        run_id=query.get("run"),
-        key=query.get("key"),
+        upstream=_text(query, "upstream"),
+        run_id=_text(query, "run"),
+        key=_text(query, "key"),
         since=parse_moment(query["since"], "since") if "since" in query else None,
         until=parse_moment(query["until"], "until") if "until" in query else None,
         before_id=_int(query["before"], "before", 1, MAX_ID) if "before" in query else None,
@@ -230,8 +242,9 @@ def parse_resolution(doc: Any) -> tuple[bool, StoredResponse | None]:
     if not isinstance(response, dict) or not isinstance(response.get("status"), int):
         raise problems.BadRequest('"happened": true needs "response": {"status": 201, ...} to replay')
     status = response["status"]
-    if not 100 <= status <= 599:
-        raise problems.BadRequest("response.status must be an HTTP status")
+    if not 200 <= status <= 599:
+        # A 1xx is no final answer: replayed, it leaves the agent waiting for one that never comes.
+        raise problems.BadRequest("response.status must be a final HTTP status, from 200 to 599")
     headers_in = response.get("headers", {})
     if isinstance(headers_in, dict):
         headers = [(str(k), str(v)) for k, v in headers_in.items()]
@@ -254,7 +267,10 @@ def parse_resolution(doc: Any) -> tuple[bool, StoredResponse | None]:
         body_text = response.get("body", "")
         if not isinstance(body_text, str):
             raise problems.BadRequest("response.body must be a string (or give response.json)")
-        body = body_text.encode()
+        try:
+            body = body_text.encode()
+        except UnicodeEncodeError:  # a lone surrogate, which JSON's \\u escapes can spell
+            raise problems.BadRequest("response.body must be text (or give response.json)") from None
     return True, StoredResponse(status, tuple(headers), body)
 
 

@@ -22,13 +22,22 @@ from gateway.keys import KeySyntaxError, looks_made_up, parse_key
 from gateway.policy import UpstreamPolicy, upstream_policies
 from gateway.probes import Prober
 from gateway.record import StoredResponse
-from gateway.runtime import RUNTIME, ClientGone, Runtime, check_headers, read_request_body, tenant_of
+from gateway.runtime import (
+    RUNTIME,
+    ClientGone,
+    Runtime,
+    check_headers,
+    check_host,
+    read_request_body,
+    tenant_of,
+)
 from gateway.schema import migrate
 from gateway.service import EffectService, Inbound, Reply
 from gateway.settings import ErrorFormat, Settings
 from gateway.stamp import reserved_use
 from gateway.store import Store, StoreLimits
 from gateway.upstream import UpstreamClient
+from gateway.urlencoded import FormRefused
 from gateway.wire import HeaderRefused, RawHeadResponse
 
 log = logging.getLogger("effect_gateway")
@@ -71,6 +80,7 @@ def make_app(settings: Settings, dsn: str) -> web.Application:
     )
     app[DSN] = dsn
     app.cleanup_ctx.append(_runtime(settings))
+    app.on_shutdown.append(_finish_calls)
     admin.add_routes(app)
     audit_routes.add_routes(app)
     app.router.add_route("*", "/{tail:.*}", proxy)
@@ -104,12 +114,25 @@ def _runtime(settings: Settings) -> Callable[[web.Application], AsyncIterator[No
             with contextlib.suppress(asyncio.CancelledError):
                 await purger
             # Calls under way finish and record before the store closes (bounded by the longest lease).
-            longest = max((p.lease.total_seconds() for p in policies.values()), default=0.0)
-            await service.drain(timeout=longest)
+            await service.drain(timeout=_longest_lease(policies))
             await client.close()
             await store.close()
 
     return ctx
+
+
+async def _finish_calls(app: web.Application) -> None:
+    """At shutdown, once no connection takes new requests: the calls under way finish and record.
+
+    Their agents then get their answers in the runner's short shutdown timeout (see gateway.serve),
+    instead of aiohttp waiting that long for handlers that may still be calling their upstream.
+    """
+    runtime = app[RUNTIME]
+    await runtime.service.drain(timeout=_longest_lease(runtime.policies))
+
+
+def _longest_lease(policies: dict[str, UpstreamPolicy]) -> float:
+    return max((p.lease.total_seconds() for p in policies.values()), default=0.0)
 
 
 async def _maintain_periodically(store: Store, settings: Settings) -> None:
@@ -155,6 +178,7 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
     """The one place where errors become problem+json (or the upstream's error format)."""
     try:
         check_headers(request)
+        check_host(request, request.app[RUNTIME].settings)
         return await handler(request)
     except problems.Problem as problem:
         instance = request.path_qs if request.path_qs.isascii() else None
@@ -300,7 +324,7 @@ async def _body(request: web.Request, settings: Settings, policy: UpstreamPolicy
         if len(raw) > OFF_LOOP_BYTES:
             return await asyncio.to_thread(read_body, raw, content_type, policy.json_stamp_path)
         return read_body(raw, content_type, policy.json_stamp_path)
-    except JsonRefused as exc:
+    except (JsonRefused, FormRefused) as exc:
         raise problems.BodyMalformed(f"{exc}; nothing was sent") from None
 
 

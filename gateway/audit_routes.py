@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from aiohttp import web
 
 from gateway import audit_page, effect_page, operators, problems
-from gateway.admin import parse_filter, parse_resolution
+from gateway.admin import MAX_ID, parse_filter, parse_resolution, whole_number
 from gateway.audit_page import BASE, Chrome, Listing
 from gateway.decision import NotAwaitingOperator, resolution
 from gateway.effect_page import ResolveForm, Verdict
@@ -42,6 +42,7 @@ SECURITY_HEADERS = {
 }
 # A header name is an RFC 9110 token: anything else would break the replay, not just look odd.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 OUTCOMES = {
     "happened": "Recorded: the effect happened. The agent's next retry with this key gets the response "
     "below, and nothing is sent.",
@@ -240,7 +241,8 @@ async def list_effects(request: web.Request) -> web.StreamResponse:
 
 async def _load(request: web.Request, tenant: str | None) -> EffectRecord:
     raw = request.match_info["id"]
-    record = await _runtime(request).store.get(int(raw), tenant) if raw.isdigit() and len(raw) < 19 else None
+    effect_id = whole_number(raw, 1, MAX_ID)
+    record = await _runtime(request).store.get(effect_id, tenant) if effect_id is not None else None
     if record is None:
         raise PageError(404, "No such effect", f"There is no effect {raw} among those you may see.")
     return record
@@ -285,8 +287,8 @@ def _entered(form: Mapping[str, object]) -> ResolveForm:
 
 def _response(entered: ResolveForm) -> StoredResponse:
     """The response to replay, from the "happened" form: checked as the JSON route checks it."""
-    if not entered.status.isdigit():
-        raise problems.BadRequest("The status must be a number from 100 to 599.")
+    if whole_number(entered.status, 0, 999) is None:
+        raise problems.BadRequest("The status must be a number from 200 to 599.")
     headers: list[list[str]] = []
     for line in entered.headers.splitlines():
         if not line.strip():
@@ -333,12 +335,15 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
         raise PageError(400, "Which verdict?", "Say whether the effect happened (yes) or not (no).")
     entered = _entered(form)
     response = None
-    if happened == "yes":
-        try:
+    try:
+        if _CONTROL.search(entered.by):
+            # The name goes to the history, which (as Postgres's jsonb) cannot hold a NUL.
+            raise problems.BadRequest("The name may not hold control characters.")
+        if happened == "yes":
             response = _response(entered)
-        except problems.BadRequest as exc:
-            again = _verdict(record, viewer, replace(entered, error=exc.detail))
-            return _html(effect_page.effect(record, viewer.chrome(), again), 400)
+    except problems.BadRequest as exc:
+        again = _verdict(record, viewer, replace(entered, error=exc.detail))
+        return _html(effect_page.effect(record, viewer.chrome(), again), 400)
     by = entered.by or "admin, on the audit page"
     try:
         await operators.resolve(

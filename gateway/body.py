@@ -46,11 +46,13 @@ def read_body(raw: bytes, content_type: str, json_path: Sequence[str] = ()) -> R
     """Parse ``raw`` as its Content-Type says; ``json_path`` (a JSON stamp's) makes it JSON regardless.
 
     Raises :class:`gateway.jsonbody.JsonRefused` for a body that should be JSON and is not one
-    unambiguous document. An empty body is no document at all, of any kind.
+    unambiguous document, :class:`gateway.urlencoded.FormRefused` for a form of too many fields. An
+    empty body is no document at all, of any kind.
     """
     media = media_type(content_type)
     if raw and (json_path or is_json(media)):
         return RequestBody(raw, "json", jsonbody.parse(raw, json_path))
     if media == FORM:
+        urlencoded.check_size(raw)
         return RequestBody(raw, "form", form=urlencoded.pairs(raw))
     return RequestBody(raw)

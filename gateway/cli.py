@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
 
-from gateway import admin, embedded, operators, problems, report
+from gateway import admin, embedded, jsonbody, operators, problems, report
 from gateway.decision import NotAwaitingOperator
 from gateway.embedded import EmbeddedPostgres
 from gateway.errors import ConfigError, GatewayError, StoreUnavailable
@@ -211,6 +211,13 @@ def cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
 # --- effects and resolve ------------------------------------------------------------------------------
 
 
+def effect_id(value: int) -> int:
+    """An effect id from the command line: a Postgres bigint, as the HTTP routes take it."""
+    if not 1 <= value <= admin.MAX_ID:
+        raise UsageError(f"an effect id is a whole number from 1 to {admin.MAX_ID}, not {value}")
+    return value
+
+
 async def _read_effect(store: Store, effect_id: int) -> EffectRecord:
     record = await store.get(effect_id)
     if record is None:
@@ -234,6 +241,8 @@ def cmd_effects(settings: Settings, args: argparse.Namespace) -> int:
         where = admin.parse_filter(query, args.tenant)
     except problems.Problem as exc:
         raise UsageError(exc.detail) from None
+    if args.id is not None:
+        effect_id(args.id)
 
     async def run(dsn: str) -> list[dict[str, Any]]:
         await migrate(dsn)
@@ -251,7 +260,7 @@ def cmd_effects(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def _given_response(args: argparse.Namespace) -> StoredResponse:
+def _given_response(args: argparse.Namespace, limit: int) -> StoredResponse:
     """The response an operator gives on the command line, checked as the HTTP route checks it."""
     bodies = [b for b in (args.body, args.json_body, args.body_file) if b is not None]
     if args.status is None or len(bodies) != 1:
@@ -268,12 +277,17 @@ def _given_response(args: argparse.Namespace) -> StoredResponse:
     response: dict[str, Any] = {"status": args.status, "headers": headers}
     if args.json_body is not None:
         try:
-            response["json"] = json.loads(args.json_body)
-        except ValueError:
-            raise UsageError("--json-body is not valid JSON") from None
+            # Strictly, as the HTTP route reads a verdict: NaN or Infinity would be stored as the answer.
+            response["json"] = jsonbody.loads(args.json_body.encode("utf-8", "surrogateescape"))
+        except jsonbody.JsonRefused as exc:
+            raise UsageError(f"--json-body is not valid JSON: {exc}") from None
     elif args.body_file is not None:
         try:
-            response["body"] = Path(args.body_file).read_text(encoding="utf-8")
+            with open(args.body_file, "rb") as fh:
+                raw = fh.read(limit + 1)  # no more: /dev/zero, or a wrong file, would fill the memory
+            if len(raw) > limit:
+                raise UsageError(f"--body-file {args.body_file} is larger than max_response_bytes ({limit})")
+            response["body"] = raw.decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"cannot read --body-file {args.body_file}: {exc}") from None
     else:
@@ -317,7 +331,10 @@ def cmd_resolve(settings: Settings, args: argparse.Namespace) -> int:
     response_given = [args.status, args.body, args.json_body, args.body_file, args.header or None]
     if not happened and (args.from_upstream or any(v is not None for v in response_given)):
         raise UsageError("--did-not-happen takes no response: nothing is replayed, the next retry sends")
-    given = _given_response(args) if happened and not args.from_upstream else None
+    effect_id(args.id)
+    given = None
+    if happened and not args.from_upstream:
+        given = _given_response(args, settings.max_response_bytes)
 
     async def run(dsn: str) -> dict[str, Any]:
         await migrate(dsn)

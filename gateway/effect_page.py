@@ -70,8 +70,18 @@ def _facts(pairs: list[tuple[str, str]]) -> str:
 def _headers(pairs: list[tuple[str, str]]) -> str:
     if not pairs:
         return '<p class="muted">No headers on record.</p>'
-    rows = "".join(f'<tr><td>{escape(k)}</td><td class="mono">{escape(v)}</td></tr>' for k, v in pairs)
+    rows = "".join(
+        f'<tr><td>{escape(_shown(k))}</td><td class="mono">{escape(_shown(v))}</td></tr>' for k, v in pairs
+    )
     return f'<table class="headers"><tbody>{rows}</tbody></table>'
+
+
+def _shown(text: str) -> str:
+    """A stored header as a page can show it: an upstream's byte that is not UTF-8 as ``\\xe9``.
+
+    Stored headers keep such bytes as lone surrogates ('surrogateescape'), which no page can encode.
+    """
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _body(body: bytes | None, absent: str) -> str:
@@ -173,7 +183,7 @@ again.</p>
 retry gets exactly this, and nothing is sent.</p>
 {csrf}<input type="hidden" name="happened" value="yes">
 <label for="status">Status</label>
-<input id="status" name="status" type="number" min="100" max="599" value="{escape(form.status)}" required>
+<input id="status" name="status" type="number" min="200" max="599" value="{escape(form.status)}" required>
 <label for="headers">Headers <span class="muted">(one "Name: value" a line; optional)</span></label>
 <textarea id="headers" name="headers" rows="2">{escape(form.headers)}</textarea>
 <label for="body">Body</label> {kinds}

@@ -67,6 +67,20 @@ def dig(doc: Any, path: str) -> Any | None:
     return doc
 
 
+def carries(doc: Any, key: str) -> bool:
+    """Whether ``key`` is in a string anywhere in ``doc``: what the stamp put there, as the search lists it.
+
+    A derived key is 128 random-looking bits, so no other effect's item holds it by chance.
+    """
+    if isinstance(doc, str):
+        return key in doc
+    if isinstance(doc, dict):
+        return any(carries(value, key) for value in doc.values())
+    if isinstance(doc, list):
+        return any(carries(value, key) for value in doc)
+    return False  # a number (kept as its literal bytes), true, false or null
+
+
 class Prober:
     """Probes go through the upstream's own connections, and their answers obey max_response_bytes.
 
@@ -129,6 +143,13 @@ class Prober:
         found = dig(doc, http.found)
         if found is None:
             return None
+        if not carries(found, derived_key):
+            # A search that ignores a filter it does not know (a typo in probe.path, an API that changed)
+            # lists other effects: the first may be another tenant's, and this one may never have happened.
+            raise ProbeFailed(
+                f"the probe of {policy.name} found an item at {http.found!r} that does not carry the "
+                "effect's key: does probe.path filter by {key}?"
+            )
         return self._stored(http.status, jsonbody.compact(found).encode(), f"the probe of {policy.name}")
 
     async def _call_python(

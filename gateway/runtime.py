@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -11,7 +12,7 @@ from aiohttp import web
 from gateway import problems
 from gateway.policy import UpstreamPolicy
 from gateway.service import EffectService
-from gateway.settings import Settings
+from gateway.settings import Settings, is_loopback
 from gateway.store import Store
 
 
@@ -48,6 +49,29 @@ def check_headers(request: web.Request) -> None:
         if count > 1:
             detail = f"{name} is sent {count} times; send it once"
             raise (problems.KeyMalformed if name == "Idempotency-Key" else problems.BadRequest)(detail)
+
+
+# A Host header: a name or IPv4 address, or an IPv6 address in brackets, and an optional port.
+_HOST = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]]+))(?::[0-9]{1,5})?")
+
+
+def check_host(request: web.Request, settings: Settings) -> None:
+    """Without tenants, answer only requests addressed to a loopback name: the gateway trusts its caller.
+
+    Such a gateway listens on loopback alone, so only this machine's processes reach it, but a person's
+    browser does too: a web page on a name whose DNS answer is then switched to 127.0.0.1 (DNS
+    rebinding) is same-origin with the gateway, and could send effects through it with the injected
+    credentials, read the audit and resolve effects. Such a page's requests carry its own name as Host.
+    """
+    host = request.headers.get("Host")
+    if settings.tenants or host is None:
+        return
+    found = _HOST.fullmatch(host)
+    if found is None or not is_loopback((found["v6"] or found["name"]).lower()):
+        raise problems.BadRequest(
+            f"Host {host!r} is not a loopback name: a gateway without tenants answers only requests to "
+            "localhost, 127.0.0.1 or [::1] (configure [tenants] to reach it by another name)"
+        )
 
 
 class ClientGone(Exception):

@@ -35,6 +35,11 @@ EARLY_DEATHS_TO_STOP = 5
 RESTART_BACKOFF = 0.5
 # The kernel's queue of connections not yet accepted: a burst of agents connecting at once waits here.
 BACKLOG = 1024
+# At shutdown, once the calls under way have finished (gateway.app drains them first), how long an agent
+# has to take its answer before its connection is closed; aiohttp waits this twice. An agent that reads
+# takes even max_response_bytes from its sidecar in far less; one that does not read held the shutdown
+# for aiohttp's default, 60 s twice over, past any supervisor's grace before SIGKILL.
+ANSWER_GRACE = 2.0
 
 
 def bind(settings: Settings) -> socket.socket:
@@ -60,7 +65,7 @@ async def _worker(settings: Settings, dsn: str, sock: socket.socket) -> None:
     from gateway.app import make_app
 
     app = make_app(settings, dsn)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=ANSWER_GRACE)
     await runner.setup()
     site = web.SockSite(runner, sock)
     await site.start()

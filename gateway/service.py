@@ -343,12 +343,14 @@ class EffectService:
         ``took`` is this process's clock from just before the statement that took the record.
         """
         fault("after-claim", policy.name)
-        record, refused = await self._ready_to_send(record, took, policy, reason)
+        record, refused, took = await self._ready_to_send(record, took, policy, reason)
         if refused is not None:
             log.warning("effect %s: %s", record.id, refused.reason)
             outcome: Outcome = NotSent(refused.reason)
         else:
-            outcome = await self._client.send(outbound, policy.timeout.total_seconds())
+            outcome = await self._client.send(
+                outbound, policy.timeout.total_seconds(), leave_within=_left_to_leave(policy, took)
+            )
         fault("after-upstream", policy.name)
         try:
             return await self._record(record, policy, outcome, reason)
@@ -394,14 +396,17 @@ class EffectService:
 
     async def _ready_to_send(
         self, record: EffectRecord, took: float, policy: UpstreamPolicy, reason: SendReason | None
-    ) -> tuple[EffectRecord, Refuse | None]:
-        """The attempt to send under (taken again if this gateway fell behind its lease), or a refusal."""
+    ) -> tuple[EffectRecord, Refuse | None, float]:
+        """The attempt to send under (taken again if this gateway fell behind its lease), or a refusal.
+
+        Also returns this process's clock from just before the statement that took the attempt.
+        """
         for _ in range(RENEWALS):
             assert record.read_at is not None
             waited = timedelta(seconds=_clock() - took)
             check = before_sending(record, record.read_at, waited, policy.decision, reason)
             if not isinstance(check, Late):
-                return record, check
+                return record, check, took
             log.warning("effect %s: %.1fs late to send; taking it again", record.id, waited.total_seconds())
             took = _clock()
             renewed = await self._store.reclaim(
@@ -416,7 +421,7 @@ class EffectService:
                     effect_id=record.id,
                 )
             record = renewed
-        return record, Refuse("not sent: the gateway kept falling behind its lease before sending")
+        return record, Refuse("not sent: the gateway kept falling behind its lease before sending"), took
 
     async def _unrecorded(
         self, record: EffectRecord, settled: Settlement, outcome: Outcome, exc: StoreRejected
@@ -523,6 +528,18 @@ def _key_reused(effect_id: int) -> problems.Problem:
 def _clock() -> float:
     """This process's monotonic clock: only for how long this process itself has waited."""
     return asyncio.get_running_loop().time()
+
+
+def _left_to_leave(policy: UpstreamPolicy, took: float) -> float | None:
+    """What is left of the send window since ``took``: the request must leave by then, or not at all.
+
+    The lease covers the upstream's timeout from a departure within the window. A request that waits
+    for a pooled connection past it would reach the upstream too late for the lease to cover its work,
+    and a retry after the lease could probe, find nothing yet, and send it again.
+    """
+    window = policy.decision.send_window
+    # At least a millisecond: aiohttp reads a timeout of 0 as none at all.
+    return None if window is None else max(0.001, window.total_seconds() - (_clock() - took))
 
 
 def _purged(record: EffectRecord, why: str) -> problems.Problem:

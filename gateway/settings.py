@@ -317,11 +317,22 @@ class Settings(BaseSettings):
         for name in self.tenants:
             if not _UPSTREAM_NAME.match(name):
                 raise ValueError(f"tenant name {name!r} must be lower-case letters, digits, - or _")
+        _distinct_tokens(self.tenants, self.admin.token)
         if not self.tenants and not is_loopback(listen_host(self.listen)):
             raise ValueError(
                 f"listen {self.listen!r} is beyond loopback: configure [tenants] so agents present a token"
             )
         return self
+
+
+def _distinct_tokens(tenants: dict[str, TenantSettings], admin: SecretStr | None) -> None:
+    """A token says who the caller is: shared, one tenant's requests are another's, or a tenant is admin."""
+    holder: dict[str, str] = {}
+    for name, tenant in tenants.items():
+        if (first := holder.setdefault(tenant.token.get_secret_value(), name)) != name:
+            raise ValueError(f"tenants {first} and {name} have the same token; each needs its own")
+    if admin is not None and (tenant_name := holder.get(admin.get_secret_value())) is not None:
+        raise ValueError(f"tenant {tenant_name} and the admin have the same token; each needs its own")
 
 
 def listen_host(listen: str) -> str:

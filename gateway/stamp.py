@@ -55,24 +55,43 @@ def stamp_request(
     return query, raw
 
 
+def same_header(name: str) -> str:
+    """A header name as the most lenient server reads it: CGI and WSGI turn ``-`` and ``_`` into one."""
+    return name.lower().replace("_", "-")
+
+
 def reserved_use(
     policy: UpstreamPolicy, headers: Mapping[str, str], query: str, body: RequestBody
 ) -> str | None:
-    """What in the agent's request takes a name the gateway sets upstream, or None when nothing does."""
-    reserved = {policy.native_header.lower()} if policy.native_header else set()
+    """What in the agent's request takes a name the gateway sets upstream, or None when nothing does.
+
+    Names are compared as the upstream's parser may read them, not only as the gateway does: a header
+    spelled with ``_`` for ``-``, and pairs after a ``;`` (Rack 2 and Python before 3.9.2 split on it),
+    would be a second value under the gateway's name there, and the upstream might believe the agent's.
+    """
+    reserved = {same_header(policy.native_header)} if policy.native_header else set()
     if policy.stamp is not None and policy.stamp[0] == "header":
-        reserved.add(policy.stamp[1].lower())
-    reserved.discard(AGENT_KEY_HEADER)
+        reserved.add(same_header(policy.stamp[1]))
     for header in headers:
-        if header.lower() in reserved:
+        # The agent's own Idempotency-Key is never forwarded; any other spelling of it would be.
+        if header.lower() != AGENT_KEY_HEADER and same_header(header) in reserved:
             return f"the header {header}"
     if policy.stamp is None:
         return None
     kind, name = policy.stamp
-    if kind == "query_param" and urlencoded.has_name(urlencoded.pairs(query.encode()), name):
+    if kind == "query_param" and urlencoded.sets_name(query.encode(), name):
         return f"the query parameter {name}"
-    if kind == "form_field" and urlencoded.has_name(body.form, name):
+    if kind == "form_field" and body.kind != "json" and _names_form_field(body.raw, name):
         return f"the form field {name}"
     if kind == "json_field" and body.json is not None and isinstance(body.json.site, Taken):
         return f"the JSON field {name}"
     return None
+
+
+def _names_form_field(raw: bytes, name: str) -> bool:
+    """Whether a body that is not JSON sets the form field ``name``, however the upstream reads it.
+
+    Read as a form whatever its Content-Type says (Rack reads a POST without one as a form), and as
+    multipart by the field names its parts give.
+    """
+    return urlencoded.sets_name(raw, name) or b'name="' + name.encode() + b'"' in raw

@@ -25,7 +25,7 @@ from gateway.headers import (
 )
 from gateway.outcome import Answered, NoAnswer, NotSent, Outcome
 from gateway.policy import UpstreamPolicy
-from gateway.stamp import stamp_request
+from gateway.stamp import same_header, stamp_request
 
 # Re-exported: the service keeps them out of the audit.
 __all__ = ["GATEWAY_REQUEST_HEADERS", "HOP_BY_HOP", "UNSTORED_RESPONSE_HEADERS", "Outbound", "UpstreamClient"]
@@ -62,8 +62,10 @@ def build_outbound(
     if derived_key is not None and policy.stamp is not None:
         kind, name = policy.stamp
         query, raw = stamp_request(kind, name, derived_key, query=query, headers=out, body=body)
-    # Injected credentials replace whatever the agent sent under any spelling: agents hold no secrets.
-    for name in policy.inject.headers:
+    # Injected credentials replace whatever the agent sent under any spelling (``_`` for ``-`` too, which
+    # CGI and WSGI servers read as the same header): agents hold no secrets.
+    injected = {same_header(name) for name in policy.inject.headers}
+    for name in [name for name in out if same_header(name) in injected]:
         out.popall(name, None)
     out.extend(policy.inject.headers)
     target = policy.base_url + path + (f"?{query}" if query else "")
@@ -151,9 +153,11 @@ class UpstreamClient:
         """The upstream's own session (probes use it too, so they count against its connections)."""
         return self._pools[upstream].session
 
-    async def send(self, request: Outbound, timeout: float) -> Outcome:
+    async def send(self, request: Outbound, timeout: float, leave_within: float | None = None) -> Outcome:
+        """Send ``request``; it leaves within ``leave_within`` seconds (a pooled connection) or not at all."""
         pool = self._pools[request.upstream]
         flag = SimpleNamespace(sent=False)
+        connect = min(pool.connect_timeout, timeout, leave_within if leave_within is not None else timeout)
         try:
             async with pool.session.request(
                 request.method,
@@ -162,7 +166,7 @@ class UpstreamClient:
                 data=request.body or None,
                 # connect covers the wait for a free pooled connection as well as making one: a request
                 # that gets none in time never left, and the agent may simply retry it.
-                timeout=aiohttp.ClientTimeout(total=timeout, connect=min(pool.connect_timeout, timeout)),
+                timeout=aiohttp.ClientTimeout(total=timeout, connect=connect),
                 allow_redirects=False,
                 trace_request_ctx=flag,
             ) as resp:
@@ -179,7 +183,7 @@ class UpstreamClient:
                 return Answered(status=resp.status, headers=storable_headers(resp.raw_headers), body=body)
         except TimeoutError:
             if not flag.sent:
-                return NotSent(f"could not connect within {min(pool.connect_timeout, timeout):g}s")
+                return NotSent(f"could not connect within {connect:g}s")
             return NoAnswer(f"no answer within {timeout:g}s", timed_out=True)
         except (aiohttp.ClientError, OSError) as exc:
             if not flag.sent:

@@ -4,7 +4,7 @@ Stored header names and values are the upstream's bytes decoded 'utf-8' with 'su
 loses nothing (see :func:`gateway.upstream.storable_headers`). aiohttp's own head writer cannot put them
 back: it encodes every character as UTF-8, and its C version silently drops lone surrogates, so a value
 ``caf\\xe9`` would reach the agent as ``caf`` (its Python version raises instead). So the response
-below writes its own head, and refuses what would split it (CR, LF, NUL and the other controls).
+below writes its own head, and refuses what would end or split it: CR, LF and NUL.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from aiohttp.http_writer import StreamWriter
 
 # RFC 9110 section 5.6.2.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-# RFC 9110 section 5.5: a field value is visible characters, spaces, tabs and obs-text (bytes >= 0x80).
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+# What ends or splits a head (RFC 9110 section 5.5 has a recipient refuse them). Other control bytes are
+# not valid in a field value either, but aiohttp's client accepts them from an upstream, and refusing one
+# here would leave an effect that happened with no answer the agent can ever read: they are relayed.
+_SPLITS_HEAD = re.compile(r"[\x00\r\n]")
 
 
 class HeaderRefused(ValueError):
@@ -30,8 +32,8 @@ def header_line(name: str, value: str) -> bytes:
     """``name: value`` and CRLF, as the bytes the (surrogate-escaped) text stands for."""
     if not _TOKEN.fullmatch(name):
         raise HeaderRefused(f"{name!r} is not a header name")
-    if _CONTROL.search(value):
-        raise HeaderRefused(f"the value of {name} holds a control character")
+    if _SPLITS_HEAD.search(value):
+        raise HeaderRefused(f"the value of {name} holds CR, LF or NUL")
     try:
         raw = value.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError:  # a surrogate that stands for no byte (only an operator can send one)

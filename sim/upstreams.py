@@ -262,7 +262,8 @@ class SimClient:
     async def close(self) -> None:
         pass
 
-    async def send(self, request: Outbound, timeout: float) -> Outcome:
+    async def send(self, request: Outbound, timeout: float, leave_within: float | None = None) -> Outcome:
+        # The simulated network has no pool to wait for: a request leaves at once, well within the window.
         loop = asyncio.get_running_loop()
         upstream = self._upstreams[(request.url.host or "").partition(".")[0]]
         owner = OWNER.get()

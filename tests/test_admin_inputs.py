@@ -8,6 +8,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from gateway import problems
+from gateway.admin import parse_resolution
 from tests.support import Gateway, Upstream, gateway_server
 
 ADMIN = {"Authorization": "Bearer adm-1"}
@@ -48,6 +50,13 @@ async def get(http: aiohttp.ClientSession, url: str, headers: dict[str, str] = A
         f"/_gateway/effects?before={2**63}",
         "/_gateway/effects?since=99999999999d",
         "/_gateway/effects?since=" + "9" * 400 + "s",
+        # past year 9999 once in UTC, and before year 1: Postgres was asked and the answer was a 500
+        "/_gateway/effects?until=9999-12-31T23:59:59-14:00",
+        "/_gateway/effects?since=0001-01-01T00:00:00%2B14:00",
+        # a NUL cannot be in a Postgres text value: it was sent to the query, and came back a 500
+        "/_gateway/effects?run=a%00b",
+        "/_gateway/effects?key=%00",
+        "/_gateway/effects?upstream=shop%00",
     ],
 )
 async def test_ids_and_filters_out_of_range_are_a_400(
@@ -118,3 +127,49 @@ async def test_the_resolve_route_takes_only_json(gateway: Gateway, http: aiohttp
     ) as resp:
         assert resp.status == 400
         assert "application/json" in (await resp.json())["detail"]
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/_gateway/audit/%C2%B2",
+        "/_gateway/audit/%D9%A1",
+        "/_gateway/audit?run=%00",
+        "/_gateway/audit?key=%00",
+    ],
+)
+async def test_odd_ids_and_filters_on_the_audit_page_are_a_page_not_a_500(
+    gateway: Gateway, http: aiohttp.ClientSession, target: str
+) -> None:
+    """A non-ASCII digit as an effect id, or a NUL in a filter, is a 404 or 400 page; it was a 500."""
+    await _order(http, gateway, "p")
+    async with http.get(gateway.url + target, headers=ADMIN) as resp:
+        assert resp.status in (400, 404), await resp.text()
+        assert resp.content_type == "text/html"
+
+
+async def test_metrics_show_a_tenant_only_its_own_effects(
+    gateway: Gateway, http: aiohttp.ClientSession
+) -> None:
+    """A tenant's token reads its own counts from /_gateway/metrics; it read every tenant's."""
+    await _order(http, gateway, "m")
+    async with http.get(f"{gateway.url}/_gateway/metrics", headers={"Effect-Gateway-Token": "tok-a"}) as resp:
+        tenant = await resp.text()
+    async with http.get(f"{gateway.url}/_gateway/metrics", headers=ADMIN) as resp:
+        admin = await resp.text()
+    assert 'effect_gateway_effects{state="completed"} 1' in admin
+    assert 'state="completed"' not in tenant
+    assert 'effect_gateway_effects{state="needs_review"} 0' in tenant
+
+
+@pytest.mark.parametrize("status", [100, 101, 103, 199])
+def test_an_operator_cannot_give_an_informational_status_as_the_answer(status: int) -> None:
+    """A 1xx is no final answer: replayed, it left the agent waiting for one (100) or a dead connection."""
+    with pytest.raises(problems.BadRequest):
+        parse_resolution({"happened": True, "response": {"status": status, "body": ""}})
+
+
+def test_an_operator_cannot_give_a_body_that_is_not_text() -> None:
+    """A lone surrogate in a resolution's body is a 400; it was a 500."""
+    with pytest.raises(problems.BadRequest):
+        parse_resolution({"happened": True, "response": {"status": 200, "body": "\ud800"}})

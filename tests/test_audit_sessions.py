@@ -269,3 +269,40 @@ async def test_a_cross_site_resolve_is_refused_and_a_same_site_one_is_carried_ou
         ) as resp:
             assert resp.status == 303
             assert resp.cookies[COOKIE]["max-age"] == "0"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"happened": "no", "by": "a\x00b"},
+        {"happened": "yes", "status": "\u00b2", "kind": "text", "body": "x"},
+        {"happened": "yes", "status": "101", "kind": "text", "body": ""},
+    ],
+    ids=["nul-in-name", "non-ascii-digit-status", "informational-status"],
+)
+async def test_a_verdict_form_with_odd_fields_is_sent_back_with_the_error_and_changes_nothing(
+    dsn: str,
+    upstream: Upstream,
+    http: aiohttp.ClientSession,
+    tokens: dict[str, object],
+    fields: dict[str, str],
+) -> None:
+    """A NUL in the name, a '²' or a 1xx as the status: the form comes back (400); it was a 500, or a 1xx
+    stored as the answer every retry would get."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
+        await _needs_review(http, gw.url, upstream)
+        cookie = _cookie(await _sign_in(http, gw.url, "adm-1"))
+        _, page = await _page(http, f"{gw.url}{AUDIT}/1", cookie)
+        csrf = re.search(r'name="csrf" value="([^"]+)"', page)
+        attempt = re.search(r'name="attempt" value="(\d+)"', page)
+        assert csrf is not None
+        assert attempt is not None
+        async with http.post(
+            f"{gw.url}{AUDIT}/1/resolve",
+            data={"csrf": csrf.group(1), "attempt": attempt.group(1), **fields},
+            headers={"Cookie": f"{COOKIE}={cookie}", "Origin": gw.url},
+            allow_redirects=False,
+        ) as resp:
+            assert resp.status == 400, await resp.text()
+            assert 'class="notice error"' in await resp.text()
+    assert [r["state"] for r in await effect_rows(dsn)] == ["needs_review"]

@@ -450,3 +450,30 @@ async def test_migrate_and_purge_report_progress(tmp_path: Path, dsn: str, run: 
     assert [row["request_body"] for row in await effect_rows(dsn)] == [None] * 3
     as_json = await in_thread(run, "purge", "--json", config=config, env=env)
     assert json.loads(as_json.out) == {"dropped": 0, "days": [], "retention": "7d"}
+
+
+async def test_hostile_ids_and_responses_on_the_command_line_are_one_line_and_change_nothing(
+    tmp_path: Path, dsn: str, run: Callable[..., Done]
+) -> None:
+    """An id past int64, NaN as --json-body, a --body-file past max_response_bytes: one line, exit 2.
+
+    Before, the id was sent to Postgres ("Postgres refused the write"), NaN was stored as the answer to
+    replay (not JSON), and a body file was read whole, past the limit (/dev/zero until memory ran out).
+    """
+    config = tmp_path / "gateway.toml"
+    config.write_text("max_response_bytes = 100\n")
+    env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
+    await effect(dsn, "k-1", review=True)
+    big = tmp_path / "big.txt"
+    big.write_text("x" * 101)
+    happened = ("resolve", "1", "--happened", "--attempt", "2", "--status", "200")
+    for args, says in [
+        (("effects", str(2**63)), "effect id"),
+        (("resolve", str(2**63), "--attempt", "2", "--did-not-happen"), "effect id"),
+        ((*happened, "--json-body", "NaN"), "--json-body is not valid JSON"),
+        ((*happened, "--json-body", "1e400"), "--json-body is not valid JSON"),
+        ((*happened, "--body-file", str(big)), "larger than max_response_bytes"),
+    ]:
+        line = one_line_error(await in_thread(run, *args, config=config, env=env))
+        assert says in line, line
+    assert [row["state"] for row in await effect_rows(dsn)] == ["needs_review"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
@@ -13,6 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
+from gateway import urlencoded
 from gateway.body import read_body
 from gateway.jsonbody import JsonRefused
 from gateway.policy import UpstreamPolicy, upstream_policy
@@ -94,12 +96,12 @@ async def test_a_fragment_in_the_target_is_refused(dsn: str, upstream: Upstream)
     cfg = {"shop": {"base_url": upstream.url, "stamp": {"query_param": "ref"}}}
     async with gateway_server(dsn, upstreams=cfg) as gw:
         raw = await raw_exchange(
-            gw.url, b"POST /shop/orders?a=1#frag HTTP/1.1\r\nHost: x\r\nIdempotency-Key: h\r\n"
+            gw.url, b"POST /shop/orders?a=1#frag HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: h\r\n"
         )
         assert raw.split(b" ", 2)[1] == b"400"
         assert b"problems/path-refused" in raw
         raw = await raw_exchange(
-            gw.url, b"POST /shop/caf\xc3\xa9 HTTP/1.1\r\nHost: x\r\nIdempotency-Key: u\r\n"
+            gw.url, b"POST /shop/caf\xc3\xa9 HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: u\r\n"
         )
         assert raw.split(b" ", 2)[1] == b"400"
     assert upstream.calls == []
@@ -114,7 +116,8 @@ async def test_headers_reach_the_upstream_as_the_agent_sent_them(
     async with gateway_server(dsn, upstreams=cfg) as gw:
         raw = await raw_exchange(
             gw.url,
-            b"POST /shop/orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: hh\r\nX-Tag: a\r\nX-Tag: b\r\n"
+            b"POST /shop/orders HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: hh\r\n"
+            b"X-Tag: a\r\nX-Tag: b\r\n"
             b"Connection: keep-alive, X-Hop\r\nX-Hop: secret\r\nKeep-Alive: timeout=5\r\n"
             b"authorization: Bearer agent\r\nAUTHORIZATION: Bearer agent2\r\n",
         )
@@ -220,9 +223,85 @@ async def test_the_upstream_gets_no_header_the_agent_did_not_send(
     """End to end, the upstream's headers are the agent's (less hop-by-hop), plus Host and Content-Length."""
     upstream.calls.clear()
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
-        head = b"PUT /shop/doc HTTP/1.1\r\nHost: x\r\n" + b"".join(
+        head = b"PUT /shop/doc HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"".join(
             f"{name}: {value}\r\n".encode() for name, value in headers
         )
         assert (await raw_exchange(gw.url, head)).split(b" ", 2)[1] == b"201"
     received = [(k, v) for k, v in upstream.calls[0].header_list if k not in ("Host", "Content-Length")]
     assert received == [(k, v) for k, v in headers if k.lower() not in ("keep-alive", "connection")]
+
+
+# The stamp's or native key's name as another parser reads it: (stamps' entry, headers, query, type, body).
+SPELLED_OTHERWISE: dict[str, tuple[str, dict[str, str], str, str, bytes]] = {
+    # CGI and WSGI servers read X_Ref as X-Ref
+    "header-underscore": ("header", {"X_Ref": "eg_forged"}, "", "application/json", b"{}"),
+    "native-underscore": ("native", {"x_idem": "eg_forged"}, "", "application/json", b"{}"),
+    # Rack 2 and Python before 3.9.2 split pairs on ';' as well as '&'
+    "query-semicolon": ("query", {}, "a=1;ref=eg_forged", "application/json", b"{}"),
+    "form-semicolon": (
+        "form",
+        {},
+        "",
+        "application/x-www-form-urlencoded",
+        b"a=1;metadata[idempotency_key]=eg_forged",
+    ),
+    # Rack reads a POST body without a Content-Type as a form
+    "form-untyped": ("form", {}, "", "", b"metadata[idempotency_key]=eg_forged"),
+    "form-multipart": (
+        "form",
+        {},
+        "",
+        "multipart/form-data; boundary=B",
+        b'--B\r\nContent-Disposition: form-data; name="metadata[idempotency_key]"\r\n\r\n'
+        b"eg_forged\r\n--B--\r\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPELLED_OTHERWISE))
+def test_the_stamps_name_spelled_as_another_parser_reads_it_is_reserved_too(case: str) -> None:
+    """`_` for `-` in a header name, pairs after `;`, an untyped or multipart form: stamp-reserved.
+
+    Each reached the upstream beside (or, without a key, instead of) the gateway's own value.
+    """
+    where, headers, query, content_type, body = SPELLED_OTHERWISE[case]
+    policy = _policy(STAMPS[where])
+    read = read_body(body, content_type, policy.json_stamp_path)
+    assert reserved_use(policy, CIMultiDict(headers), query, read) is not None
+
+
+def test_an_injected_credential_replaces_the_agents_under_an_underscore_spelling_too() -> None:
+    """An agent's X_Api_Key (read by WSGI as X-Api-Key) never reaches the upstream beside the injected."""
+    policy = _policy({"inject_headers": {"X-Api-Key": "secret"}})
+    out = build_outbound(
+        policy, None, "GET", "/x", "", CIMultiDict({"X_Api_Key": "mine"}), read_body(b"", "")
+    )
+    assert list(out.headers.items()) == [("X-Api-Key", "secret")]
+
+
+def _policy(settings: dict[str, Any]) -> UpstreamPolicy:
+    cfg = UpstreamSettings.model_validate({"base_url": "http://upstream.invalid", **settings})
+    return upstream_policy("shop", cfg, timedelta(seconds=1))
+
+
+NAMES = st.sampled_from(["ref", "metadata[idempotency_key]", "a b", "%", "x;y", "é"])
+
+
+@given(NAMES, st.lists(st.tuples(FORM_BYTES, st.booleans()), max_size=5), st.data())
+def test_a_pair_is_found_by_its_decoded_name_in_any_spelling(
+    name: str, pieces: list[tuple[bytes, bool]], data: st.DataObject
+) -> None:
+    """sets_name() finds a pair whose name decodes to the stamp's, split on & or ;, and nothing else."""
+    raw = b""
+    for piece, named in pieces:
+        segment = data.draw(spelled(name.encode())) + b"=1" if named else piece
+        raw += (data.draw(st.sampled_from([b"&", b";"])) if raw else b"") + segment
+    names = {urlencoded._decode(seg.partition(b"=")[0]) for seg in re.split(rb"[&;]", raw)}
+    assert urlencoded.sets_name(raw, name) == (name.encode() in names)
+
+
+def test_a_form_of_too_many_fields_is_refused() -> None:
+    """More than 10,000 fields is a 400: read as pairs, a megabyte of "&" held a core for seconds."""
+    with pytest.raises(urlencoded.FormRefused):
+        read_body(b"&" * (1024 * 1024), "application/x-www-form-urlencoded")
+    read_body(b"a=1&" * 9_000, "application/x-www-form-urlencoded")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -36,7 +38,7 @@ async def _connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter
 
 
 HEAD_WITHOUT_BODY = (
-    b"POST /shop/orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow\r\nContent-Length: 10\r\n\r\n"
+    b"POST /shop/orders HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: slow\r\nContent-Length: 10\r\n\r\n"
 )
 
 
@@ -64,7 +66,7 @@ async def test_a_head_that_does_not_arrive_in_time_closes_the_connection(
         dsn, upstreams={"shop": {"base_url": upstream.url}}, request_head_timeout="300ms"
     ) as gw:
         reader, writer = await _connect(gw.url)
-        writer.write(b"POST /shop/orders HTTP/1.1\r\nHost: x\r\nIdempotency-")
+        writer.write(b"POST /shop/orders HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-")
         started = time.monotonic()
         assert await asyncio.wait_for(reader.read(), 5) == b""
         writer.close()
@@ -96,6 +98,55 @@ async def test_a_stalled_upload_does_not_hold_a_shutdown(
     assert code == 0
     assert time.monotonic() - started < 10
     assert upstream.calls == []
+
+
+async def test_agents_that_do_not_read_their_answers_do_not_hold_a_shutdown(
+    dsn: str, upstream: Upstream, tmp_path: Path
+) -> None:
+    """SIGTERM while agents leave large answers unread: `serve` exits in seconds, its effects recorded.
+
+    Before, each such connection held the shutdown for aiohttp's 60 s twice over (about 120 s), past
+    the 45 s that the shipped unit, compose file and pod give before SIGKILL.
+    """
+    big = b"x" * (8 * 1024 * 1024)
+
+    async def large(_: web.Request) -> web.Response:
+        return web.Response(body=big, status=201)
+
+    upstream.routes["/orders"] = large
+    config = tmp_path / "gw.toml"
+    config.write_text(
+        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nworkers = 1\n'
+        f'[upstreams.shop]\nbase_url = "{upstream.url}"\ntimeout = "2s"\n'
+    )
+    gateway = start_gateway_process(config)
+    host, port = gateway.url.removeprefix("http://").split(":")
+    agents = []
+    try:
+        for n in range(3):
+            agent = socket.socket()
+            agent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and never read
+            agent.connect((host, int(port)))
+            agent.sendall(b"POST /shop/orders HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: big%d\r\n" % n)
+            agent.sendall(b"Content-Length: 2\r\n\r\n{}")
+            agents.append(agent)
+        for _ in range(200):  # the answers are recorded, and being written to agents that do not read
+            if [row["state"] for row in await effect_rows(dsn)] == ["completed"] * 3:
+                break
+            await asyncio.sleep(0.05)
+        started = time.monotonic()
+        gateway.proc.send_signal(signal.SIGTERM)
+        try:
+            code = await asyncio.to_thread(gateway.proc.wait, 20)
+        except subprocess.TimeoutExpired:
+            code = None
+    finally:
+        gateway.kill()
+        for agent in agents:
+            agent.close()
+    assert code == 0
+    assert time.monotonic() - started < 15
+    assert [row["state"] for row in await effect_rows(dsn)] == ["completed"] * 3
 
 
 async def test_an_upstream_that_hangs_holds_only_its_own_connections(

@@ -286,7 +286,7 @@ async def test_paths_that_could_escape_the_upstream_are_refused(
     host, port = gateway.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(
-        f"POST {target} HTTP/1.1\r\nHost: x\r\nIdempotency-Key: p\r\nContent-Length: 2\r\n"
+        f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: p\r\nContent-Length: 2\r\n"
         "Connection: close\r\n\r\n{}".encode()
     )
     await writer.drain()
@@ -455,7 +455,7 @@ async def test_non_utf8_headers_are_refused_without_crashing(
     for header in (b"Idempotency-Key: \xff\xfe", b"X-Note: caf\xe9"):
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(
-            b"POST /shop/orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: u1\r\n"
+            b"POST /shop/orders HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: u1\r\n"
             + header
             + b"\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
         )
@@ -522,9 +522,8 @@ async def test_an_outcome_that_cannot_be_recorded_is_recovered_not_resent(
         return web.json_response({"order": "L-1", "ref": json.loads(await request.read())["ref"]}, status=201)
 
     async def search(request: web.Request) -> web.Response:
-        found = [
-            {"order": "L-1"} for c in upstream.effects("/orders") if request.query["ref"] in c.body.decode()
-        ]
+        ref = request.query["ref"]
+        found = [{"order": "L-1", "ref": ref} for c in upstream.effects("/orders") if ref in c.body.decode()]
         return web.json_response({"items": found})
 
     upstream.routes["/orders"] = place
@@ -551,6 +550,6 @@ async def test_an_outcome_that_cannot_be_recorded_is_recovered_not_resent(
                 if status != 503:
                     break
         assert status == 201
-        assert json.loads(body) == {"order": "L-1"}
+        assert json.loads(body) == {"order": "L-1", "ref": (await effect_rows(db.dsn))[0]["derived_key"]}
         assert len(upstream.effects("/orders")) == 1
         assert (await effect_rows(db.dsn))[0]["recovered_by"] == "probe"

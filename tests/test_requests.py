@@ -115,3 +115,36 @@ def test_the_readme_lists_every_problem_type() -> None:
     ]
     names = set(re.findall(r"`([a-z]+(?:-[a-z]+)*)`", listed)) - {"type"}
     assert names == set(problems.problem_types()) | {"internal"}
+
+
+@pytest.mark.parametrize(
+    "host", [b"rebound.example:8787", b"127.0.0.1.nip.io", b"[::1].example", b"10.0.0.7:8787"]
+)
+async def test_an_open_gateway_answers_only_requests_addressed_to_loopback(
+    dsn: str, upstream: Upstream, host: bytes
+) -> None:
+    """Without tenants, a Host that is not a loopback name is a 400 and nothing is sent or read.
+
+    Such a gateway trusts whatever can reach it; a web page on a name that its DNS points at 127.0.0.1
+    (DNS rebinding) is same-origin with it in the person's browser, and could place orders through it
+    with the injected credentials, read the audit and resolve effects.
+    """
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
+        order = await raw(gw, b"POST /shop/orders HTTP/1.1\r\nHost: " + host + b"\r\n" + KEY)
+        audit = await raw(gw, b"GET /_gateway/effects HTTP/1.1\r\nHost: " + host + b"\r\n")
+        served = [
+            await raw(
+                gw, b"POST /shop/orders HTTP/1.1\r\nHost: " + name + b"\r\nIdempotency-Key: " + name + b"\r\n"
+            )
+            for name in (b"127.0.0.1:1", b"localhost", b"LOCALHOST:8787", b"[::1]:8787", b"127.9.9.9")
+        ]
+    assert status_and_type(order) == (400, "bad-request")
+    assert status_and_type(audit) == (400, "bad-request")
+    assert [status_and_type(answer)[0] for answer in served] == [201] * 5
+    assert len(upstream.calls) == 5
+
+
+async def test_a_gateway_with_tenants_answers_any_host(gateway: Gateway, upstream: Upstream) -> None:
+    """With tenants, the token says who may use the gateway, whatever name it is reached by."""
+    answer = await raw(gateway, b"POST /shop/orders HTTP/1.1\r\nHost: gateway.internal\r\n" + KEY + TOKEN)
+    assert status_and_type(answer)[0] == 201

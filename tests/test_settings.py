@@ -85,6 +85,9 @@ def test_the_config_variable_names_the_file(tmp_path: Path, monkeypatch: pytest.
         ('[upstreams.m]\nbase_url = "http://x"\nfingerprint_ignore = []', "at least one field"),
         ('[upstreams.m]\nbase_url = "http://x"\nfingerprint_fields = ["a..b"]', "fingerprint_fields"),
         ('[upstreams.m]\nbase_url = "http://x"\nerror_format = "json"', "upstreams.m.error_format"),
+        # one token for two principals: the requests of one went to the other, or a tenant was the admin
+        ('[tenants.a]\ntoken = "same"\n[tenants.b]\ntoken = "same"', "tenants a and b"),
+        ('[tenants.a]\ntoken = "same"\n[admin]\ntoken = "same"', "tenant a and the admin"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_it(tmp_path: Path, text: str, names: str) -> None:

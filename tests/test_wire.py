@@ -63,11 +63,11 @@ async def raw_request(url: str, head: bytes, body: bytes = b"{}") -> tuple[bytes
     return status, lines, rest
 
 
-GET = b"GET /shop/x HTTP/1.1\r\nHost: x\r\n"
+GET = b"GET /shop/x HTTP/1.1\r\nHost: 127.0.0.1\r\n"
 
 
 def post(key: str) -> bytes:
-    return b"POST /shop/x HTTP/1.1\r\nHost: x\r\nIdempotency-Key: " + key.encode() + b"\r\n"
+    return b"POST /shop/x HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: " + key.encode() + b"\r\n"
 
 
 def answer(*lines: bytes, status: bytes = b"201 Created") -> bytes:
@@ -128,7 +128,7 @@ async def _serve_stored(stored: StoredResponse, *, replayed: bool) -> list[bytes
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     try:
         _, lines, _ = await raw_request(
-            f"http://127.0.0.1:{runner.addresses[0][1]}", b"GET / HTTP/1.1\r\nHost: x\r\n"
+            f"http://127.0.0.1:{runner.addresses[0][1]}", b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         )
     finally:
         await runner.cleanup()
@@ -151,6 +151,26 @@ async def test_a_keyed_answer_with_raw_header_bytes_is_recorded_and_replayed_ide
     second = await raw_request(gateway.url, post("bin"))
     assert b"X-Bin: caf\xe9" in first[1]
     assert [line for line in second[1] if line.startswith(b"X-")] == [b"X-Bin: caf\xe9"]
+    assert len(upstream_raw.requests) == 1
+
+
+@pytest.mark.parametrize("value", [b"a\x01b", b"a\x7fb", b"\x1b[31m", b"a\x0bb\x0cc"])
+async def test_an_answer_with_control_bytes_in_a_header_is_relayed_and_replayed(
+    dsn: str, gateway: Gateway, upstream_raw: RawUpstream, value: bytes
+) -> None:
+    """Control bytes that aiohttp's client accepts reach the agent as sent, on the relay and every replay.
+
+    Before, the effect completed and every answer for it was a 500: the agent never learned that its
+    order had been placed.
+    """
+    upstream_raw.answer = answer(b"X-Ctl: " + value)
+    first = await raw_request(gateway.url, post("ctl"))
+    second = await raw_request(gateway.url, post("ctl"))
+    assert first[0].startswith(b"HTTP/1.1 201"), first
+    assert b"X-Ctl: " + value in first[1]
+    assert [line for line in second[1] if line.startswith(b"X-")] == [b"X-Ctl: " + value]
+    assert second[2] == first[2] == b"ok"
+    assert [r["state"] for r in await effect_rows(dsn)] == ["completed"]
     assert len(upstream_raw.requests) == 1
 
 
@@ -197,10 +217,11 @@ def test_an_operator_cannot_store_headers_that_would_split_a_replay(headers: dic
 # --- properties ------------------------------------------------------------------------------------------
 
 HEADER_NAME = st.from_regex(r"X-[A-Za-z0-9-]{1,8}", fullmatch=True)
-# Visible ASCII, obs-text (any byte from 0x80) and inner spaces and tabs: what RFC 9110 lets a value hold.
+# Visible ASCII, obs-text (any byte from 0x80) and inner spaces and tabs: what RFC 9110 lets a value hold;
+# and the other control bytes, which aiohttp's client accepts too. Only CR, LF and NUL end or split a head.
 HEADER_VALUE = st.binary(min_size=1, max_size=12).map(
     lambda raw: bytes(b if b >= 0x80 or 0x21 <= b <= 0x7E else 0x21 + b % 94 for b in raw)
-) | st.sampled_from([b"caf\xe9", b"a b\tc", b"\xff\xfe", b"\xed\xa0\x80"])
+) | st.sampled_from([b"caf\xe9", b"a b\tc", b"\xff\xfe", b"\xed\xa0\x80", b"a\x01b\x7f", b"\x1b[0m"])
 
 
 @given(st.lists(st.tuples(HEADER_NAME, HEADER_VALUE), min_size=1, max_size=5))
