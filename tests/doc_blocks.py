@@ -127,16 +127,17 @@ def output_matches(shown: str, printed: str) -> bool:
     """Whether ``printed`` is what the documentation shows: line by line, as doctest's ELLIPSIS reads it.
 
     ``...`` within a line stands for any text; a line that is only ``...`` for any number of lines.
-    Trailing spaces and carriage returns (HTTP heads end their lines in CRLF) are not compared.
+    A run of spaces matches any run of spaces (so that a table's columns stay aligned around a
+    ``...``); trailing spaces and carriage returns (HTTP heads end their lines in CRLF) are not compared.
     """
     pattern = []
     for line in shown.rstrip("\n").splitlines():
-        line = line.rstrip()
+        line = " ".join(line.split())
         if line == "...":
             pattern.append(r"(?:[^\n]*\n)*?")
         else:
             pattern.append(".*".join(re.escape(part) for part in line.split("...")) + r"\n")
-    text = "".join(line.rstrip() + "\n" for line in printed.rstrip("\n").splitlines())
+    text = "".join(" ".join(line.split()) + "\n" for line in printed.rstrip("\n").splitlines())
     return re.fullmatch("".join(pattern), text) is not None
 
 

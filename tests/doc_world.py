@@ -15,6 +15,7 @@ import sys
 import tomllib
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -59,10 +60,23 @@ def started_world(dsn: str, scratch: Path) -> Iterator[World]:
     }
     started: list[Service] = []
     addresses = {}
+    upstreams = tomllib.loads(EXAMPLE.read_text())["upstreams"]
     try:
-        for name, upstream in tomllib.loads(EXAMPLE.read_text())["upstreams"].items():
-            service = start_service(["-m", "agent_example.upstreams", name, "--port", "0"])
-            started.append(service)
+        # At once: each spends most of its start importing aiohttp.
+        with ThreadPoolExecutor(len(upstreams)) as pool:
+            starts = {
+                name: pool.submit(start_service, ["-m", "agent_example.upstreams", name, "--port", "0"])
+                for name in upstreams
+            }
+            failures = []
+            for start in starts.values():
+                try:
+                    started.append(start.result())
+                except RuntimeError as exc:  # the others are stopped below all the same
+                    failures.append(exc)
+            if failures:
+                raise failures[0]
+        for service, (name, upstream) in zip(started, upstreams.items(), strict=True):
             addresses[upstream["base_url"]] = service.url
             env[f"EFFECT_GATEWAY_UPSTREAMS__{name.upper()}__BASE_URL"] = service.url
         gateway = start_service(

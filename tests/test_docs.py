@@ -9,9 +9,8 @@ import pytest
 from pydantic import BaseModel
 
 from gateway import problems, settings
+from tests.doc_blocks import PAGES, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md"]
 MODELS: list[type[BaseModel]] = [
     settings.Settings,
     settings.UpstreamSettings,
