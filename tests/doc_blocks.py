@@ -112,6 +112,15 @@ def require_labels(unit: Unit, *allowed: tuple[str, ...]) -> tuple[str, ...]:
     return unit.block.labels
 
 
+def shows_a_file(unit: Unit) -> bool:
+    """Whether the block is labelled with a file of the repository, which it must then be, verbatim."""
+    if len(unit.block.labels) != 1 or not (ROOT / unit.block.labels[0]).is_file():
+        return False
+    shown = unit.block.labels[0]
+    assert unit.block.text == (ROOT / shown).read_text(), f"{unit.block} is not {shown} as it is"
+    return True
+
+
 # --- printed output ---------------------------------------------------------------------------------
 
 

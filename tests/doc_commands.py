@@ -48,8 +48,16 @@ class Context:
     made: set[str]  # files earlier commands of the block wrote
 
 
-# A rule returns the words to run the command with, or None once it has checked what it cannot run.
-ProgramRule = Callable[[Command, Context], "list[str] | None"]
+@dataclass(frozen=True)
+class Run:
+    """How a command runs here: its words (the addresses and paths of this world), and its exit status."""
+
+    words: list[str]
+    status: int = 0
+
+
+# A rule says how to run the command, or returns None once it has checked what it cannot run.
+ProgramRule = Callable[[Command, Context], "Run | None"]
 
 
 def run_shell(unit: Unit, world: World) -> None:
@@ -62,7 +70,7 @@ def run_shell(unit: Unit, world: World) -> None:
     printed = []
     for line in lines:
         context = Context(world, unit, line, made)
-        words: dict[int, list[str]] = {}
+        runs: dict[int, Run] = {}
         checked = []
         for n, command in enumerate(line.commands):
             if not command.words:
@@ -74,24 +82,27 @@ def run_shell(unit: Unit, world: World) -> None:
             if result is None:
                 checked.append(command.program)
             else:
-                words[n] = result
+                runs[n] = result
             made.update(command.writes)
-        if not words:
+        if not runs:
             if line.shown is not None or unit.shown is not None:
                 raise NoRule(f"{unit.block}: shows the output of `{line.text}`, which the suite cannot run")
             continue
         if checked:
             raise NoRule(f"{unit.block}: `{line.text}` mixes what runs here with {checked}: split the line")
+        status = max(r.status for r in runs.values())
+        if status and len(runs) > 1:
+            raise NoRule(f"{unit.block}: `{line.text}` exits {status} on purpose in a pipeline: split it")
         done = subprocess.run(
-            ["bash", "-o", "pipefail", "-c", rebuilt(line, words)],
+            ["bash", "-o", "pipefail", "-c", rebuilt(line, {n: r.words for n, r in runs.items()})],
             cwd=world.scratch,
             env=world.env,
             capture_output=True,
             text=True,
             timeout=120,
         )
-        assert done.returncode == 0, (
-            f"{unit.block}: `{line.text}` exited {done.returncode}:\n{done.stdout}{done.stderr}"
+        assert done.returncode == status, (
+            f"{unit.block}: `{line.text}` exited {done.returncode}, not {status}:\n{done.stdout}{done.stderr}"
         )
         if line.shown is not None:
             assert output_matches(line.shown, done.stdout), (
@@ -101,7 +112,7 @@ def run_shell(unit: Unit, world: World) -> None:
     check_shown(unit, "".join(printed))
 
 
-def curl(command: Command, context: Context) -> list[str]:
+def curl(command: Command, context: Context) -> Run:
     """Sent to this world's gateway (or upstream); an HTTP error fails a command whose output is not shown."""
     words = []
     for word in command.words:
@@ -113,10 +124,10 @@ def curl(command: Command, context: Context) -> list[str]:
         words.append(word)
     if context.line.shown is None and context.unit.shown is None:
         words.insert(1, "--fail-with-body")  # a user sees a problem+json; the exit status says it here
-    return words
+    return Run(words)
 
 
-def effect_gateway(command: Command, context: Context) -> list[str] | None:
+def effect_gateway(command: Command, context: Context) -> Run | None:
     """Parsed by the CLI's own parser, then run against this world with the example as the reader's
     configuration, whatever its path. Not run: ``serve`` (this world's gateway is that command) and
     ``demo`` (20 s, run by tests/test_demo.py)."""
@@ -129,7 +140,7 @@ def effect_gateway(command: Command, context: Context) -> list[str] | None:
     for n, word in enumerate(args[:-1]):
         if word == "--config" and not (context.world.scratch / args[n + 1]).is_file():
             args[n + 1] = "gateway.toml"
-    return [str(BIN / "effect-gateway"), *args]
+    return Run([str(BIN / "effect-gateway"), *args])
 
 
 def _cli_args(args: list[str]) -> argparse.Namespace | str:
@@ -174,8 +185,10 @@ def make(command: Command, context: Context) -> None:
             assert word in targets, f"{context.unit.block}: the Makefile has no target {word}"
 
 
-def python(command: Command, context: Context) -> None:
-    """Not run (a server, or minutes of model checking): the module or script exists and its ``--help``
+def python(command: Command, context: Context) -> Run | None:
+    """A program of examples/ runs here, as every one of them is written to run against ``make serve``;
+    with ``--crash`` it must die after its effect, with the status it names ``CRASHED``. Anything else is
+    not run (a server, or minutes of model checking): the module or script exists and its ``--help``
     lists every flag the page gives it."""
     args = command.words[1:]
     if args[:2] == ["-m", "venv"]:
@@ -190,6 +203,14 @@ def python(command: Command, context: Context) -> None:
         assert found, f"{context.unit.block}: no module {head[1:2]}"
     else:
         assert (ROOT / head[0]).is_file(), f"{context.unit.block}: no script {head[0]}"
+    if head[0].startswith("examples/"):
+        script = ROOT / head[0]
+        status = 0
+        if "--crash" in args:
+            crashed = re.search(r"^CRASHED = (\d+)", script.read_text(), re.MULTILINE)
+            assert crashed, f"{context.unit.block}: {head[0]} has no CRASHED status to die with"
+            status = int(crashed[1])
+        return Run([sys.executable, str(script), *args[1:]], status)
     key = tuple(head)
     if key not in context.world.help_texts:
         done = subprocess.run(

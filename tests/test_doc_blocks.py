@@ -7,11 +7,12 @@ That is what ``make serve`` starts on its fixed ports, so a block runs here as a
 
 - ``python``: run as written, in a fresh interpreter of the project's virtualenv. A block reads the
   gateway's address from ``EFFECT_GATEWAY_URL`` (by default ``make serve``'s, ``http://127.0.0.1:8787``)
-  and the journal's database from ``JOURNAL_DATABASE_URL``; here both name this world's.
+  and the journal's database from ``JOURNAL_DATABASE_URL``; here both name this world's. ``python
+  PATH`` is the file at PATH, verbatim, and runs the same way.
 - ``sh``, and ``console`` (``$ `` before each command, what it prints after it): each command by the rule
-  for its program (tests/doc_commands.py). curl and ``effect-gateway`` run, at this world's addresses;
-  the rest (make, docker, kubectl, systemd, ...) cannot run here and are checked to name real targets,
-  files, subcommands and flags, each rule saying why it does not run.
+  for its program (tests/doc_commands.py). curl, ``effect-gateway`` and the programs of examples/ run,
+  at this world's addresses; the rest (make, docker, kubectl, systemd, ...) cannot run here and are
+  checked to name real targets, files, subcommands and flags, each rule saying why it does not run.
 - ``toml``: a whole configuration loads as the gateway loads its file; ``toml fragment`` loads added to
   examples/gateway.toml; ``toml PATH`` is the file at PATH, verbatim.
 - ``json verdict``: an operator's verdict, accepted by the resolve route for an effect awaiting one.
@@ -56,6 +57,7 @@ from tests.doc_blocks import (
     output_matches,
     require_labels,
     shell_lines,
+    shows_a_file,
     units,
 )
 from tests.doc_commands import run_shell
@@ -78,8 +80,10 @@ def check(unit: Unit, world: World) -> None:
 
 
 def run_python(unit: Unit, world: World) -> None:
-    """As written, in a fresh interpreter: exit 0, and the output the page shows."""
-    require_labels(unit, ())
+    """As written, in a fresh interpreter: exit 0, and the output the page shows. ``python PATH`` is
+    the file at PATH, verbatim, run as a program."""
+    if not shows_a_file(unit):
+        require_labels(unit, ())
     script = world.scratch / f"{unit.block.page.stem}_{unit.block.line}.py"
     script.write_text(unit.block.text)
     done = subprocess.run(
@@ -100,9 +104,7 @@ def load_toml(unit: Unit, world: World) -> None:
     data = tomllib.loads(unit.block.text)
     if labels == ("fragment",):
         data = _merged(tomllib.loads(EXAMPLE.read_text()), data)
-    elif len(labels) == 1 and (ROOT / labels[0]).is_file():
-        assert unit.block.text == (ROOT / labels[0]).read_text(), f"{unit.block} is not {labels[0]} as it is"
-    else:
+    elif not shows_a_file(unit):
         require_labels(unit, ())
     ours = {k: v for k, v in os.environ.items() if not k.startswith("EFFECT_GATEWAY_")}
     with mock.patch.dict(os.environ, ours, clear=True):  # the block alone, no variable of the suite's
