@@ -61,7 +61,8 @@ ProgramRule = Callable[[Command, Context], "Run | None"]
 
 
 def run_shell(unit: Unit, world: World) -> None:
-    """Each command line by its programs' rules; the ones that run must exit 0 and print what is shown."""
+    """Each command line by its programs' rules. One that runs must exit with the status its rule expects
+    (0, but for a crash on purpose) and print what the page shows, where it shows something."""
     if unit.block.language == "sh":
         require_labels(unit, ())
     lines = shell_lines(unit.block)
@@ -198,6 +199,8 @@ def python(command: Command, context: Context) -> Run | None:
         if word.startswith("--"):
             break
         head.append(word)
+    if not head:
+        raise NoRule(f"{context.unit.block}: `{context.line.text}` runs no module or script")
     if head[0] == "-m":
         found = len(head) > 1 and importlib.util.find_spec(head[1]) is not None
         assert found, f"{context.unit.block}: no module {head[1:2]}"
