@@ -35,9 +35,8 @@ Try, in another terminal:
   curl -s -H 'Idempotency-Key: run-1:4' -H 'Content-Type: application/json' \\
        -d '{{"items": ["ghee"]}}' {url}/shop/orders
 
-  # the audit: JSON, or the page in a browser
+  # the audit, as JSON (or as a page: {url}/_gateway/audit in a browser)
   curl -s {url}/_gateway/effects
-  open {url}/_gateway/audit
 
 Ctrl+C stops the gateway and the services.
 """

@@ -62,7 +62,8 @@ def effects_table(effects: list[dict[str, Any]]) -> list[str]:
     lines = table(["id", "created", "state", "upstream", "status", "request", "key"], rows)
     waiting = sum(1 for e in effects if e["state"] in ("needs_review", "in_doubt"))
     note = f"; {waiting} waiting for an operator (effect-gateway resolve ID)" if waiting else ""
-    return [*lines, f"{len(effects)} effects, newest first{note}"]
+    count = f"{len(effects)} effect" if len(effects) == 1 else f"{len(effects)} effects"
+    return [*lines, f"{count}, newest first{note}"]
 
 
 def _body(doc: dict[str, Any], prefix: str) -> list[str]:
