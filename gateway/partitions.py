@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+import asyncpg
+
 AUDIT = "effects"
 BODIES = "effect_bodies"
 # Made ahead of need, so that an insert never finds no partition for its row even if the periodic
@@ -24,6 +26,9 @@ AUDIT_MONTHS_AHEAD = 1
 # row estimate stands in (before the first ANALYZE there is none: the size over a guessed row size).
 EXACT_COUNT_BYTES = 8 * 1024 * 1024
 ROW_BYTES_GUESS = 600
+# A detach that loses a deadlock is finished by the next try; three losses in a row mean something
+# holds the table on purpose, and the next round of the retention tries again.
+DETACH_TRIES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +38,7 @@ class Partition:
     upper: datetime
     rows: int  # counted when small, else Postgres's estimate: counting would read the whole partition
     bytes: int
+    detaching: bool = False  # a detach of it was begun and not finished
 
 
 Progress = Callable[[str], None]
@@ -42,9 +48,26 @@ def _quiet(_: str) -> None:
     pass
 
 
-async def ensure(conn: Any, at: datetime | None = None) -> None:
-    """The partitions that rows stored now (or at ``at``) and soon will go into."""
-    await conn.fetch(_ENSURE, at, BODY_DAYS_AHEAD, AUDIT_MONTHS_AHEAD)
+# Making a partition waits for the lock on its parent. A day of bodies being detached holds that lock
+# while it waits for every older transaction to end, the one making the partition included: a deadlock,
+# which Postgres breaks after deadlock_timeout (1 s by default) by aborting one side, perhaps the detach,
+# which it leaves half done. So making partitions gives up well within that second; the maintainer, the
+# only one that detaches, makes them itself before it detaches anything.
+MAKE_LOCK_WAIT = "250ms"
+
+
+async def ensure(conn: Any, at: datetime | None = None) -> bool:
+    """The partitions that rows stored now (or at ``at``) and soon will go into.
+
+    False when they could not be made now because the retention is detaching a day (it makes them).
+    """
+    try:
+        async with conn.transaction():
+            await conn.execute(f"set local lock_timeout = '{MAKE_LOCK_WAIT}'")
+            await conn.fetch(_ENSURE, at, BODY_DAYS_AHEAD, AUDIT_MONTHS_AHEAD)
+    except asyncpg.exceptions.LockNotAvailableError:
+        return False
+    return True
 
 
 _ENSURE = """
@@ -74,7 +97,7 @@ async def listed(conn: Any, parent: str) -> list[Partition]:
         """
         select c.relname as name, pg_get_expr(c.relpartbound, c.oid) as bound,
                c.reltuples::bigint as estimate, pg_relation_size(c.oid) as heap,
-               pg_total_relation_size(c.oid) as bytes
+               pg_total_relation_size(c.oid) as bytes, i.inhdetachpending as detaching
         from pg_inherits i join pg_class c on c.oid = i.inhrelid
         where i.inhparent = $1::regclass
         order by c.relname
@@ -84,7 +107,9 @@ async def listed(conn: Any, parent: str) -> list[Partition]:
     found = []
     for r in rows:
         count = await row_count(conn, f'"{r["name"]}"', r["estimate"], r["heap"])
-        found.append(Partition(r["name"], *_bounds(r["bound"]), rows=count, bytes=r["bytes"]))
+        found.append(
+            Partition(r["name"], *_bounds(r["bound"]), rows=count, bytes=r["bytes"], detaching=r["detaching"])
+        )
     return found
 
 
@@ -112,9 +137,11 @@ async def drop_expired_bodies(
     """
     cutoff = await conn.fetchval("select now() - $1::interval", retention)
     dropped = []
-    for part in await listed(conn, BODIES):
-        if part.upper > cutoff:
-            break
+    # Postgres allows one detach under way per table: a day whose detach was interrupted (a gateway
+    # stopped mid-way, or a deadlock it lost) goes first. It was judged past the retention then.
+    for part in sorted(await listed(conn, BODIES), key=lambda p: not p.detaching):
+        if part.upper > cutoff and not part.detaching:
+            continue
         carried = await conn.execute(
             f"""
             with open as (
@@ -142,10 +169,18 @@ async def drop_expired_bodies(
 
 
 async def _detach(conn: Any, name: str) -> None:
-    pending = await conn.fetchval(
-        "select inhdetachpending from pg_inherits where inhrelid = $1::regclass", name
-    )
-    if pending:  # an earlier detach was interrupted between its two transactions
-        await conn.execute(f'alter table effect_bodies detach partition "{name}" finalize')
-    else:
-        await conn.execute(f'alter table effect_bodies detach partition "{name}" concurrently')
+    for _ in range(DETACH_TRIES):
+        pending = await conn.fetchval(
+            "select inhdetachpending from pg_inherits where inhrelid = $1::regclass", name
+        )
+        try:
+            if pending:  # an earlier detach was interrupted between its two transactions
+                await conn.execute(f'alter table effect_bodies detach partition "{name}" finalize')
+            else:
+                await conn.execute(f'alter table effect_bodies detach partition "{name}" concurrently')
+            return
+        except asyncpg.exceptions.DeadlockDetectedError:
+            # Postgres broke a deadlock by aborting the detach's wait: the detach is left pending, and
+            # the other side has gone on, so finishing it now can succeed.
+            continue
+    raise asyncpg.exceptions.DeadlockDetectedError(f"detaching {name} lost {DETACH_TRIES} deadlocks in a row")

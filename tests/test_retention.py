@@ -1,0 +1,135 @@
+"""The retention on Postgres, where a day is detached in two transactions that other sessions can cut.
+
+A detach CONCURRENTLY waits for every older transaction; a gateway stopped in that wait, or a deadlock
+Postgres breaks by aborting it, leaves the day half detached, and Postgres allows only one such day per
+table. These tests leave the database in those states for real and check that the retention goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+import pytest
+
+from gateway import partitions
+from gateway.record import EffectRecord
+from gateway.store import Store, opened
+from tests.support import backdate_bodies
+from tests.test_store_contract import RETENTION, completed
+
+
+@pytest.fixture
+async def store(dsn: str) -> AsyncIterator[Store]:
+    async with opened(dsn) as store:
+        yield store
+
+
+async def days_of(dsn: str, *records: EffectRecord) -> list[str]:
+    """The day partitions that hold these effects' bodies."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "select distinct tableoid::regclass::text as day from effect_bodies where effect_id = any($1)"
+            " order by 1",
+            [r.id for r in records],
+        )
+        return [r["day"] for r in rows]
+    finally:
+        await conn.close()
+
+
+async def half_detach(dsn: str, day: str) -> None:
+    """Begin detaching ``day`` and cut the detach in its wait, as a gateway stopped there would."""
+    reader = await asyncpg.connect(dsn)
+    detacher = await asyncpg.connect(dsn)
+    try:
+        tx = reader.transaction()
+        await tx.start()
+        await reader.fetchval("select count(*) from effect_bodies")  # an older snapshot to wait for
+        await detacher.execute("set statement_timeout = '300ms'")
+        with pytest.raises(asyncpg.exceptions.QueryCanceledError):
+            await detacher.execute(f'alter table effect_bodies detach partition "{day}" concurrently')
+        await tx.rollback()
+    finally:
+        await reader.close()
+        await detacher.close()
+
+
+async def detaching(dsn: str) -> list[str]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "select inhrelid::regclass::text as day from pg_inherits where inhdetachpending"
+        )
+        return [r["day"] for r in rows]
+    finally:
+        await conn.close()
+
+
+async def test_a_day_left_half_detached_is_finished_and_the_other_days_still_go(
+    dsn: str, store: Store
+) -> None:
+    """A detach cut short (the gateway stopped in its wait) no longer stops every later retention."""
+    older = await completed(store, "older")
+    await backdate_bodies(dsn, 2)
+    newer = await completed(store, "newer")
+    await backdate_bodies(dsn, 10)  # both past the retention, in days of their own
+    older_day, newer_day = await days_of(dsn, older), await days_of(dsn, newer)
+    assert older_day != newer_day
+    await half_detach(dsn, newer_day[0])
+    assert await detaching(dsn) == newer_day
+
+    dropped = await store.maintain(RETENTION)
+
+    assert {*older_day, *newer_day} <= {p.name for p in dropped}
+    assert await detaching(dsn) == []
+    assert (await store.reread(older)).purged
+    assert (await store.reread(newer)).purged
+
+
+async def test_making_partitions_while_a_day_is_detached_gives_way_instead_of_deadlocking(
+    dsn: str, store: Store
+) -> None:
+    """A gateway making partitions while the retention finishes a detach: no deadlock, the day goes.
+
+    Finishing a detach holds the table's lock while it waits for older snapshots; making a partition
+    in a transaction that holds one waits for that lock. Postgres used to break the deadlock by
+    aborting the detach.
+    """
+    record = await completed(store)
+    await backdate_bodies(dsn, 10)
+    await half_detach(dsn, (await days_of(dsn, record))[0])
+    starting = await asyncpg.connect(dsn)
+    try:
+        tx = starting.transaction(isolation="repeatable_read")
+        await tx.start()
+        await starting.fetchval("select 1")  # a snapshot older than the detach's wait
+        retention = asyncio.create_task(store.maintain(RETENTION))
+        for _ in range(100):  # until the detach waits for this transaction
+            # The wait shows as a lock on a transaction, not granted (its query text is gone by then).
+            waiting = await starting.fetchval(
+                "select count(*) from pg_locks where locktype = 'virtualxid' and not granted"
+            )
+            if waiting:
+                break
+            await asyncio.sleep(0.02)
+        assert waiting, "the detach never waited for the older transaction"
+        # A day nobody has made yet: its partition is attached to the table the detach holds.
+        new_day = datetime.now(UTC) + timedelta(days=40)
+        made = await partitions.ensure(starting, new_day)
+        await tx.commit()
+        dropped = await asyncio.wait_for(retention, timeout=10)
+    finally:
+        await starting.close()
+    assert made is False  # it gave way, and the next round of the retention makes it
+    assert dropped != []
+    assert await detaching(dsn) == []
+    assert (await store.reread(record)).purged
+    later = await asyncpg.connect(dsn)
+    try:
+        assert await partitions.ensure(later, new_day) is True  # once the detach is done, it is made
+    finally:
+        await later.close()
