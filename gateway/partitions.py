@@ -136,36 +136,48 @@ async def drop_expired_bodies(
     and writing the table) and then dropped.
     """
     cutoff = await conn.fetchval("select now() - $1::interval", retention)
-    dropped = []
-    # Postgres allows one detach under way per table: a day whose detach was interrupted (a gateway
-    # stopped mid-way, or a deadlock it lost) goes first. It was judged past the retention then.
-    for part in sorted(await listed(conn, BODIES), key=lambda p: not p.detaching):
-        if part.upper > cutoff and not part.detaching:
-            continue
-        carried = await conn.execute(
-            f"""
-            with open as (
-                select e.id, e.created_at from effects e
-                where e.state <> 'completed' and exists (select from "{part.name}" b where b.effect_id = e.id)
-            ), moved as (
-                insert into effect_bodies (effect_id, stored_at, kind, headers, body)
-                select b.effect_id, now(), b.kind, b.headers, b.body
-                from "{part.name}" b join open o on o.id = b.effect_id
-                on conflict do nothing
-                returning effect_id, kind
-            )
-            update effects e set response_at = now()
-            from moved m where m.kind = 'response' and m.effect_id = e.id and e.state <> 'completed'
-            """
-        )
-        await _detach(conn, part.name)
-        await conn.execute(f'drop table "{part.name}"')
+    dropped = await finish_interrupted(conn, progress)
+    for part in await listed(conn, BODIES):
+        if part.upper > cutoff:
+            break
+        await _drop(conn, part, progress)
         dropped.append(part)
-        kept = int(carried.split()[-1])
-        progress(
-            f"dropped {part.name}: about {part.rows} bodies" + (f", {kept} carried forward" if kept else "")
-        )
     return dropped
+
+
+async def finish_interrupted(conn: Any, progress: Progress = _quiet) -> list[Partition]:
+    """Finish (and drop) a day whose detach was cut short: a gateway stopped mid-way, or a deadlock lost.
+
+    Postgres allows one such day per table and no other detach while it lasts; its rows are already out
+    of sight of new statements. It was judged past the retention when its detach began.
+    """
+    interrupted = [part for part in await listed(conn, BODIES) if part.detaching]
+    for part in interrupted:
+        await _drop(conn, part, progress)
+    return interrupted
+
+
+async def _drop(conn: Any, part: Partition, progress: Progress) -> None:
+    carried = await conn.execute(
+        f"""
+        with open as (
+            select e.id, e.created_at from effects e
+            where e.state <> 'completed' and exists (select from "{part.name}" b where b.effect_id = e.id)
+        ), moved as (
+            insert into effect_bodies (effect_id, stored_at, kind, headers, body)
+            select b.effect_id, now(), b.kind, b.headers, b.body
+            from "{part.name}" b join open o on o.id = b.effect_id
+            on conflict do nothing
+            returning effect_id, kind
+        )
+        update effects e set response_at = now()
+        from moved m where m.kind = 'response' and m.effect_id = e.id and e.state <> 'completed'
+        """
+    )
+    await _detach(conn, part.name)
+    await conn.execute(f'drop table "{part.name}"')
+    kept = int(carried.split()[-1])
+    progress(f"dropped {part.name}: about {part.rows} bodies" + (f", {kept} carried forward" if kept else ""))
 
 
 async def _detach(conn: Any, name: str) -> None:

@@ -321,6 +321,8 @@ async def backdate_bodies(dsn: str, days: int = 10) -> None:
         past = await conn.fetchval(
             "select coalesce(min(stored_at), now()) - $1 * interval '1 day' from effect_bodies", days
         )
+        # A day a gateway left half detached takes no rows: finish it as the next retention would.
+        await partitions.finish_interrupted(conn)
         await partitions.ensure(conn, past)
         async with conn.transaction():
             await conn.execute("update effect_bodies set stored_at = stored_at - $1 * interval '1 day'", days)
