@@ -334,3 +334,25 @@ async def backdate_bodies(dsn: str, days: int = 10) -> None:
             await conn.execute("update effects set response_at = response_at - $1 * interval '1 day'", days)
     finally:
         await conn.close()
+
+
+# One upstream per place a key can go (tests/test_outbound.py, tests/test_schemathesis.py).
+STAMPED: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "native": {"native_key": {"header": "X-Idem"}},
+    "header": {"stamp": {"header": "X-Ref"}},
+    "query": {"stamp": {"query_param": "ref"}},
+    "form": {"stamp": {"form_field": "metadata[ref]"}},
+    "json": {"stamp": {"json_field": "meta.ref"}},
+}
+
+
+def one_insertion(before: bytes, after: bytes) -> bytes | None:
+    """The bytes added, when ``after`` is ``before`` with one contiguous run inserted; else None."""
+    added = len(after) - len(before)
+    if added < 0:
+        return None
+    same = 0
+    while same < len(before) and before[same] == after[same]:
+        same += 1
+    return after[same : same + added] if after[same + added :] == before[same:] else None

@@ -22,7 +22,7 @@ from gateway.settings import UpstreamSettings
 from gateway.stamp import StampError, reserved_use
 from gateway.upstream import build_outbound
 from tests.strategies import FORM_BYTES, OBJECT, json_text, spelled
-from tests.support import Upstream, effect_rows, gateway_server, raw_exchange
+from tests.support import STAMPED, Upstream, effect_rows, gateway_server, one_insertion, raw_exchange
 
 PROBLEM = "application/problem+json"
 
@@ -307,15 +307,6 @@ def test_a_form_of_too_many_fields_is_refused() -> None:
     read_body(b"a=1&" * 9_000, "application/x-www-form-urlencoded")
 
 
-# One upstream per place a key goes, all served by one recording upstream.
-STAMPED = {
-    "plain": {},
-    "native": {"native_key": {"header": "X-Idem"}},
-    "header": {"stamp": {"header": "X-Ref"}},
-    "query": {"stamp": {"query_param": "ref"}},
-    "form": {"stamp": {"form_field": "metadata[ref]"}},
-    "json": {"stamp": {"json_field": "meta.ref"}},
-}
 # Path segments as agents and attackers write them: dots, encoded slashes and dots, non-ASCII, odd bytes.
 SEGMENT = st.sampled_from(
     [
@@ -342,17 +333,6 @@ KEY_TEXT = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E
 # Refusals that come before anything is sent, for a request the generator may make.
 REFUSED = {"path-refused", "stamp-reserved", "cannot-stamp", "body-malformed"}
 _RUNS = iter(range(10**9))
-
-
-def one_insertion(before: bytes, after: bytes) -> bytes | None:
-    """The bytes added, when ``after`` is ``before`` with one contiguous run inserted; else None."""
-    added = len(after) - len(before)
-    if added < 0:
-        return None
-    same = 0
-    while same < len(before) and before[same] == after[same]:
-        same += 1
-    return after[same : same + added] if after[same + added :] == before[same:] else None
 
 
 def _refused_path(path: str) -> bool:

@@ -41,7 +41,16 @@ from gateway import openapi, problems
 from gateway.headers import GATEWAY_REQUEST_HEADERS, connection_scoped
 from gateway.keys import KeySyntaxError, parse_key
 from gateway.settings import SAFE_METHODS
-from tests.support import FUZZ_COUNTS, Call, Upstream, empty_effects, gateway_server, upstream_server
+from tests.support import (
+    FUZZ_COUNTS,
+    STAMPED,
+    Call,
+    Upstream,
+    empty_effects,
+    gateway_server,
+    one_insertion,
+    upstream_server,
+)
 
 T = TypeVar("T")
 
@@ -50,14 +59,7 @@ TENANTS = {"acme": "acme-secret-token", "globex": "globex-secret-token"}
 # Who calls: the admin, either tenant, a wrong token, nobody. Tenants most often: only they reach upstreams.
 PRINCIPALS = ["acme", "acme", "globex", "admin", "stranger", "nobody"]
 # One upstream per place a key can go, all served by the recording upstream; "plain" forwards keyless PUTs.
-UPSTREAMS: dict[str, dict[str, Any]] = {
-    "plain": {"keyless": {"PUT": "forward"}},
-    "native": {"native_key": {"header": "X-Idem"}},
-    "header": {"stamp": {"header": "X-Ref"}},
-    "query": {"stamp": {"query_param": "ref"}},
-    "form": {"stamp": {"form_field": "metadata[ref]"}},
-    "json": {"stamp": {"json_field": "meta.ref"}},
-}
+UPSTREAMS: dict[str, dict[str, Any]] = {**STAMPED, "plain": {"keyless": {"PUT": "forward"}}}
 # An upstream name that is not configured: 404 unknown-upstream, nothing sent.
 NOWHERE = "nowhere"
 PROXY = "/{upstream}/{path}"
@@ -189,19 +191,6 @@ def credentials(who: str) -> dict[str, str]:
     if who == "stranger":
         return {"Effect-Gateway-Token": "not-a-token", "Authorization": "Bearer not-a-token"}
     return {}
-
-
-def one_insertion(before: bytes, after: bytes) -> bytes | None:
-    """The bytes added, when ``after`` is ``before`` with one contiguous run inserted; else None."""
-    added = len(after) - len(before)
-    if added < 0:
-        return None
-    same = 0
-    while same < len(before) and before[same] == after[same]:
-        same += 1
-    if after[same + added :] != before[same:]:
-        return None
-    return after[same : same + added]
 
 
 def _refused(response: schemathesis.Response) -> bool:
