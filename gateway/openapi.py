@@ -557,7 +557,9 @@ def document() -> dict[str, Any]:
         "info": {
             "title": "effect-gateway",
             "version": "1",
-            "description": "An idempotency sidecar: the proxy, its admin API and its audit pages",
+            "description": "An idempotency sidecar: the proxy, its admin API and its audit pages. Errors "
+            'are problem+json; an upstream configured with error_format = "stripe" answers the proxy\'s '
+            "errors in Stripe's shape instead (docs/contract.md).",
         },
         "paths": {
             **_admin_paths(),
