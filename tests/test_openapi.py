@@ -11,12 +11,12 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from aiohttp.web_urldispatcher import AbstractRoute
 from hypothesis import given
-from hypothesis import strategies as st
 
 from gateway import openapi, problems
 from gateway.app import make_app
 from gateway.keys import KeySyntaxError, parse_key
 from gateway.settings import load_settings
+from tests.strategies import KEY_VALUES
 from tests.support import gateway_server
 
 # A value for each path parameter the document names, to ask the router where the path leads.
@@ -72,15 +72,6 @@ def test_the_document_lists_every_problem_type_with_its_status() -> None:
                     for uri in part.get("properties", {}).get("type", {}).get("enum", []):
                         listed.setdefault(uri.removeprefix(problems.TYPE_BASE), set()).add(int(status))
     assert listed == {name: {cls.status} for name, cls in problems.problem_types().items()}
-
-
-# Keys as a header carries them (no surrounding whitespace): bare, quoted, escaped, too long, odd bytes.
-KEY_VALUES = (
-    st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7F), max_size=260)
-    | st.text(alphabet='ab"\\ \x7f\t', max_size=8)
-    | st.integers(250, 260).map(lambda n: "k" * n)
-    | st.integers(250, 258).map(lambda n: '"' + "k" * n + '"')
-).filter(lambda value: value == value.strip(" \t"))
 
 
 @given(KEY_VALUES)

@@ -17,11 +17,12 @@ from multidict import CIMultiDict
 from gateway import urlencoded
 from gateway.body import read_body
 from gateway.jsonbody import JsonRefused
+from gateway.keys import KeySyntaxError, parse_key
 from gateway.policy import UpstreamPolicy, upstream_policy
 from gateway.settings import UpstreamSettings
 from gateway.stamp import StampError, reserved_use
 from gateway.upstream import build_outbound
-from tests.strategies import FORM_BYTES, OBJECT, json_text, spelled
+from tests.strategies import FORM_BYTES, KEY_VALUES, OBJECT, json_text, spelled
 from tests.support import STAMPED, Upstream, effect_rows, gateway_server, one_insertion, raw_exchange
 
 PROBLEM = "application/problem+json"
@@ -424,3 +425,28 @@ async def test_a_keyed_request_reaches_the_upstream_as_sent_plus_the_key_and_rep
     assert len(upstream.calls) == calls + 1
     assert b"\r\nIdempotent-Replayed: true" in again_head
     assert again_body == first_body
+
+
+@given(KEY_VALUES.filter(lambda value: "\x7f" not in value and value.isascii()))
+@settings(max_examples=max(5, settings.default.max_examples // 5))
+async def test_any_key_header_is_refused_or_names_the_effect_the_parser_reads(
+    stamped_gateway: str, upstream: Upstream, dsn: str, value: str
+) -> None:
+    """Any Idempotency-Key: 400 key-malformed and nothing sent, or sent once and recorded under its key."""
+    try:
+        key: str | None = parse_key(value)
+    except KeySyntaxError:
+        key = None
+    head = f"POST /plain/orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: {value}\r\n".encode()
+    calls = len(upstream.calls)
+    answer = await raw_exchange(stamped_gateway, head)
+    status, _, body = answer.partition(b"\r\n\r\n")
+    if key is None:
+        assert status.split(b" ", 2)[1] == b"400", answer
+        assert problem(body) == "key-malformed"
+        assert len(upstream.calls) == calls
+        return
+    rows = [r for r in await effect_rows(dsn) if r["key"] == key]
+    assert [r["state"] for r in rows] == ["completed"], answer
+    replayed = b"\r\nIdempotent-Replayed: true" in status
+    assert len(upstream.calls) == calls + (0 if replayed else 1)  # a key drawn twice is one effect
