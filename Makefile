@@ -25,7 +25,7 @@ pytest: $(STAMP) chromium
 	$(BIN)/pytest
 
 # The property tests with thousands of examples each, and schemathesis with hundreds per operation
-# against a real gateway (`make test` runs a few): long (about 15 minutes here), not for CI. Prints the
+# against a real gateway (`make test` runs a few): long (about half an hour here), not for CI. Prints the
 # examples each property tried and the cases per operation.
 FUZZ_TESTS := tests/test_jsonbody.py tests/test_fingerprint.py tests/test_keys.py tests/test_outbound.py \
 	tests/test_wire.py tests/test_openapi.py tests/test_schemathesis.py
