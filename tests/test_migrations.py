@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 import asyncpg
 
-from gateway import partitions
 from gateway.schema import migrate, migration_files
-from gateway.store import opened
 from tests.support import effect_rows, other_database
 
 
@@ -111,25 +109,3 @@ async def test_an_effects_table_with_rows_migrates_to_the_partitioned_layout(pos
     purged = rows["k15"]
     assert (purged["state"], purged["response_status"], purged["response_body"]) == ("completed", 201, None)
     assert rows["k20"]["state"] == "needs_review"
-
-
-async def test_a_day_of_bodies_left_detached_by_a_round_cut_short_is_dropped_by_the_next(dsn: str) -> None:
-    """A gateway stopped between a day's detach and its drop leaves its bodies: the next round drops them.
-
-    Found when a test that moves bodies into the past failed with "no partition found": the day's name
-    was taken by the detached table, so the day could not be made again, and its bodies outlived the
-    retention.
-    """
-    conn = await asyncpg.connect(dsn)
-    try:
-        past = await conn.fetchval("select now() - interval '10 days'")
-        await partitions.ensure(conn, past)
-        day = f"effect_bodies_{past:%Y_%m_%d}"
-        await conn.execute(f'alter table effect_bodies detach partition "{day}"')  # and then stopped
-        async with opened(dsn) as store:
-            await store.maintain(timedelta(days=7))
-        assert await conn.fetchval("select to_regclass($1)", day) is None
-        await partitions.ensure(conn, past)
-        assert day in [p.name for p in await partitions.listed(conn, partitions.BODIES)]
-    finally:
-        await conn.close()
