@@ -373,7 +373,7 @@ async def test_a_keyed_request_reaches_the_upstream_as_sent_plus_the_key_and_rep
     key = f"{next(_RUNS)}:{key}"  # each example its own effect
     target = f"/{where}{path}" + (f"?{query}" if query else "")
     head = (
-        f"POST {target} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n".encode()
+        f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n".encode()
         + b"".join(f"{name}: {value}\r\n".encode() for name, value in headers)
         + f"Idempotency-Key: {key}\r\n".encode()
     )
@@ -437,7 +437,7 @@ async def test_any_key_header_is_refused_or_names_the_effect_the_parser_reads(
         key: str | None = parse_key(value)
     except KeySyntaxError:
         key = None
-    head = f"POST /plain/orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: {value}\r\n".encode()
+    head = f"POST /plain/orders HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: {value}\r\n".encode()
     calls = len(upstream.calls)
     answer = await raw_exchange(stamped_gateway, head)
     status, _, body = answer.partition(b"\r\n\r\n")
