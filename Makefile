@@ -24,9 +24,13 @@ typecheck: $(STAMP)
 pytest: $(STAMP) chromium
 	$(BIN)/pytest
 
-# The property tests with thousands of examples each (`make test` runs a few): long, not for CI.
+# The property tests with thousands of examples each, and schemathesis with hundreds per operation
+# against a real gateway (`make test` runs a few): long (about half an hour here), not for CI. Prints the
+# examples each property tried and the cases per operation.
+FUZZ_TESTS := tests/test_jsonbody.py tests/test_fingerprint.py tests/test_keys.py tests/test_outbound.py \
+	tests/test_wire.py tests/test_openapi.py tests/test_schemathesis.py
 fuzz: $(STAMP)
-	HYPOTHESIS_PROFILE=fuzz $(BIN)/pytest -q tests/test_jsonbody.py tests/test_fingerprint.py tests/test_outbound.py tests/test_wire.py
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/pytest -q --hypothesis-show-statistics $(FUZZ_TESTS)
 
 # The exhaustive model of the effect state machine (model/README.md) needs spin and a C compiler.
 # CI runs as root on Debian: install them there; elsewhere say what is missing (tests/test_model.py

@@ -13,12 +13,12 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from gateway import admin, audit_routes, codings, problems
+from gateway import admin, audit_routes, codings, openapi, problems
 from gateway.body import RequestBody, read_body
 from gateway.errors import StoreRejected, StoreUnavailable
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.jsonbody import JsonRefused
-from gateway.keys import KeySyntaxError, looks_made_up, parse_key
+from gateway.keys import MAX_LABEL, KeySyntaxError, looks_made_up, parse_key
 from gateway.policy import UpstreamPolicy, upstream_policies
 from gateway.probes import Prober
 from gateway.record import StoredResponse
@@ -42,8 +42,6 @@ from gateway.wire import HeaderRefused, RawHeadResponse
 
 log = logging.getLogger("effect_gateway")
 
-# The audit's run and step columns; as long as a key, so any journal's ids fit.
-MAX_LABEL = 255
 # An encoded slash, backslash, dot or NUL lets a path mean one thing to us and another upstream.
 _ENCODED_TRICKS = re.compile(r"%(2f|5c|2e|00)", re.IGNORECASE)
 # A request target is printable ASCII (RFC 9112 section 3.2); anything else is percent-encoded by a
@@ -56,6 +54,9 @@ LINGER_SECONDS = 2.0
 # Past this size a body is parsed off the event loop: the parse then takes milliseconds, which the
 # other requests in flight should not wait for.
 OFF_LOOP_BYTES = 64 * 1024
+PROXY_ROUTE = r"/{tail:[\s\S]*}"
+# The first segment of the gateway's own paths (no upstream may be named so: see settings).
+GATEWAY_PATHS = "_gateway"
 _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\d+)", re.IGNORECASE)
 
 
@@ -83,7 +84,10 @@ def make_app(settings: Settings, dsn: str) -> web.Application:
     app.on_shutdown.append(_finish_calls)
     admin.add_routes(app)
     audit_routes.add_routes(app)
-    app.router.add_route("*", "/{tail:.*}", proxy)
+    app.router.add_get(openapi.PATH, openapi.serve)
+    # Every path, line breaks included: aiohttp matches the decoded path, and "." stops at an encoded %0A,
+    # which would leave such a request to a 404 of the router instead of the proxy's own rules.
+    app.router.add_route("*", PROXY_ROUTE, proxy)
     return app
 
 
@@ -265,6 +269,8 @@ def _wait(request: web.Request, settings: Settings) -> float:
 async def proxy(request: web.Request) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
     upstream_name, path, query = split_target(request.raw_path)
+    if upstream_name == GATEWAY_PATHS:
+        await _not_ours_to_forward(request)
     policy = runtime.policies.get(upstream_name)
     if policy is None:
         raise problems.UnknownUpstream(f"no upstream named {upstream_name!r} is configured")
@@ -304,6 +310,24 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         )
     )
     return to_response(reply)
+
+
+async def _not_ours_to_forward(request: web.Request) -> None:
+    """A path under /_gateway/ that no route of ours serves for this method: 405 or 404, never forwarded.
+
+    The router hands it to the proxy (the catch-all takes every method); no upstream can have the name.
+    """
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource is not request.match_info.route.resource:
+            _, methods = await resource.resolve(request)
+            allowed |= methods
+    if allowed:
+        raise problems.MethodNotAllowed(
+            f"{request.method} is not allowed on {request.path}",
+            headers={"Allow": ", ".join(sorted(allowed))},
+        )
+    raise problems.NotFound(f"nothing at {request.path}")
 
 
 async def _body(request: web.Request, settings: Settings, policy: UpstreamPolicy) -> RequestBody:

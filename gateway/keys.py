@@ -14,6 +14,8 @@ MAX_KEY_LENGTH = 255
 # SDKs' "stainless-python-retry-" and a v4 UUID). Every version is matched, because stripe-python's
 # keys carry a random digit where the version goes.
 _UUID_AT_END = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z", re.IGNORECASE)
+# The audit's run and step labels: as long as a key, so any journal's ids fit.
+MAX_LABEL = MAX_KEY_LENGTH
 
 
 class KeySyntaxError(ValueError):

@@ -7,9 +7,10 @@ DDL waits) and dropped, after the bodies of effects still open that day are carr
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -20,6 +21,8 @@ BODIES = "effect_bodies"
 # maintenance stops for a while: a week of days, and the next month once the current one is half gone.
 BODY_DAYS_AHEAD = 7
 AUDIT_MONTHS_AHEAD = 1
+# A day of bodies is named by its first day (see _ENSURE).
+_BODY_DAY = re.compile(r"effect_bodies_(\d{4})_(\d{2})_(\d{2})")
 
 
 # A partition up to this size is counted exactly (a few milliseconds to read); above it, Postgres's
@@ -137,6 +140,9 @@ async def drop_expired_bodies(
     """
     cutoff = await conn.fetchval("select now() - $1::interval", retention)
     dropped = await finish_interrupted(conn, progress)
+    for name in await _cut_short(conn, cutoff):
+        await conn.execute(f'drop table "{name}"')
+        progress(f"dropped {name}: a day of bodies an earlier round detached and did not drop")
     for part in await listed(conn, BODIES):
         if part.upper > cutoff:
             break
@@ -178,6 +184,33 @@ async def _drop(conn: Any, part: Partition, progress: Progress) -> None:
     await conn.execute(f'drop table "{part.name}"')
     kept = int(carried.split()[-1])
     progress(f"dropped {part.name}: about {part.rows} bodies" + (f", {kept} carried forward" if kept else ""))
+
+
+async def _cut_short(conn: Any, cutoff: datetime) -> list[str]:
+    """Days of bodies past ``cutoff`` that a round detached and then never dropped.
+
+    A gateway stopped between a day's detach and its drop (SIGTERM cancels the round) leaves the day as
+    a table of its own: no longer a partition, so no later round lists it, its bodies outlive the
+    retention, and the day can never be made again (the name is taken). Its open effects' bodies were
+    carried into today before the detach.
+    """
+    rows = await conn.fetch(
+        """
+        select relname from pg_class
+        where relkind = 'r' and not relispartition and pg_table_is_visible(oid)
+              and relname like 'effect\\_bodies\\_%'
+        order by relname
+        """
+    )
+    found = []
+    for row in rows:
+        day = _BODY_DAY.fullmatch(row["relname"])
+        if day is None:
+            continue
+        year, month, first = (int(part) for part in day.groups())
+        if datetime(year, month, first, tzinfo=UTC) + timedelta(days=1) <= cutoff:
+            found.append(row["relname"])
+    return found
 
 
 async def _detach(conn: Any, name: str) -> None:

@@ -189,5 +189,5 @@ class UpstreamTimeout(Problem):
 
 
 def problem_types() -> dict[str, type[Problem]]:
-    """Every problem type by its stable name (for the README and tests)."""
-    return {cls.type: cls for cls in Problem.__subclasses__()}
+    """Every problem type by its stable name, ``internal`` (the base) first: for the docs and the OpenAPI."""
+    return {Problem.type: Problem, **{cls.type: cls for cls in Problem.__subclasses__()}}

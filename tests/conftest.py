@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 
 from gateway.embedded import EmbeddedPostgres
 from gateway.schema import migrate
-from tests.support import CRASH_MATRIX, SCREENSHOTS, Upstream, empty_effects, upstream_server
+from tests.support import CRASH_MATRIX, FUZZ_COUNTS, SCREENSHOTS, Upstream, empty_effects, upstream_server
 
 # Property tests: a few examples each in `make test` (the whole suite stays fast), many in `make fuzz`.
 # Choose with HYPOTHESIS_PROFILE; tests that start servers take their count from the profile as well.
@@ -57,8 +57,14 @@ async def upstream() -> AsyncIterator[Upstream]:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Print where the browser tests' screenshots are, and the crash matrix when the crash tests ran."""
+    """Print where the browser tests' screenshots are, the cases schemathesis tried, and the crash matrix."""
     write = terminalreporter.write_line
+    if FUZZ_COUNTS:
+        write("")
+        write("schemathesis against a real gateway: cases tried per operation")
+        for label, mode, tried in FUZZ_COUNTS:
+            write(f"  {label:<40} {mode:<9} {tried:>6}")
+        write(f"  {'all':<40} {'':<9} {sum(n for _, _, n in FUZZ_COUNTS):>6}")
     if SCREENSHOTS:
         write("")
         write("screenshots of the audit page, to look at:")

@@ -131,3 +131,12 @@ def meaning(tree: Any) -> Any:
     if isinstance(tree, list):
         return ("array", tuple(meaning(v) for v in tree))
     return ("literal", repr(tree))
+
+
+# Keys as a header carries them (no surrounding whitespace): bare, quoted, escaped, too long, odd bytes.
+KEY_VALUES = (
+    st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7F), max_size=260)
+    | st.text(alphabet='ab"\\ \x7f\t', max_size=8)
+    | st.integers(250, 260).map(lambda n: "k" * n)
+    | st.integers(250, 258).map(lambda n: '"' + "k" * n + '"')
+).filter(lambda value: value == value.strip(" \t"))

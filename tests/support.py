@@ -15,12 +15,14 @@ import asyncpg
 from aiohttp import web
 
 from agent_example.processes import Service, start_service
-from gateway.app import make_app
+from gateway.app import PROXY_ROUTE, make_app
 from gateway.settings import load_settings
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Rows of the crash matrix, filled by tests/test_crash.py and printed at the end of the run.
 CRASH_MATRIX: list[tuple[str, str, int, int, int, str, str | None]] = []
+# Cases tried per operation and generation mode by tests/test_schemathesis.py, printed at the end.
+FUZZ_COUNTS: list[tuple[str, str, int]] = []
 # Screenshots the browser tests took (tests/test_audit_browser.py), listed at the end of the run.
 SCREENSHOTS: list[Path] = []
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +37,8 @@ class Call:
     body: bytes
     # Every header as received, repeats and all (headers above keeps one value per name).
     header_list: list[tuple[str, str]] = field(default_factory=list)
+    # The request target as it came, still percent-encoded (path above is decoded).
+    target: str = ""
 
 
 @dataclass
@@ -66,6 +70,7 @@ class Upstream:
                 dict(request.headers),
                 body,
                 list(request.headers.items()),
+                request.raw_path,
             )
         )
         self.received.set()
@@ -122,7 +127,7 @@ class Upstream:
 async def upstream_server() -> AsyncIterator[Upstream]:
     upstream = Upstream()
     app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", upstream.handle)
+    app.router.add_route("*", PROXY_ROUTE, upstream.handle)  # every path, as the gateway's
     async with serving(app) as upstream.url:
         yield upstream
 
@@ -329,3 +334,25 @@ async def backdate_bodies(dsn: str, days: int = 10) -> None:
             await conn.execute("update effects set response_at = response_at - $1 * interval '1 day'", days)
     finally:
         await conn.close()
+
+
+# One upstream per place a key can go (tests/test_outbound.py, tests/test_schemathesis.py).
+STAMPED: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "native": {"native_key": {"header": "X-Idem"}},
+    "header": {"stamp": {"header": "X-Ref"}},
+    "query": {"stamp": {"query_param": "ref"}},
+    "form": {"stamp": {"form_field": "metadata[ref]"}},
+    "json": {"stamp": {"json_field": "meta.ref"}},
+}
+
+
+def one_insertion(before: bytes, after: bytes) -> bytes | None:
+    """The bytes added, when ``after`` is ``before`` with one contiguous run inserted; else None."""
+    added = len(after) - len(before)
+    if added < 0:
+        return None
+    same = 0
+    while same < len(before) and before[same] == after[same]:
+        same += 1
+    return after[same : same + added] if after[same + added :] == before[same:] else None

@@ -215,20 +215,26 @@ async def _needs_review(http: aiohttp.ClientSession, url: str, upstream: Upstrea
             await resp.read()
 
 
+async def _resolvable_page(
+    http: aiohttp.ClientSession, url: str, upstream: Upstream
+) -> tuple[str, str, dict[str, str]]:
+    """An effect waiting for an operator, and the admin's session on its page: (cookie, csrf, attempt)."""
+    await _needs_review(http, url, upstream)
+    cookie = _cookie(await _sign_in(http, url, "adm-1"))
+    _, page = await _page(http, f"{url}{AUDIT}/1", cookie)
+    found = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert found is not None
+    shown = re.search(r'name="attempt" value="(\d+)"', page)
+    assert shown is not None
+    return cookie, found.group(1), {"attempt": shown.group(1)}
+
+
 async def test_a_cross_site_resolve_is_refused_and_a_same_site_one_is_carried_out_once(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
 ) -> None:
     """With the cookie: no CSRF token, a wrong one, a foreign Origin, or none: 403; then it works, once."""
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
-        await _needs_review(http, gw.url, upstream)
-        cookie = _cookie(await _sign_in(http, gw.url, "adm-1"))
-        _, page = await _page(http, f"{gw.url}{AUDIT}/1", cookie)
-        found = re.search(r'name="csrf" value="([^"]+)"', page)
-        assert found is not None
-        csrf = found.group(1)
-        shown = re.search(r'name="attempt" value="(\d+)"', page)
-        assert shown is not None
-        judged = {"attempt": shown.group(1)}
+        cookie, csrf, judged = await _resolvable_page(http, gw.url, upstream)
         attempts = [
             ({"Origin": gw.url}, {}),
             ({"Origin": gw.url}, {"csrf": "A" * len(csrf)}),
@@ -290,16 +296,10 @@ async def test_a_verdict_form_with_odd_fields_is_sent_back_with_the_error_and_ch
     """A NUL in the name, a '²' or a 1xx as the status: the form comes back (400); it was a 500, or a 1xx
     stored as the answer every retry would get."""
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
-        await _needs_review(http, gw.url, upstream)
-        cookie = _cookie(await _sign_in(http, gw.url, "adm-1"))
-        _, page = await _page(http, f"{gw.url}{AUDIT}/1", cookie)
-        csrf = re.search(r'name="csrf" value="([^"]+)"', page)
-        attempt = re.search(r'name="attempt" value="(\d+)"', page)
-        assert csrf is not None
-        assert attempt is not None
+        cookie, csrf, judged = await _resolvable_page(http, gw.url, upstream)
         async with http.post(
             f"{gw.url}{AUDIT}/1/resolve",
-            data={"csrf": csrf.group(1), "attempt": attempt.group(1), **fields},
+            data={"csrf": csrf, **judged, **fields},
             headers={"Cookie": f"{COOKIE}={cookie}", "Origin": gw.url},
             allow_redirects=False,
         ) as resp:

@@ -329,6 +329,22 @@ async def test_keyless_unsafe_requests_are_audited_refused_or_forwarded_as_confi
     assert [c.method for c in upstream.calls] == ["PUT", "PUT", "PATCH", "DELETE", "GET"]
 
 
+async def test_keyless_put_and_delete_leave_an_audit_row_by_default(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """With no keyless setting at all, a keyless PUT and DELETE are each sent once and audited."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
+        put = await call(http, gw.url, "PUT", key=None)
+        delete = await call(http, gw.url, "DELETE", key=None)
+    assert (put[0], delete[0]) == (201, 201)
+    rows = await effect_rows(dsn)
+    assert [(r["method"], r["state"], r["response_status"]) for r in rows] == [
+        ("PUT", "completed", 201),
+        ("DELETE", "completed", 201),
+    ]
+    assert [c.method for c in upstream.calls] == ["PUT", "DELETE"]
+
+
 async def test_a_keyless_method_can_be_refused(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession
 ) -> None:

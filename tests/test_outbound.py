@@ -17,12 +17,13 @@ from multidict import CIMultiDict
 from gateway import urlencoded
 from gateway.body import read_body
 from gateway.jsonbody import JsonRefused
+from gateway.keys import KeySyntaxError, parse_key
 from gateway.policy import UpstreamPolicy, upstream_policy
 from gateway.settings import UpstreamSettings
 from gateway.stamp import StampError, reserved_use
 from gateway.upstream import build_outbound
-from tests.strategies import FORM_BYTES, OBJECT, json_text, spelled
-from tests.support import Upstream, effect_rows, gateway_server, raw_exchange
+from tests.strategies import FORM_BYTES, KEY_VALUES, OBJECT, json_text, spelled
+from tests.support import STAMPED, Upstream, effect_rows, gateway_server, one_insertion, raw_exchange
 
 PROBLEM = "application/problem+json"
 
@@ -305,3 +306,147 @@ def test_a_form_of_too_many_fields_is_refused() -> None:
     with pytest.raises(urlencoded.FormRefused):
         read_body(b"&" * (1024 * 1024), "application/x-www-form-urlencoded")
     read_body(b"a=1&" * 9_000, "application/x-www-form-urlencoded")
+
+
+# Path segments as agents and attackers write them: dots, encoded slashes and dots, non-ASCII, odd bytes.
+SEGMENT = st.sampled_from(
+    [
+        "a",
+        "orders",
+        ".",
+        "..",
+        "%2F",
+        "%2f",
+        "%5C",
+        "%2E",
+        "%00",
+        "%0A",
+        "%20",
+        "~",
+        "x.y",
+        "%41",
+        "é",
+        ";p=1",
+        "@:",
+    ]
+)
+KEY_TEXT = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=40)
+# Refusals that come before anything is sent, for a request the generator may make.
+REFUSED = {"path-refused", "stamp-reserved", "cannot-stamp", "body-malformed"}
+_RUNS = iter(range(10**9))
+
+
+def _refused_path(path: str) -> bool:
+    segments = path.split("/")
+    return (
+        not path.isascii()
+        or any(s in (".", "..") for s in segments)
+        or any(t in path.lower() for t in ("%2f", "%5c", "%2e", "%00"))
+    )
+
+
+@pytest.fixture
+async def stamped_gateway(dsn: str, upstream: Upstream) -> AsyncIterator[str]:
+    cfg = {name: {"base_url": upstream.url, **more} for name, more in STAMPED.items()}
+    async with gateway_server(dsn, upstreams=cfg, replay_cache_bytes=0) as gw:
+        yield gw.url
+
+
+@given(
+    agent_request(),
+    st.sampled_from(sorted(STAMPED)),
+    st.lists(SEGMENT, max_size=3).map(lambda segments: "/" + "/".join(segments)),
+    KEY_TEXT,
+)
+@settings(max_examples=max(5, settings.default.max_examples // 5))
+async def test_a_keyed_request_reaches_the_upstream_as_sent_plus_the_key_and_replays(
+    stamped_gateway: str,
+    upstream: Upstream,
+    dsn: str,
+    request: tuple[str, list[tuple[str, str]], str, bytes],
+    where: str,
+    path: str,
+    key: str,
+) -> None:
+    """End to end: refused before sending, or sent once as the agent sent it plus the key, then replayed."""
+    query, headers, content_type, raw = request
+    key = f"{next(_RUNS)}:{key}"  # each example its own effect
+    target = f"/{where}{path}" + (f"?{query}" if query else "")
+    head = (
+        f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n".encode()
+        + b"".join(f"{name}: {value}\r\n".encode() for name, value in headers)
+        + f"Idempotency-Key: {key}\r\n".encode()
+    )
+    calls = len(upstream.calls)
+    first = await raw_exchange(stamped_gateway, head, raw)
+    first_head, _, first_body = first.partition(b"\r\n\r\n")
+    rows = [r for r in await effect_rows(dsn) if r["key"] == key]
+    if first_head.split(b" ", 2)[1] == b"400":
+        # A problem; or, for a target that is not ASCII, the HTTP server's own plain 400 before any route.
+        unparsable = b"\r\nContent-Type: text/plain" in first_head and not path.isascii()
+        refusal = "path-refused" if unparsable else problem(first_body)
+        assert refusal in REFUSED
+        assert (len(upstream.calls), rows) == (calls, []), "a refused request sends and records nothing"
+        assert (refusal == "path-refused") == _refused_path(path)
+        return
+    assert not _refused_path(path)
+    assert first_head.split(b" ", 2)[1] == b"201", first
+    assert len(upstream.calls) == calls + 1
+    call = upstream.calls[-1]
+    [row] = rows
+    derived = row["derived_key"]
+    assert row["state"] == "completed"
+    stamp = STAMPED[where].get("stamp", {})
+    # The target: the path as sent, the query as sent plus a query stamp.
+    sent_query = (query + "&" if query else "") + f"ref={derived}" if "query_param" in stamp else query
+    assert call.target == path + (f"?{sent_query}" if sent_query else "")
+    # Headers: the agent's (less hop-by-hop and the gateway's own), then the native key or header stamp.
+    hop = {"x-hop"} if ("Connection", "X-Hop") in headers else set()
+    added = {"x-idem"} if where == "native" else {"x-ref"} if where == "header" else set()
+    received = [(k, v) for k, v in call.header_list if k.lower() not in ("host", "content-length")]
+    assert [(k, v) for k, v in received if k.lower() not in added] == [
+        (k, v)
+        for k, v in [("Content-Type", content_type), *headers]
+        if k.lower() not in hop | {"connection", "keep-alive"}
+    ]
+    assert [(k.lower(), v) for k, v in received if k.lower() in added] == [(n, derived) for n in added]
+    # The body: the agent's bytes, plus the stamp spliced into a form or a JSON body and nothing else.
+    if where in ("form", "json"):
+        inserted = one_insertion(raw, call.body)
+        assert inserted is not None, (raw, call.body)
+        assert derived.encode() in inserted
+        if where == "json":
+            assert json.loads(call.body)["meta"]["ref"] == derived
+    else:
+        assert call.body == raw
+    # A retry is the first answer again, byte for byte, and nothing more reaches the upstream.
+    again = await raw_exchange(stamped_gateway, head, raw)
+    again_head, _, again_body = again.partition(b"\r\n\r\n")
+    assert len(upstream.calls) == calls + 1
+    assert b"\r\nIdempotent-Replayed: true" in again_head
+    assert again_body == first_body
+
+
+@given(KEY_VALUES.filter(lambda value: "\x7f" not in value and value.isascii()))
+@settings(max_examples=max(5, settings.default.max_examples // 5))
+async def test_any_key_header_is_refused_or_names_the_effect_the_parser_reads(
+    stamped_gateway: str, upstream: Upstream, dsn: str, value: str
+) -> None:
+    """Any Idempotency-Key: 400 key-malformed and nothing sent, or sent once and recorded under its key."""
+    try:
+        key: str | None = parse_key(value)
+    except KeySyntaxError:
+        key = None
+    head = f"POST /plain/orders HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: {value}\r\n".encode()
+    calls = len(upstream.calls)
+    answer = await raw_exchange(stamped_gateway, head)
+    status, _, body = answer.partition(b"\r\n\r\n")
+    if key is None:
+        assert status.split(b" ", 2)[1] == b"400", answer
+        assert problem(body) == "key-malformed"
+        assert len(upstream.calls) == calls
+        return
+    rows = [r for r in await effect_rows(dsn) if r["key"] == key]
+    assert [r["state"] for r in rows] == ["completed"], answer
+    replayed = b"\r\nIdempotent-Replayed: true" in status
+    assert len(upstream.calls) == calls + (0 if replayed else 1)  # a key drawn twice is one effect

@@ -11,7 +11,15 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.support import Gateway, Upstream, database_text, effect_rows, failing_database, gateway_server
+from tests.support import (
+    Gateway,
+    Upstream,
+    database_text,
+    effect_rows,
+    failing_database,
+    gateway_server,
+    raw_exchange,
+)
 
 PROBLEM = "application/problem+json"
 
@@ -305,6 +313,34 @@ async def test_the_query_and_path_are_forwarded(
         assert resp.status == 201
     assert (upstream.calls[0].method, upstream.calls[0].path) == ("GET", "/orders/search")
     assert upstream.calls[0].query == "q=atta%20dal&n=2"
+
+
+async def test_a_path_with_an_encoded_line_break_is_forwarded_as_sent(
+    gateway: Gateway, upstream: Upstream
+) -> None:
+    """%0A in a path is no route's 404: the proxy forwards it, still encoded (found by schemathesis)."""
+    raw = await raw_exchange(
+        gateway.url, b"POST /shop/a%0Ab HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: nl\r\n"
+    )
+    assert raw.split(b" ", 2)[1] == b"201", raw
+    assert [call.target for call in upstream.calls] == ["/a%0Ab"]
+
+
+async def test_gateway_paths_no_route_serves_are_404_or_405_and_never_forwarded(
+    gateway: Gateway, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """PUT on a GET route is 405 with Allow; an unknown /_gateway/ path is 404 not-found, not an upstream."""
+    async with http.put(f"{gateway.url}/_gateway/health") as resp:
+        assert resp.status == 405
+        assert resp.headers["Allow"] == "GET, HEAD"
+        assert problem_type(await resp.read()) == "method-not-allowed"
+    async with http.get(f"{gateway.url}/_gateway/effects/1/resolve") as resp:
+        assert resp.status == 405
+        assert resp.headers["Allow"] == "POST"
+    async with http.get(f"{gateway.url}/_gateway/nothing") as resp:
+        assert resp.status == 404
+        assert problem_type(await resp.read()) == "not-found"
+    assert upstream.calls == []
 
 
 # --- credentials ------------------------------------------------------------------------------------------

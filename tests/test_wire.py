@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from gateway import problems
 from gateway.admin import parse_resolution
 from gateway.app import response_of
+from gateway.decision import MAYBE_HAPPENED, NOTHING_HAPPENED
 from gateway.record import StoredResponse
 from gateway.upstream import storable_headers
 from tests.support import Gateway, effect_rows, gateway_server, raw_exchange
@@ -237,3 +238,83 @@ async def test_any_header_bytes_are_relayed_and_replayed_byte_for_byte(
     stored = storable_headers([(name.encode(), value) for name, value in headers])
     replayed = await _serve_stored(StoredResponse(201, stored, b"ok"), replayed=True)
     assert [line for line in replayed if line.startswith(b"X-")] == sent
+
+
+ANSWER_HEADER = st.tuples(HEADER_NAME.map(str.encode), HEADER_VALUE)
+# Codings the gateway never decodes on the way back (gzip of bytes that are not gzip among them).
+CODING = st.sampled_from([b"gzip", b"deflate", b"br", b"identity", b"x-unknown", b"gzip, br"])
+CONTENT_TYPE = st.sampled_from(
+    [
+        b"application/json",
+        b"text/plain; charset=latin-1",
+        b"application/octet-stream",
+        b"application/problem+json",
+    ]
+)
+_KEYS = iter(range(10**9))
+
+
+@st.composite
+def upstream_answers(draw: st.DrawFn) -> tuple[int, list[bytes], bytes, bytes]:
+    """(status, end-to-end header lines, body, the answer's bytes): any status, header bytes and body."""
+    status = draw(st.integers(200, 599))
+    lines = [name + b": " + value for name, value in draw(st.lists(ANSWER_HEADER, max_size=4))]
+    if draw(st.booleans()):
+        lines.append(b"Content-Encoding: " + draw(CODING))
+    if draw(st.booleans()):
+        lines.append(b"Content-Type: " + draw(CONTENT_TYPE))
+    body = b"" if status in (204, 304) else draw(st.binary(max_size=300))
+    head = b"HTTP/1.1 %d Any Reason\r\n" % status + b"".join(line + b"\r\n" for line in lines)
+    if body and draw(st.booleans()):  # chunked, in two chunks: the framing stops at the gateway
+        cut = draw(st.integers(1, len(body)))
+        chunks = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (body[:cut], body[cut:]) if c)
+        framed = head + b"Transfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n"
+    else:
+        framed = head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    return status, lines, body, framed
+
+
+def _end_to_end(lines: list[bytes]) -> list[bytes]:
+    return [
+        line
+        for line in lines
+        if line.split(b":")[0].lower().startswith((b"x-", b"content-type", b"content-e"))
+    ]
+
+
+@given(upstream_answers())
+@settings(max_examples=max(5, settings.default.max_examples // 5))
+async def test_any_upstream_answer_is_relayed_recorded_and_replayed_as_it_came(
+    gateway: Gateway, upstream_raw: RawUpstream, dsn: str, answer: tuple[int, list[bytes], bytes, bytes]
+) -> None:
+    """Status, header bytes, coding and body reach the agent as sent; a retry is what the state says."""
+    status, lines, body, framed = answer
+    upstream_raw.answer = framed
+    key = f"answer-{next(_KEYS)}"
+    before = len(upstream_raw.requests)
+    first_status, first_lines, first_body = await raw_request(gateway.url, post(key))
+    assert first_status.split(b" ")[1] == b"%d" % status
+    assert _end_to_end(first_lines) == lines
+    assert first_body == body
+    assert not [line for line in first_lines if line.lower().startswith(b"idempotent-replayed")]
+    again_status, again_lines, again_body = await raw_request(gateway.url, post(key))
+    row = next(r for r in await effect_rows(dsn) if r["key"] == key)
+    if status in NOTHING_HAPPENED:  # the upstream says nothing happened: the retry sends again
+        assert (row["state"], len(upstream_raw.requests) - before) == ("retryable", 2)
+        assert (again_status, _end_to_end(again_lines), again_body) == (first_status, lines, body)
+    elif status in MAYBE_HAPPENED:  # it may have happened, and nothing here can tell: an operator must
+        assert (row["state"], len(upstream_raw.requests) - before) == ("needs_review", 1)
+        assert again_status.split(b" ")[1] == b"409"
+        assert json.loads(again_body)["type"].endswith("/outcome-unknown")
+    else:  # completed: the retry is the first answer, byte for byte, and nothing is sent
+        assert (row["state"], row["response_status"], len(upstream_raw.requests) - before) == (
+            "completed",
+            status,
+            1,
+        )
+        assert again_status.split(b" ")[1] == b"%d" % status
+        assert _end_to_end(again_lines) == lines
+        assert again_body == body
+        assert [line for line in again_lines if line.lower().startswith(b"idempotent-replayed")] == [
+            b"Idempotent-Replayed: true"
+        ]
