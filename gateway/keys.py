@@ -83,11 +83,23 @@ class ScopedKey:
         keyed MAC, not a plain hash: a tenant who knows another's key still cannot compute the value a
         probe will look for, so it cannot plant an effect that the probe would take for the other's.
         """
-        mac = hmac.new(secret, digestmod=hashlib.sha256)
-        for part in (self.tenant, self.upstream, self.key):
-            # Length-prefixed so ("a", "bc") and ("ab", "c") differ.
-            raw = part.encode()
-            mac.update(len(raw).to_bytes(4, "big"))
-            mac.update(raw)
         # 32 hex digits (128 bits): collision-free for any number of effects a gateway will see.
-        return "eg_" + mac.hexdigest()[:32]
+        return "eg_" + self._mac(secret, b"").hex()[:32]
+
+    def log_hash(self, secret: bytes) -> str:
+        """What the log says of the key: the same for every retry of it, and no way back to the key.
+
+        A keyed MAC apart from the derived key (another first part), so the log reveals neither the key
+        the agent sent nor the one the upstream holds. 16 hex digits (64 bits) tell the keys in any log
+        apart.
+        """
+        return self._mac(secret, b"log\0").hex()[:16]
+
+    def _mac(self, secret: bytes, purpose: bytes) -> bytes:
+        # Each part length-prefixed so ("a", "bc") and ("ab", "c") differ. One call into OpenSSL: the
+        # log's hash is taken on every request, replays from memory among them.
+        message = [purpose]
+        for part in (self.tenant, self.upstream, self.key):
+            raw = part.encode()
+            message += (len(raw).to_bytes(4, "big"), raw)
+        return hmac.digest(secret, b"".join(message), hashlib.sha256)

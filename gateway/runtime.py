@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gateway import problems
+from gateway.metrics import CachedCounts
 from gateway.policy import UpstreamPolicy
 from gateway.service import EffectService
 from gateway.settings import Settings, is_loopback
 from gateway.store import Store
+from gateway.telemetry import Observed
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +24,9 @@ class Runtime:
     policies: dict[str, UpstreamPolicy]
     store: Store
     service: EffectService
+    telemetry: Observed
+    # The effects by state for the metrics, read from the store at most every few seconds.
+    state_counts: CachedCounts
 
 
 RUNTIME = web.AppKey("runtime", Runtime)
