@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import re
 from dataclasses import dataclass
@@ -102,4 +101,4 @@ class ScopedKey:
         for part in (self.tenant, self.upstream, self.key):
             raw = part.encode()
             message += (len(raw).to_bytes(4, "big"), raw)
-        return hmac.digest(secret, b"".join(message), hashlib.sha256)
+        return hmac.digest(secret, b"".join(message), "sha256")

@@ -276,6 +276,12 @@ def start_gateway_process(config: Path, env: dict[str, str] | None = None, timeo
     return start_service(["-m", "gateway", "--config", str(config), "serve"], env, timeout, cwd=str(ROOT))
 
 
+def children(pid: int) -> set[int]:
+    """The pids of the processes that ``pid`` started (a gateway's workers)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as listed:
+        return {int(child) for child in listed.read().split()}
+
+
 def decisions(lines: list[str]) -> list[dict[str, Any]]:
     """The gateway's lines per decision among the JSON lines of its log."""
     docs = [json.loads(line) for line in list(lines) if line.startswith("{")]

@@ -16,7 +16,15 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import Metrics
-from tests.support import ROOT, Upstream, decisions, gateway_server, start_gateway_process, upstream_server
+from tests.support import (
+    ROOT,
+    Upstream,
+    children,
+    decisions,
+    gateway_server,
+    start_gateway_process,
+    upstream_server,
+)
 
 SEARCH = {"method": "GET", "path": "/orders/search?ref={key}", "found": "items.0", "status": 201}
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -256,11 +264,6 @@ async def test_metrics_need_the_admin_token_when_one_is_set(
     assert value(metrics, "effect_gateway_effects", state="needs_review") == 0
 
 
-def _children(pid: int) -> set[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as listed:
-        return {int(child) for child in listed.read().split()}
-
-
 async def test_a_scrape_of_either_worker_counts_the_requests_both_served(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
@@ -289,7 +292,7 @@ async def test_a_scrape_of_either_worker_counts_the_requests_both_served(
             victim = min(served_by)
             os.kill(victim, signal.SIGKILL)
             for _ in range(100):  # the parent starts another worker in its place
-                if len(now := _children(gateway.proc.pid)) == 2 and victim not in now:
+                if len(now := children(gateway.proc.pid)) == 2 and victim not in now:
                     break
                 await asyncio.sleep(0.05)
             after = await scrape(fresh, gateway.url)
