@@ -19,7 +19,7 @@ from gateway.body import RequestBody, read_body
 from gateway.errors import StoreRejected, StoreUnavailable
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.jsonbody import JsonRefused
-from gateway.keys import MAX_LABEL, KeySyntaxError, ScopedKey, looks_made_up, parse_key
+from gateway.keys import MAX_LABEL, KeySyntaxError, LogHash, looks_made_up, parse_key
 from gateway.metrics import CachedCounts, Metrics
 from gateway.policy import UpstreamPolicy, upstream_policies
 from gateway.probes import Prober
@@ -117,18 +117,19 @@ def _runtime(
         prober = Prober(client)
         for policy in policies.values():
             prober.check(policy)
-        secret = settings.key_secret.get_secret_value().encode() if settings.key_secret else None
+        given = settings.key_secret
+        secret = given.get_secret_value().encode() if given else await store.key_secret()
         service = EffectService(
             store,
             client,
             prober,
-            secret or await store.key_secret(),
+            secret,
             retention=settings.retention,
             replay_cache_bytes=settings.replay_cache_bytes,
             telemetry=telemetry,
         )
         app[RUNTIME] = Runtime(
-            settings, policies, store, service, telemetry, CachedCounts(store.state_counts)
+            settings, policies, store, service, telemetry, CachedCounts(store.state_counts), LogHash(secret)
         )
         purger = asyncio.create_task(_maintain_periodically(store, settings))
         try:
@@ -329,7 +330,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             key = parse_key(raw_key)
         except KeySyntaxError as exc:
             raise problems.KeyMalformed(str(exc)) from None
-        trail.key_hash = ScopedKey(tenant, policy.name, key).log_hash(runtime.service.key_secret)
+        trail.key_hash = runtime.log_hash.of(tenant, policy.name, key)
         if policy.refuse_random_keys and looks_made_up(key):
             raise problems.KeyRandom(
                 f"{policy.name} takes step keys only, and this one ends in a UUID, as keys an SDK makes up "

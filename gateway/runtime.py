@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gateway import problems
+from gateway.keys import LogHash
 from gateway.metrics import CachedCounts
 from gateway.policy import UpstreamPolicy
 from gateway.service import EffectService
@@ -27,6 +28,7 @@ class Runtime:
     telemetry: Observed
     # The effects by state for the metrics, read from the store at most every few seconds.
     state_counts: CachedCounts
+    log_hash: LogHash
 
 
 RUNTIME = web.AppKey("runtime", Runtime)

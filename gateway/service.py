@@ -123,11 +123,6 @@ class EffectService:
         # request another gateway holds fall back to polling the row.
         self._waiters: dict[int, asyncio.Event] = {}
 
-    @property
-    def key_secret(self) -> bytes:
-        """The secret of the keyed MACs: derived keys, and the hash of a key in the log."""
-        return self._key_secret
-
     async def handle(self, inbound: Inbound) -> Reply:
         """Run the request to its end even if the client goes away: its result is recorded for the retry."""
         return await asyncio.shield(self._spawn(self._handle(inbound)))
