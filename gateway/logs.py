@@ -149,8 +149,9 @@ def decision(trail: Trail, outcome: str, seconds: float) -> None:
     text += f"; {seconds * 1000:.2f} ms"
     if trail.key_hash is not None:
         text += f"; key #{trail.key_hash}"
-    # Made here rather than by DECISIONS.info(), which would walk the stack for a caller nobody reads.
+    # Made here rather than by DECISIONS.info(), which would walk the stack for a caller nobody reads
+    # (and with no file name, which the record would take apart for a module name nobody reads either).
     record = DECISIONS.makeRecord(
-        DECISIONS.name, logging.INFO, __file__, 0, text, (), None, extra={"decision": fields}
+        DECISIONS.name, logging.INFO, "", 0, text, (), None, extra={"decision": fields}
     )
     DECISIONS.handle(record)
