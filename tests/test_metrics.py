@@ -64,9 +64,16 @@ def requests(samples: Samples, upstream: str) -> dict[tuple[str, str], float]:
 
 
 async def post(
-    http: aiohttp.ClientSession, url: str, key: str | None, body: bytes = b'{"items":["atta"]}', wait: int = 0
+    http: aiohttp.ClientSession,
+    url: str,
+    key: str | None,
+    body: bytes = b'{"items":["atta"]}',
+    wait: int = 0,
+    token: str | None = None,
 ) -> int:
     headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Effect-Gateway-Token"] = token
     if key is not None:
         headers["Idempotency-Key"] = key
     if wait:
@@ -246,7 +253,7 @@ async def test_a_scrape_storm_reads_the_states_from_the_store_once(
 async def test_metrics_need_the_admin_token_when_one_is_set(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without the token a scrape gets 401 and no numbers; with it, the metrics."""
+    """Without a token a scrape gets 401; a tenant's gets its own effects only; the admin's, everything."""
     monkeypatch.setenv("ADMIN", "adm-1")
     monkeypatch.setenv("TA", "tok-a")
     async with gateway_server(
@@ -257,8 +264,12 @@ async def test_metrics_need_the_admin_token_when_one_is_set(
     ) as gw:
         async with http.get(f"{gw.url}/_gateway/metrics") as resp:
             refused = (resp.status, resp.content_type, await resp.text())
+        assert await post(http, f"{gw.url}/shop/orders", "t1", token="tok-a") == 201
+        tenant = await scrape(http, gw.url, **{"Effect-Gateway-Token": "tok-a"})
         metrics = await scrape(http, gw.url, Authorization="Bearer adm-1")
     assert refused[:2] == (401, "application/problem+json")
+    assert {name for name, _ in tenant} == {"effect_gateway_effects"}  # no gateway-wide traffic
+    assert value(metrics, "effect_gateway_requests_total", upstream="shop", outcome="sent", problem="") == 1
     assert "effect_gateway" not in refused[2]
     assert json.loads(refused[2])["type"].endswith("/admin-token-required")
     assert value(metrics, "effect_gateway_effects", state="needs_review") == 0
