@@ -6,15 +6,43 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import IO
+
+
+class Stderr:
+    """A child's stderr, read line by line as it comes.
+
+    A pipe nobody reads fills up (64 KiB), and the child then blocks on its next log line: a gateway
+    logs a line per request, so one serving a few hundred requests would stall.
+    """
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def whole(self, timeout: float = 10) -> list[str]:
+        """Every line, once the child has closed its stderr (it exited)."""
+        self._reader.join(timeout)
+        if self._reader.is_alive():
+            raise RuntimeError("the child still writes to its stderr")
+        return self.lines
 
 
 @dataclass
 class Service:
     proc: subprocess.Popen[str]
     url: str
+    # What the child writes to its stderr; None when it writes to this process's own.
+    stderr: Stderr | None = None
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -52,13 +80,15 @@ def start_service(
         cwd=cwd,
     )
     assert proc.stdout is not None
+    stderr = None if proc.stderr is None else Stderr(proc.stderr)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if " listening on " in line:
-            return Service(proc, line.rsplit(" ", 1)[1].strip())
+            return Service(proc, line.rsplit(" ", 1)[1].strip(), stderr)
         if not line and proc.poll() is not None:
             break
     proc.kill()
-    _, err = proc.communicate(timeout=5)
+    proc.wait(5)
+    err = "".join(stderr.whole()) if stderr is not None else ""
     raise RuntimeError(f"{' '.join(args)} did not start: {(err or 'see above').strip()[-2000:]}")

@@ -3,13 +3,16 @@
 Run: `make bench` (or `python -m bench.gateway_overhead --requests 500`). Everything runs on loopback:
 an aiohttp upstream, the gateway on the embedded Postgres (or $TEST_DATABASE_URL), and a client that
 sends one request at a time so each figure is a latency, not a throughput. Prints median and p99 in ms
-and the ratio to the direct baseline, measured side by side in one run.
+and the ratio to the direct baseline, measured side by side in one run. The gateway's metrics are
+counted as in `serve`; its log is not written unless `--log-format json|text` asks for it (to
+/dev/null, as serve writes its line per request to stderr), to show what the log costs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -18,6 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from bench.common import on_postgres, p50_p99, where
+from gateway import logs
 from gateway.app import make_app
 from gateway.schema import migrate
 from gateway.settings import load_settings
@@ -100,7 +104,7 @@ def _row(name: str, samples: list[float], base: list[float] | None) -> str:
     return f"| {name:<38} | {median:>8.3f} | {p99:>8.3f} | {ratio:>9} |"
 
 
-async def run(n: int, dsn: str) -> None:
+async def run(n: int, dsn: str, log_format: str | None = None) -> None:
     await migrate(dsn)
     up_runner, upstream = await _upstream()
     gw_runner, gateway = await _gateway(dsn, upstream)
@@ -136,7 +140,7 @@ async def run(n: int, dsn: str) -> None:
     finally:
         await gw_runner.cleanup()
         await up_runner.cleanup()
-    print(f"\n{n} sequential POSTs each, loopback, Postgres {where()}")
+    print(f"\n{n} sequential POSTs each, loopback, Postgres {where()}, log {log_format or 'not written'}")
     print(f"| {'path':<38} | {'p50 ms':>8} | {'p99 ms':>8} | {'vs direct':>9} |")
     print(f"|{'-' * 40}|{'-' * 10}|{'-' * 10}|{'-' * 11}|")
     print(_row("direct to the upstream (baseline)", base, None))
@@ -156,8 +160,11 @@ async def run(n: int, dsn: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--log-format", choices=["json", "text"], help="write the gateway's log to /dev/null")
     args = parser.parse_args()
-    on_postgres(lambda dsn: run(args.requests, dsn))
+    if args.log_format:
+        logs.configure(args.log_format, stream=open(os.devnull, "w"))  # noqa: SIM115 - open for the run
+    on_postgres(lambda dsn: run(args.requests, dsn, args.log_format))
 
 
 if __name__ == "__main__":

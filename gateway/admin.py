@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import re
 from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway import jsonbody, operators, problems
 from gateway.decision import NotAwaitingOperator
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
+from gateway.metrics import states_exposition
 from gateway.record import EffectRecord, StoredResponse
 from gateway.runtime import RUNTIME, Runtime, is_admin, read_request_body, tenant_of
 from gateway.settings import parse_duration
 from gateway.states import State
 from gateway.store import EffectFilter
 from gateway.wire import HeaderRefused, header_line
+
+log = logging.getLogger("effect_gateway")
+EXPOSITION = {"Content-Type": CONTENT_TYPE_LATEST}
 
 # A page of the audit: enough to scan by eye, small enough to render at once.
 DEFAULT_PAGE = 50
@@ -82,15 +88,15 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """The whole gateway's metrics in Prometheus text, whichever worker the scrape reached."""
     runtime = _runtime(request)
-    # A tenant's token counts its own effects (the open ones), as health does; the admin's every one.
-    counts = await runtime.store.state_counts(_viewer(request, runtime))
-    lines = [
-        "# HELP effect_gateway_effects Effect records by state.",
-        "# TYPE effect_gateway_effects gauge",
-        *(f'effect_gateway_effects{{state="{state}"}} {n}' for state, n in sorted(counts.items())),
-    ]
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+    viewer = _viewer(request, runtime)
+    counts = await runtime.state_counts.get(viewer)
+    if viewer is not None:
+        # A tenant's token reads its own effects (the open ones, as health counts them) and nothing
+        # else: every other metric is the whole gateway's, every tenant's traffic in it.
+        return web.Response(body=states_exposition(counts), headers=EXPOSITION)
+    return web.Response(body=runtime.telemetry.metrics.exposition(counts), headers=EXPOSITION)
 
 
 def _body_fields(prefix: str, body: bytes | None) -> dict[str, Any]:
@@ -307,4 +313,16 @@ async def resolve_effect(request: web.Request) -> web.Response:
         raise problems.NotFound(str(exc)) from None
     except NotAwaitingOperator as exc:
         raise problems.NotResolvable(str(exc), effect_id=record.id) from None
+    verdict_given(runtime, resolved, happened)
     return _json(effect_json(resolved, full=True))
+
+
+def verdict_given(runtime: Runtime, record: EffectRecord, happened: bool) -> None:
+    """An operator's verdict through the gateway: counted, and a line in the log."""
+    runtime.telemetry.verdict(record.upstream, happened)
+    log.info(
+        "effect %s resolved by an operator (%s): %s",
+        record.id,
+        record.history[-1].get("by") if record.history else None,
+        "happened" if happened else "did not happen",
+    )

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import re
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -18,7 +19,8 @@ from gateway.body import RequestBody, read_body
 from gateway.errors import StoreRejected, StoreUnavailable
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.jsonbody import JsonRefused
-from gateway.keys import MAX_LABEL, KeySyntaxError, looks_made_up, parse_key
+from gateway.keys import MAX_LABEL, KeySyntaxError, LogHash, looks_made_up, parse_key
+from gateway.metrics import CachedCounts, Metrics
 from gateway.policy import UpstreamPolicy, upstream_policies
 from gateway.probes import Prober
 from gateway.record import StoredResponse
@@ -36,6 +38,9 @@ from gateway.service import EffectService, Inbound, Reply
 from gateway.settings import ErrorFormat, Settings
 from gateway.stamp import reserved_use
 from gateway.store import Store, StoreLimits
+from gateway.telemetry import Observed
+from gateway.tracing import Tracer
+from gateway.trail import CURRENT, Trail
 from gateway.upstream import UpstreamClient
 from gateway.urlencoded import FormRefused
 from gateway.wire import HeaderRefused, RawHeadResponse
@@ -63,11 +68,18 @@ _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\d+)", re.IGNORECASE)
 DSN = web.AppKey("dsn", str)
 
 
-def make_app(settings: Settings, dsn: str) -> web.Application:
-    """The gateway as an aiohttp application; ``dsn`` is the Postgres to use (already running)."""
+def make_app(
+    settings: Settings, dsn: str, *, metrics_dir: str | None = None, tracer_provider: Any = None
+) -> web.Application:
+    """The gateway as an aiohttp application; ``dsn`` is the Postgres to use (already running).
+
+    ``metrics_dir``: the directory its worker processes share their metrics in (gateway.metrics), or
+    None for metrics of this application's own. ``tracer_provider``: an OpenTelemetry TracerProvider
+    for its spans, instead of the global one.
+    """
     app = web.Application(
         client_max_size=settings.max_body_bytes,
-        middlewares=[problem_middleware],
+        middlewares=[observe_middleware, problem_middleware],
         # Options of the HTTP server under the app, whichever runner serves it (cli, tests, bench).
         handler_args={
             # Bodies are decoded by gateway.codings, which knows the gateway's rule and its limits.
@@ -80,7 +92,7 @@ def make_app(settings: Settings, dsn: str) -> web.Application:
         },
     )
     app[DSN] = dsn
-    app.cleanup_ctx.append(_runtime(settings))
+    app.cleanup_ctx.append(_runtime(settings, metrics_dir, tracer_provider))
     app.on_shutdown.append(_finish_calls)
     admin.add_routes(app)
     audit_routes.add_routes(app)
@@ -91,25 +103,34 @@ def make_app(settings: Settings, dsn: str) -> web.Application:
     return app
 
 
-def _runtime(settings: Settings) -> Callable[[web.Application], AsyncIterator[None]]:
+def _runtime(
+    settings: Settings, metrics_dir: str | None, tracer_provider: Any
+) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         await migrate(app[DSN])
-        store = await Store.connect(app[DSN], max_size=settings.pool_size, limits=store_limits(settings))
         policies = upstream_policies(settings)
-        client = UpstreamClient(policies.values(), settings.max_response_bytes)
+        telemetry = Observed(Metrics(policies, metrics_dir), Tracer(tracer_provider))
+        store = await Store.connect(
+            app[DSN], max_size=settings.pool_size, limits=store_limits(settings), telemetry=telemetry
+        )
+        client = UpstreamClient(policies.values(), settings.max_response_bytes, telemetry)
         prober = Prober(client)
         for policy in policies.values():
             prober.check(policy)
-        secret = settings.key_secret.get_secret_value().encode() if settings.key_secret else None
+        given = settings.key_secret
+        secret = given.get_secret_value().encode() if given else await store.key_secret()
         service = EffectService(
             store,
             client,
             prober,
-            secret or await store.key_secret(),
+            secret,
             retention=settings.retention,
             replay_cache_bytes=settings.replay_cache_bytes,
+            telemetry=telemetry,
         )
-        app[RUNTIME] = Runtime(settings, policies, store, service)
+        app[RUNTIME] = Runtime(
+            settings, policies, store, service, telemetry, CachedCounts(store.state_counts), LogHash(secret)
+        )
         purger = asyncio.create_task(_maintain_periodically(store, settings))
         try:
             yield
@@ -175,6 +196,29 @@ class ServerLog(logging.LoggerAdapter[logging.Logger]):
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def observe_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Each request to an upstream gets a trail, and on its way out its metrics, log line and span."""
+    if request.match_info.handler is not proxy:
+        return await handler(request)
+    telemetry = request.app[RUNTIME].telemetry
+    started = time.perf_counter()
+    trail = Trail(request.method, started)
+    token = CURRENT.set(trail)
+    try:
+        with telemetry.request(trail, request.headers):
+            try:
+                response = await handler(request)
+            except web.HTTPException as exc:
+                trail.status = exc.status
+                raise
+            trail.status = response.status
+            trail.problem = response.get(problems.PROBLEM_TYPE)
+            return response
+    finally:
+        CURRENT.reset(token)
 
 
 @web.middleware
@@ -268,13 +312,17 @@ def _wait(request: web.Request, settings: Settings) -> float:
 
 async def proxy(request: web.Request) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
+    trail = CURRENT.get()
+    assert trail is not None, "observe_middleware starts one for every request routed here"
     upstream_name, path, query = split_target(request.raw_path)
     if upstream_name == GATEWAY_PATHS:
         await _not_ours_to_forward(request)
     policy = runtime.policies.get(upstream_name)
     if policy is None:
         raise problems.UnknownUpstream(f"no upstream named {upstream_name!r} is configured")
+    trail.upstream, trail.path = policy.name, path
     tenant = tenant_of(request, runtime.settings)
+    trail.tenant = tenant
     raw_key = request.headers.get("Idempotency-Key")
     key = None
     if raw_key is not None:
@@ -282,12 +330,15 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             key = parse_key(raw_key)
         except KeySyntaxError as exc:
             raise problems.KeyMalformed(str(exc)) from None
+        trail.key_hash = runtime.log_hash.of(tenant, policy.name, key)
         if policy.refuse_random_keys and looks_made_up(key):
             raise problems.KeyRandom(
                 f"{policy.name} takes step keys only, and this one ends in a UUID, as keys an SDK makes up "
                 "for a single call do; a key made up per call is new on the agent's re-run, which would do "
                 "the effect again. Send the step's key (run:step), e.g. from the journal"
             )
+    run_id, step = _label(request, "Effect-Gateway-Run"), _label(request, "Effect-Gateway-Step")
+    trail.run_id, trail.step = run_id, step
     body = await _body(request, runtime.settings, policy)
     taken = reserved_use(policy, request.headers, query, body)
     if taken is not None:
@@ -305,10 +356,11 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             body=body,
             key=key,
             wait=_wait(request, runtime.settings),
-            run_id=_label(request, "Effect-Gateway-Run"),
-            step=_label(request, "Effect-Gateway-Step"),
+            run_id=run_id,
+            step=step,
         )
     )
+    trail.replayed = reply.replayed
     return to_response(reply)
 
 

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from aiohttp import web
 
 from gateway import audit_page, effect_page, operators, problems
-from gateway.admin import MAX_ID, parse_filter, parse_resolution, whole_number
+from gateway.admin import MAX_ID, parse_filter, parse_resolution, verdict_given, whole_number
 from gateway.audit_page import BASE, Chrome, Listing
 from gateway.decision import NotAwaitingOperator, resolution
 from gateway.effect_page import ResolveForm, Verdict
@@ -345,9 +345,10 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
         again = _verdict(record, viewer, replace(entered, error=exc.detail))
         return _html(effect_page.effect(record, viewer.chrome(), again), 400)
     by = entered.by or "admin, on the audit page"
+    runtime = _runtime(request)
     try:
-        await operators.resolve(
-            _runtime(request).store,
+        resolved = await operators.resolve(
+            runtime.store,
             record.id,
             attempt=_judged_attempt(form),
             happened=happened == "yes",
@@ -360,6 +361,7 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
         fresh = await _load(request, None)
         message = ("error", f"Not resolved: {exc}.")
         return _html(effect_page.effect(fresh, viewer.chrome(), _verdict(fresh, viewer), message), 409)
+    verdict_given(runtime, resolved, happened == "yes")
     return _redirect(f"{BASE}/{record.id}?resolved={'happened' if happened == 'yes' else 'did-not-happen'}")
 
 

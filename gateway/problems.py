@@ -57,23 +57,30 @@ class Problem(Exception):
         return {"error": error}
 
 
+# The problem type an answer carries, for the request's metrics and log line (gateway.telemetry).
+PROBLEM_TYPE = web.ResponseKey("problem_type", str)
+
+
 def render(
     problem: Problem, instance: str | None = None, error_format: ErrorFormat = "problem+json"
 ) -> web.Response:
     """The one place that turns a Problem into an HTTP response, in the upstream's error format."""
     if error_format == "stripe":
         shape = stripe_errors.shape(problem.type)
-        return web.json_response(
+        response = web.json_response(
             problem.stripe_body(shape),
             status=shape.status,
             headers={**problem.headers, "Stripe-Should-Retry": "true" if shape.retry else "false"},
         )
-    return web.Response(
-        status=problem.status,
-        body=json.dumps(problem.body(instance)).encode(),
-        content_type=CONTENT_TYPE,
-        headers=problem.headers,
-    )
+    else:
+        response = web.Response(
+            status=problem.status,
+            body=json.dumps(problem.body(instance)).encode(),
+            content_type=CONTENT_TYPE,
+            headers=problem.headers,
+        )
+    response[PROBLEM_TYPE] = problem.type
+    return response
 
 
 class KeyMissing(Problem):

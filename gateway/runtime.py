@@ -10,10 +10,13 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gateway import problems
+from gateway.keys import LogHash
+from gateway.metrics import CachedCounts
 from gateway.policy import UpstreamPolicy
 from gateway.service import EffectService
 from gateway.settings import Settings, is_loopback
 from gateway.store import Store
+from gateway.telemetry import Observed
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +25,10 @@ class Runtime:
     policies: dict[str, UpstreamPolicy]
     store: Store
     service: EffectService
+    telemetry: Observed
+    # The effects by state for the metrics, read from the store at most every few seconds.
+    state_counts: CachedCounts
+    log_hash: LogHash
 
 
 RUNTIME = web.AppKey("runtime", Runtime)

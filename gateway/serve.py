@@ -21,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway import metrics
 from gateway.errors import ConfigError
 from gateway.schema import migrate
 from gateway.settings import Settings, listen_host, listen_port
@@ -61,10 +62,10 @@ def announce(sock: socket.socket, settings: Settings, workers: int) -> None:
     print(f"effect-gateway listening on http://{listen_host(settings.listen)}:{port}", flush=True)
 
 
-async def _worker(settings: Settings, dsn: str, sock: socket.socket) -> None:
+async def _worker(settings: Settings, dsn: str, sock: socket.socket, metrics_dir: str) -> None:
     from gateway.app import make_app
 
-    app = make_app(settings, dsn)
+    app = make_app(settings, dsn, metrics_dir=metrics_dir)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=ANSWER_GRACE)
     await runner.setup()
     site = web.SockSite(runner, sock)
@@ -103,21 +104,32 @@ def run_loop(settings: Settings, work: Coroutine[Any, Any, None]) -> None:
 def run(settings: Settings, dsn: str, sock: socket.socket) -> int:
     """Serve on ``sock`` (see :func:`bind`) until SIGTERM or SIGINT; returns the exit status."""
     workers = settings.workers or os.cpu_count() or 1
-    if workers == 1:
-        announce(sock, settings, 1)
-        run_loop(settings, _worker(settings, dsn, sock))
-        return 0
-    asyncio.run(migrate(dsn))  # once, before any worker starts
-    supervisor = Supervisor(lambda: run_loop(settings, _worker(settings, dsn, sock)), workers)
-    return supervisor.run(lambda: announce(sock, settings, workers))
+    # Made before any worker starts, so that every worker counts into it and a scrape of any one of
+    # them reads them all (gateway.metrics); removed when the gateway stops.
+    with metrics.shared_by_workers() as shared:
+        if workers == 1:
+            announce(sock, settings, 1)
+            run_loop(settings, _worker(settings, dsn, sock, shared))
+            return 0
+        asyncio.run(migrate(dsn))  # once, before any worker starts
+        supervisor = Supervisor(
+            lambda: run_loop(settings, _worker(settings, dsn, sock, shared)),
+            workers,
+            gone=lambda pid: metrics.worker_gone(shared, pid),
+        )
+        return supervisor.run(lambda: announce(sock, settings, workers))
 
 
 class Supervisor:
-    """Forks the workers, replaces one that dies, and passes SIGTERM/SIGINT on to all of them."""
+    """Forks the workers, replaces one that dies, and passes SIGTERM/SIGINT on to all of them.
 
-    def __init__(self, work: Callable[[], None], count: int) -> None:
+    ``gone`` is told the pid of each worker that exited, whatever the reason.
+    """
+
+    def __init__(self, work: Callable[[], None], count: int, gone: Callable[[int], None]) -> None:
         self._work = work
         self._count = count
+        self._gone = gone
         self._children: dict[int, float] = {}  # pid -> when it started
         self._stopping = False
         self._early_deaths = 0
@@ -137,7 +149,10 @@ class Supervisor:
             except InterruptedError:  # pragma: no cover - PEP 475 retries os.wait itself
                 continue
             started = self._children.pop(pid, None)
-            if started is None or self._stopping:
+            if started is None:
+                continue
+            self._gone(pid)
+            if self._stopping:
                 continue
             log.error("worker %d %s; starting another", pid, _death(code))
             if time.monotonic() - started < EARLY_DEATH:

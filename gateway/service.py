@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar, assert_never
 
-from gateway import problems
+from gateway import problems, trail
 from gateway.body import RequestBody
 from gateway.decision import (
     Busy,
@@ -57,6 +57,7 @@ from gateway.settings import SAFE_METHODS
 from gateway.stamp import StampError
 from gateway.states import State
 from gateway.store import NewEffect, Store
+from gateway.telemetry import Telemetry
 from gateway.upstream import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP, Outbound, UpstreamClient, build_outbound
 
 log = logging.getLogger("effect_gateway")
@@ -106,8 +107,10 @@ class EffectService:
         *,
         retention: timedelta,
         replay_cache_bytes: int,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self._store = store
+        self._telemetry = telemetry or Telemetry()
         self._retention = retention
         self._key_secret = key_secret
         self._cache = ReplayCache(replay_cache_bytes)
@@ -153,7 +156,9 @@ class EffectService:
             )
         )
         scope = (inbound.tenant, policy.name, inbound.key)
-        if (known := self._cache.get(scope, _clock())) is not None:
+        known = self._cache.get(scope, _clock())
+        self._telemetry.replay_cache(hit=known is not None)
+        if known is not None:
             return self._replay_known(known, request)
         derived = ScopedKey(*scope).derived(self._key_secret)
         # Built before the claim: a request that cannot be sent must leave no record behind.
@@ -162,6 +167,8 @@ class EffectService:
         record, created = await self._store.claim(
             _new_effect(inbound, inbound.key, derived, request.fingerprint), policy.lease
         )
+        if record is not None:
+            trail.saw(record, created=created)
         if record is None:
             raise problems.ResponsePurged(
                 "the effect happened and is never sent again; its audit row has been archived"
@@ -176,6 +183,7 @@ class EffectService:
         return await self._follow(record, request, policy, outbound, inbound.wait)
 
     def _replay_known(self, known: Completed, request: Request) -> Reply:
+        trail.replayed_from_memory(known.id)
         if known.fingerprint != request.fingerprint:
             raise _key_reused(known.id)
         self._count_replay(known.id, known.created_at)
@@ -233,6 +241,7 @@ class EffectService:
         )
         assert record is not None, "a made-up key of 128 random bits is new"
         assert created
+        trail.saw(record, created=True)
         return await self._attempt(record, took, policy, outbound, reason=None)
 
     async def _follow(
@@ -278,23 +287,25 @@ class EffectService:
                             woken.wait(), min(poll, remaining, retry_after.total_seconds())
                         )
                     poll = min(poll * 2, MAX_POLL)
-                    record = await self._store.reread(record)
+                    record = await self._reread(record)
                 case Resend(reason=reason):
                     took = _clock()
                     claimed = await self._store.reclaim(
                         record, take_over(record), policy.lease, reason, sends=True
                     )
                     if claimed is None:
-                        record = await self._store.reread(record)
+                        record = await self._reread(record)
                         continue
+                    self._took(record, claimed)
                     return await self._attempt(claimed, took, policy, outbound, reason=reason)
                 case Probe():
                     claimed = await self._store.reclaim(
                         record, take_over(record), policy.lease, "probe", sends=False
                     )
                     if claimed is None:
-                        record = await self._store.reread(record)
+                        record = await self._reread(record)
                         continue
+                    self._took(record, claimed)
                     return await self._probe(claimed, policy, outbound)
                 case Review():
                     reviewed = await self._wake_after(
@@ -306,8 +317,9 @@ class EffectService:
                         ),
                     )
                     if reviewed is None:
-                        record = await self._store.reread(record)
+                        record = await self._reread(record)
                         continue
+                    self._took(record, reviewed)
                     log.warning("effect %s needs review (%s %s)", record.id, record.upstream, record.path)
                     raise _outcome_unknown(record)
                 case Unknown():
@@ -320,7 +332,21 @@ class EffectService:
                     assert_never(action)
 
     async def _settle(self, record: EffectRecord, settlement: Settlement, **what: Any) -> EffectRecord | None:
-        return await self._wake_after(record, self._store.settle(record, settlement, **what))
+        saved = await self._wake_after(record, self._store.settle(record, settlement, **what))
+        if saved is not None:
+            trail.saw(saved)
+        return saved
+
+    async def _reread(self, record: EffectRecord) -> EffectRecord:
+        fresh = await self._store.reread(record)
+        trail.saw(fresh)
+        return fresh
+
+    def _took(self, record: EffectRecord, taken: EffectRecord) -> None:
+        """``record`` as read was taken (again, for review): a lease that ran out is counted as taken over."""
+        trail.saw(taken)
+        if record.state is State.PENDING:
+            self._telemetry.taken_over(record.upstream)
 
     async def _wake_after(self, record: EffectRecord, write: Awaitable[T]) -> T:
         """Carry out a write to the record, then wake the twins waiting on it here, whatever came of it."""
@@ -390,6 +416,8 @@ class EffectService:
                 effect_id=record.id,
             )
         fault("after-record", policy.name)
+        if settled.state is State.COMPLETED and recovered_by is not None:
+            trail.recovered(recovered_by)
         if settled.state is State.COMPLETED and isinstance(outcome, Answered):
             self._remember(saved, StoredResponse(outcome.status, outcome.headers, outcome.body))
         return _reply(outcome, record.id)
@@ -412,6 +440,8 @@ class EffectService:
             renewed = await self._store.reclaim(
                 record, take_over(record), policy.lease, "late to send", sends=True, renew=True
             )
+            if renewed is not None:
+                trail.saw(renewed)
             if renewed is None:
                 seen = f"not sent: {waited.total_seconds():.1f}s late, and another attempt took over"
                 await self._store.note_fenced(record, seen)
@@ -447,11 +477,13 @@ class EffectService:
 
     async def _look(self, policy: UpstreamPolicy, record: EffectRecord) -> ProbeResult:
         """Ask the upstream whether the effect exists, by the key stamped into it."""
-        try:
-            found = await self._prober.probe(policy, record.derived_key)
-        except ProbeFailed as exc:
-            return ProbeError(str(exc))
-        return NotFound() if found is None else Found(found)
+        with self._telemetry.probe(policy.name) as probing:
+            try:
+                found = await self._prober.probe(policy, record.derived_key)
+            except ProbeFailed as exc:
+                return ProbeError(str(exc))
+            probing.result = "not_found" if found is None else "found"
+            return NotFound() if found is None else Found(found)
 
     async def _probe(self, record: EffectRecord, policy: UpstreamPolicy, outbound: Outbound) -> Reply:
         """Probe under the take-over ``record`` holds; then send, complete, or leave it for later."""
@@ -468,6 +500,7 @@ class EffectService:
                 await self._store.note_fenced(record, "the probe found nothing")
                 raise problems.Fenced("a newer attempt took over while probing; retry", effect_id=record.id)
             record = again
+            trail.saw(record)
             assert record.read_at is not None
             if isinstance(settle_probe(record, result, record.read_at, policy.decision), Send):
                 log.info("probe: effect %s not found upstream, sending", record.id)
@@ -490,6 +523,7 @@ class EffectService:
         match verdict.state:
             case State.COMPLETED:
                 assert found is not None
+                trail.recovered("probe")
                 self._remember(saved, found)
                 return Reply(found, replayed=True, effect_id=record.id)
             case State.NEEDS_REVIEW:
@@ -504,6 +538,7 @@ class EffectService:
         match await self._look(policy, record):
             case Found(response=response):
                 await self._store.restore(record, restore(record), response)
+                trail.recovered("probe")
                 self._remember(record, response)
                 return Reply(response, replayed=True, effect_id=record.id)
             case NotFound():

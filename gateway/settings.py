@@ -290,6 +290,9 @@ class Settings(BaseSettings):
     # nothing is claimed or sent. 1 MiB in 20 s is 50 KiB/s, far below any agent's link to its sidecar;
     # it also bounds how long a stalled upload can hold a shutdown.
     request_body_timeout: Duration = timedelta(seconds=20)
+    # "json", "text", or "auto": text when stderr is a terminal (a person reads it), JSON lines
+    # otherwise (a supervisor hands them to a log pipeline, which parses JSON).
+    log_format: Literal["auto", "json", "text"] = "auto"
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
     admin: AdminSettings = Field(default_factory=AdminSettings)
     upstreams: dict[str, UpstreamSettings] = Field(default_factory=dict)

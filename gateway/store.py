@@ -28,6 +28,7 @@ from gateway.decision import Settlement
 from gateway.errors import StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State, Transition
+from gateway.telemetry import Telemetry
 
 log = logging.getLogger("effect_gateway")
 T = TypeVar("T")
@@ -167,14 +168,23 @@ _RETRYABLE_SQLSTATES = (asyncpg.exceptions.SerializationError, asyncpg.exception
 class Store:
     """The effect tables. One Postgres implementation; tests run it against a real server."""
 
-    def __init__(self, pool: asyncpg.Pool, limits: StoreLimits, dsn: str) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, limits: StoreLimits, dsn: str, telemetry: Telemetry | None = None
+    ) -> None:
         self._pool = pool
         self._limits = limits
         self._dsn = dsn
+        self._telemetry = telemetry or Telemetry()
 
     @classmethod
     async def connect(
-        cls, dsn: str, *, min_size: int = 2, max_size: int = 20, limits: StoreLimits | None = None
+        cls,
+        dsn: str,
+        *,
+        min_size: int = 2,
+        max_size: int = 20,
+        limits: StoreLimits | None = None,
+        telemetry: Telemetry | None = None,
     ) -> Store:
         limits = limits or StoreLimits()
         millis = {
@@ -192,13 +202,18 @@ class Store:
             )
         except (OSError, asyncpg.PostgresError) as exc:
             raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
-        return cls(pool, limits, dsn)
+        return cls(pool, limits, dsn, telemetry)
 
     async def close(self) -> None:
         await self._pool.close()
 
-    async def _run(self, op: Callable[[Conn], Awaitable[T]]) -> T:
-        """Run one phase; retry only what Postgres says is retryable, map the rest to our own errors."""
+    async def _run(self, kind: str, op: Callable[[Conn], Awaitable[T]]) -> T:
+        """Run one phase (``kind``: its name in the metrics and spans), retried as :meth:`_attempts` says."""
+        with self._telemetry.statement(kind):
+            return await self._attempts(op)
+
+    async def _attempts(self, op: Callable[[Conn], Awaitable[T]]) -> T:
+        """Retry only what Postgres says is retryable; map the rest to our own errors."""
         for attempt in range(3):
             try:
                 conn = await self._pool.acquire(timeout=self._limits.acquire.total_seconds())
@@ -230,21 +245,21 @@ class Store:
                 await self._pool.release(conn)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _one(self, sql: str, *args: Any, response: bool = False) -> EffectRecord | None:
+    async def _one(self, kind: str, sql: str, *args: Any, response: bool = False) -> EffectRecord | None:
         """One statement that returns at most one effect row (None: no row matched, e.g. fenced out)."""
 
         async def op(conn: Conn) -> EffectRecord | None:
             row = await conn.fetchrow(sql, *args)
             return _record(row, response=response) if row is not None else None
 
-        return await self._run(op)
+        return await self._run(kind, op)
 
-    async def _execute(self, sql: str, *args: Any) -> str:
+    async def _execute(self, kind: str, sql: str, *args: Any) -> str:
         async def op(conn: Conn) -> str:
             status: str = await conn.execute(sql, *args)
             return status
 
-        return await self._run(op)
+        return await self._run(kind, op)
 
     # --- the idempotency phases -------------------------------------------------------------------
 
@@ -319,7 +334,7 @@ class Store:
             )
             return (_record(existing, response=True) if existing else None), False
 
-        return await self._run(op)
+        return await self._run("claim", op)
 
     async def reclaim(
         self,
@@ -338,6 +353,7 @@ class Store:
         reached the upstream, so the take-over adds no doubt.
         """
         return await self._one(
+            "reclaim",
             f"""
             update effects e set
                 attempt = attempt + 1,
@@ -372,6 +388,7 @@ class Store:
     ) -> EffectRecord | None:
         """Write what the current attempt saw; None when a newer attempt fenced this one out."""
         return await self._one(
+            "settle",
             f"""
             with e as (
                 update effects e set
@@ -416,6 +433,7 @@ class Store:
     async def note_fenced(self, record: EffectRecord, saw: str) -> None:
         """A fenced-out holder adds what it saw to the history, and changes nothing else."""
         await self._execute(
+            "note_fenced",
             f"update effects set history = history || {_stamped(3)} where id = $1 and created_at = $2",
             record.id,
             record.created_at,
@@ -425,6 +443,7 @@ class Store:
     async def send_to_review(self, record: EffectRecord, move: Transition, why: str) -> EffectRecord | None:
         """Give up on recovery; fenced so that a record someone just re-claimed is left alone."""
         return await self._one(
+            "send_to_review",
             f"""
             -- A new attempt number: a stalled holder that wakes up now is fenced out, and what it
             -- saw goes to the history for the operator instead of over their head.
@@ -447,6 +466,7 @@ class Store:
             return
         ids, times, ns = zip(*((i, t, n) for (i, t), n in counts.items()), strict=True)
         await self._execute(
+            "add_replays",
             """
             update effects e set replays = replays + c.n
             from unnest($1::bigint[], $2::timestamptz[], $3::int[]) as c(id, created_at, n)
@@ -460,6 +480,7 @@ class Store:
     async def restore(self, record: EffectRecord, move: Transition, response: StoredResponse) -> None:
         """Put back the response of a completed effect whose response was purged (a probe found it)."""
         await self._execute(
+            "restore",
             f"""
             with e as (
                 update effects e set response_status = $5, response_at = now(),
@@ -491,6 +512,7 @@ class Store:
         """
         happened = move.target is State.COMPLETED
         return await self._one(
+            "resolve",
             f"""
             with e as (
                 update effects e set
@@ -535,7 +557,7 @@ class Store:
             assert value is not None, "migration 002 makes the secret"
             return bytes(value)
 
-        return await self._run(op)
+        return await self._run("key_secret", op)
 
     # --- reading ----------------------------------------------------------------------------------
 
@@ -557,11 +579,12 @@ class Store:
             )
             return _record(row, response=True, full=True) if row is not None else None
 
-        return await self._run(op)
+        return await self._run("get", op)
 
     async def reread(self, record: EffectRecord) -> EffectRecord:
         """The record as it is now, with its response: what the decision needs to be taken again."""
         fresh = await self._one(
+            "reread",
             f"select {_WITH_RESPONSE} from effects e {_RESPONSE} where e.id = $1 and e.created_at = $2",
             record.id,
             record.created_at,
@@ -607,7 +630,7 @@ class Store:
         async def op(conn: Conn) -> list[EffectRecord]:
             return [_record(row) for row in await conn.fetch(sql, *args)]
 
-        return await self._run(op)
+        return await self._run("find", op)
 
     async def state_counts(self, tenant: str | None = None) -> dict[str, int]:
         """Effects by state: the open ones counted exactly (from their small index), completed estimated.
@@ -644,7 +667,7 @@ class Store:
                     counts[State.COMPLETED.value] += max(0, estimate - open_in.get(part["part"], 0))
             return counts
 
-        return await self._run(op)
+        return await self._run("state_counts", op)
 
     async def ping(self) -> None:
         """Whether Postgres answers (health), without touching the effect tables."""
@@ -652,7 +675,7 @@ class Store:
         async def op(conn: Conn) -> None:
             await conn.fetchval("select 1")
 
-        await self._run(op)
+        await self._run("ping", op)
 
     # --- retention --------------------------------------------------------------------------------
 

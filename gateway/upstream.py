@@ -26,6 +26,7 @@ from gateway.headers import (
 from gateway.outcome import Answered, NoAnswer, NotSent, Outcome
 from gateway.policy import UpstreamPolicy
 from gateway.stamp import same_header, stamp_request
+from gateway.telemetry import Telemetry
 
 # Re-exported: the service keeps them out of the audit.
 __all__ = ["GATEWAY_REQUEST_HEADERS", "HOP_BY_HOP", "UNSTORED_RESPONSE_HEADERS", "Outbound", "UpstreamClient"]
@@ -122,7 +123,13 @@ class UpstreamClient:
     Call :meth:`close` at shutdown.
     """
 
-    def __init__(self, policies: Iterable[UpstreamPolicy], max_response_bytes: int) -> None:
+    def __init__(
+        self,
+        policies: Iterable[UpstreamPolicy],
+        max_response_bytes: int,
+        telemetry: Telemetry | None = None,
+    ) -> None:
+        self._telemetry = telemetry or Telemetry()
         trace = aiohttp.TraceConfig()
         trace.on_request_headers_sent.append(_headers_sent)
         self._pools = {
@@ -154,7 +161,16 @@ class UpstreamClient:
         return self._pools[upstream].session
 
     async def send(self, request: Outbound, timeout: float, leave_within: float | None = None) -> Outcome:
-        """Send ``request``; it leaves within ``leave_within`` seconds (a pooled connection) or not at all."""
+        """Send ``request``; it leaves within ``leave_within`` seconds (a pooled connection) or not at all.
+
+        Says what came of it; never raises for anything the upstream did.
+        """
+        with self._telemetry.upstream_call(request.upstream, request.method) as call:
+            outcome = await self._send(request, timeout, leave_within)
+            call.outcome = outcome
+            return outcome
+
+    async def _send(self, request: Outbound, timeout: float, leave_within: float | None) -> Outcome:
         pool = self._pools[request.upstream]
         flag = SimpleNamespace(sent=False)
         connect = min(pool.connect_timeout, timeout, leave_within if leave_within is not None else timeout)

@@ -151,10 +151,13 @@ class Gateway:
 
 
 @asynccontextmanager
-async def gateway_server(dsn: str, **settings: Any) -> AsyncIterator[Gateway]:
-    """The real gateway application on 127.0.0.1, port 0, against the test Postgres."""
+async def gateway_server(dsn: str, tracer_provider: Any = None, **settings: Any) -> AsyncIterator[Gateway]:
+    """The real gateway application on 127.0.0.1, port 0, against the test Postgres.
+
+    ``tracer_provider``: an OpenTelemetry TracerProvider to receive its spans.
+    """
     configured = load_settings(None, listen="127.0.0.1:0", **settings)
-    app = make_app(configured, dsn)
+    app = make_app(configured, dsn, tracer_provider=tracer_provider)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -271,6 +274,18 @@ async def database_text(dsn: str) -> str:
 def start_gateway_process(config: Path, env: dict[str, str] | None = None, timeout: float = 30) -> Service:
     """``effect-gateway serve`` in a child process; returns once it prints the address it listens on."""
     return start_service(["-m", "gateway", "--config", str(config), "serve"], env, timeout, cwd=str(ROOT))
+
+
+def children(pid: int) -> set[int]:
+    """The pids of the processes that ``pid`` started (a gateway's workers)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as listed:
+        return {int(child) for child in listed.read().split()}
+
+
+def decisions(lines: list[str]) -> list[dict[str, Any]]:
+    """The gateway's lines per decision among the JSON lines of its log."""
+    docs = [json.loads(line) for line in list(lines) if line.startswith("{")]
+    return [doc for doc in docs if doc["logger"] == "effect_gateway.decision"]
 
 
 @dataclass

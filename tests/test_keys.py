@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.keys import MAX_KEY_LENGTH, KeySyntaxError, ScopedKey, looks_made_up, parse_key
+from gateway.keys import MAX_KEY_LENGTH, KeySyntaxError, LogHash, ScopedKey, looks_made_up, parse_key
 from journal import StepContext
 from tests.support import Upstream, effect_rows, gateway_server
 
@@ -128,3 +128,27 @@ async def test_an_upstream_that_takes_step_keys_only_refuses_a_made_up_one(
     )
     assert "a key made up per call is new on the agent's re-run" in body["detail"]
     assert len(upstream.effects()) == 2
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["default", "a", "ab"]), st.sampled_from(["shop", "s", "hop"]), visible),
+        min_size=2,
+        max_size=2,
+        unique=True,
+    )
+)
+def test_the_logs_hash_of_a_key_tells_keys_apart_and_gives_neither_key_away(
+    scopes: list[tuple[str, str, str]],
+) -> None:
+    """Each (tenant, upstream, key) logs as its own 16 hex digits, neither the key nor the upstream's."""
+    log_hash = LogHash(b"s" * 32)
+    first, second = (log_hash.of(*scope) for scope in scopes)
+    assert first != second
+    assert first == log_hash.of(*scopes[0])  # every retry of a key logs alike
+    assert first != LogHash(b"t" * 32).of(*scopes[0])  # keyed: unknown without the gateway's secret
+    assert len(first) == 16
+    assert int(first, 16) >= 0
+    derived = ScopedKey(*scopes[0]).derived(b"s" * 32)
+    assert first not in derived
+    assert first not in scopes[0][2]

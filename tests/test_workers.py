@@ -11,12 +11,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from tests.support import Upstream, effect_rows, start_gateway_process
-
-
-def _children(pid: int) -> set[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as listed:
-        return {int(child) for child in listed.read().split()}
+from tests.support import Upstream, children, effect_rows, start_gateway_process
 
 
 def _config(tmp_path: Path, dsn: str, upstream: Upstream, **extra: str) -> Path:
@@ -41,7 +36,7 @@ async def test_a_worker_that_dies_is_replaced_and_the_others_go_on(
     gateway = start_gateway_process(_config(tmp_path, dsn, upstream))
     try:
         for _ in range(100):  # the workers start just after the address is printed
-            if len(workers := _children(gateway.proc.pid)) == 3:
+            if len(workers := children(gateway.proc.pid)) == 3:
                 break
             await asyncio.sleep(0.05)
         assert len(workers) == 3
@@ -50,7 +45,7 @@ async def test_a_worker_that_dies_is_replaced_and_the_others_go_on(
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
             statuses = [await _order(http, gateway.url, f"k{n}") for n in range(30)]
         for _ in range(100):
-            if len(now := _children(gateway.proc.pid)) == 3 and victim not in now:
+            if len(now := children(gateway.proc.pid)) == 3 and victim not in now:
                 break
             await asyncio.sleep(0.05)
         assert gateway.proc.poll() is None, "the gateway itself lives on"

@@ -1,0 +1,124 @@
+"""The gateway's log: a JSON line per decision from a real gateway process, never a secret or a key."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pty
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from gateway.logs import resolve_format
+from tests.support import Upstream, start_gateway_process
+
+# Values the log must never hold: each is distinctive, so a search for it cannot miss.
+SECRETS = {
+    "GROCER_TOKEN": "tenant-token-SEKRIT-1",
+    "ADMIN_TOKEN": "admin-token-SEKRIT-2",
+    "SHOP_SECRET": "Bearer injected-SEKRIT-3",
+}
+AGENT_SECRETS = ["x-api-key-SEKRIT-4", "Bearer agent-SEKRIT-5", "wrong-token-SEKRIT-6"]
+KEY = "run-SEKRIT-7:4"
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+TRACEPARENT = f"00-{TRACE}-00f067aa0ba902b7-01"
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def _config(tmp_path: Path, dsn: str, upstream: Upstream) -> Path:
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nworkers = 1\n'
+        '[tenants.grocer]\ntoken = "env:GROCER_TOKEN"\n[admin]\ntoken = "env:ADMIN_TOKEN"\n'
+        f'[upstreams.shop]\nbase_url = "{upstream.url}"\n'
+        'inject_headers = { Authorization = "env:SHOP_SECRET" }\n'
+        'secret_headers = ["X-Api-Key"]\n'
+        '[upstreams.down]\nbase_url = "http://127.0.0.1:9"\nconnect_timeout = "1s"\n'
+    )
+    return config
+
+
+async def _order(http: aiohttp.ClientSession, url: str, token: str, key: str = KEY, **headers: str) -> int:
+    sent = {
+        "Idempotency-Key": key,
+        "Content-Type": "application/json",
+        "Effect-Gateway-Token": token,
+        "X-Api-Key": AGENT_SECRETS[0],
+        "Authorization": AGENT_SECRETS[1],
+        **headers,
+    }
+    async with http.post(url, data=b'{"items":["atta"]}', headers=sent) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def test_a_real_gateway_logs_a_json_line_per_decision_and_no_secret(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Every line on stderr is JSON; one per decision, with its fields; no token, secret or key in clear."""
+    token = SECRETS["GROCER_TOKEN"]
+    # No log_format: with stderr a pipe, as under a supervisor, the default is JSON.
+    gateway = start_gateway_process(_config(tmp_path, dsn, upstream), SECRETS)
+    assert gateway.stderr is not None
+    log = gateway.stderr
+    try:
+        shop = f"{gateway.url}/shop/orders"
+        assert await _order(http, shop, token, traceparent=TRACEPARENT) == 201
+        assert await _order(http, shop, token) == 201  # its replay
+        assert await _order(http, shop, AGENT_SECRETS[2]) == 401
+        assert await _order(http, f"{gateway.url}/down/x", token) == 502
+        headers = {"Authorization": f"Bearer {SECRETS['ADMIN_TOKEN']}"}
+        async with http.get(f"{gateway.url}/_gateway/metrics", headers=headers) as resp:
+            assert resp.status == 200
+    finally:
+        gateway.stop()
+    lines = log.whole()
+    docs = [json.loads(line) for line in lines]  # raises on any line that is not JSON
+    assert upstream.calls[0].headers["Authorization"] == SECRETS["SHOP_SECRET"]  # it was there to leak
+    for line in lines:
+        for secret in [*SECRETS.values(), *AGENT_SECRETS, KEY, "SEKRIT"]:
+            assert secret not in line
+    assert {doc["level"] for doc in docs} <= {"debug", "info", "warning", "error"}
+    assert all(doc["time"].endswith("+00:00") for doc in docs)
+    decisions = [doc for doc in docs if doc["logger"] == "effect_gateway.decision"]
+    assert [(d["upstream"], d["outcome"], d["status"], d["problem"]) for d in decisions] == [
+        ("shop", "sent", 201, None),
+        ("shop", "replayed", 201, None),
+        ("shop", "refused", 401, "token-required"),
+        ("down", "failed", 502, "upstream-unreachable"),
+    ]
+    sent, replayed, refused, failed = decisions
+    assert sent["effect_id"] == replayed["effect_id"] == 1
+    assert (sent["tenant"], sent["method"], sent["path"]) == ("grocer", "POST", "/orders")
+    assert (sent["state_before"], sent["state_after"], sent["attempt"]) == (None, "completed", 1)
+    assert (replayed["state_before"], replayed["state_after"]) == ("completed", "completed")
+    assert sent["recovered_by"] is None
+    assert sent["duration_ms"] > 0
+    assert len(sent["key_hash"]) == 16
+    assert sent["key_hash"] == replayed["key_hash"] != failed["key_hash"]  # one key, another upstream
+    assert refused["tenant"] is None
+    assert refused["key_hash"] is None
+    assert sent["trace_id"] == TRACE
+    assert "trace_id" not in replayed  # none came in with it
+    assert (failed["state_after"], failed["effect_id"]) == ("retryable", 2)
+
+
+def test_auto_writes_text_to_a_terminal_and_json_otherwise() -> None:
+    """log_format = "auto": text for a person at a terminal, JSON lines into a pipe or a file."""
+    leader, follower = pty.openpty()
+    try:
+        with os.fdopen(follower, "w", closefd=False) as terminal:
+            assert resolve_format("auto", terminal) == "text"
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert resolve_format("auto", io.StringIO()) == "json"
+    assert resolve_format("text", io.StringIO()) == "text"
