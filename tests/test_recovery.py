@@ -162,6 +162,58 @@ async def test_a_failed_probe_is_503_and_leaves_the_record_as_it_was(
     assert len(upstream.effects("/orders")) == 1
 
 
+async def test_a_search_probe_whose_route_answers_404_is_a_failed_probe(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """A search (a probe with `found`) answering 404 is a route that is not there: 503, nothing sent.
+
+    A search answers a list, found or not; its 404 is the route renamed, or a proxy in front that does
+    not know it. Before, the 404 was read as "not found" and the order was placed a second time.
+    """
+    flaky_first(upstream)
+    upstream.routes["/orders/search"] = lambda request: _json({"error": "no such route"}, status=404)
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": SEARCH}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        assert (await order(http, gw.url))[0] == 500
+        status, headers, body = await order(http, gw.url)
+    assert (status, body["type"].rsplit("/", 1)[1]) == (503, "probe-failed")
+    assert "404" in body["detail"]
+    assert "Retry-After" in headers
+    assert len(upstream.effects("/orders")) == 1
+    (row,) = await effect_rows(dsn)
+    assert row["state"] == "in_doubt"
+
+
+async def test_a_probe_by_key_reads_404_as_not_found(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """A probe without `found` GETs the effect by its key: 404 is "no such effect", and the retry sends."""
+    calls = 0
+
+    async def create(request: web.Request) -> web.Response:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # answered 503 without creating anything
+            return web.json_response({"error": "overloaded"}, status=503)
+        return web.json_response({"order": "P-2"}, status=201)
+
+    async def by_reference(request: web.Request) -> web.Response:
+        return web.json_response({"error": "no such order"}, status=404)
+
+    upstream.routes["/orders"] = create
+    upstream.routes["/orders/by-reference"] = by_reference
+    probe = {"path": "/orders/by-reference?ref={key}", "status": 201}
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": probe}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        assert (await order(http, gw.url))[0] == 503
+        status, _, body = await order(http, gw.url)
+    assert (status, body) == (201, {"order": "P-2"})
+    assert calls == 2
+    assert [call.path for call in upstream.calls if call.method == "GET"] == ["/orders/by-reference"]
+    (row,) = await effect_rows(dsn)
+    assert row["state"] == "completed"
+
+
 async def test_a_python_probe_registered_as_an_entry_point(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
