@@ -20,6 +20,10 @@ from gateway.states import State, Transition
 
 # Statuses that say the upstream did nothing with the request, so sending again is safe.
 NOTHING_HAPPENED = frozenset({408, 425, 429})
+# Redirects that keep the method and body (RFC 9110, 15.4.8 and 15.4.9): the upstream did not act, and
+# asks for the same request at another URI. Nothing happened; the gateway never relays them (a client
+# that follows one would send the request again, past the gateway), and the retry sends again here.
+REDIRECTED = frozenset({307, 308})
 # Statuses after which the effect may or may not have happened.
 MAYBE_HAPPENED = frozenset({500, 502, 503, 504})
 
@@ -217,7 +221,7 @@ class Settlement:
 def settle(outcome: Outcome, *, earlier_doubt: bool) -> Settlement:
     """The state an attempt leaves its pending record in; ``earlier_doubt`` is its may_have_sent."""
     match outcome:
-        case Answered(status=status) if status in NOTHING_HAPPENED:
+        case Answered(status=status) if status in NOTHING_HAPPENED or status in REDIRECTED:
             state, reached, ends = State.RETRYABLE, False, True
         case Answered(status=status) if status in MAYBE_HAPPENED:
             state, reached, ends = State.IN_DOUBT, True, True

@@ -172,6 +172,10 @@ class UpstreamBroken(Problem):
     status, type, title = 502, "upstream-broken", "The connection broke after the request was sent"
 
 
+class UpstreamRedirected(Problem):
+    status, type, title = 502, "upstream-redirected", "The upstream redirected the request; nothing was done"
+
+
 class ResponseTooLarge(Problem):
     status, type, title = 502, "response-too-large", "The upstream's response is too large to record"
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar, assert_never
 from gateway import problems
 from gateway.body import RequestBody
 from gateway.decision import (
+    REDIRECTED,
     Busy,
     Late,
     Mismatch,
@@ -225,6 +226,8 @@ class EffectService:
             )
         if mode == "forward":
             outcome = await self._client.send(outbound, policy.timeout.total_seconds())
+            if inbound.method not in SAFE_METHODS:
+                _refuse_redirect(outcome, policy, None)
             return _reply(outcome, None)
         # "audit": one row for the audit, under a made-up key that no request can ever present again.
         took = _clock()
@@ -392,6 +395,7 @@ class EffectService:
         fault("after-record", policy.name)
         if settled.state is State.COMPLETED and isinstance(outcome, Answered):
             self._remember(saved, StoredResponse(outcome.status, outcome.headers, outcome.body))
+        _refuse_redirect(outcome, policy, record.id)
         return _reply(outcome, record.id)
 
     async def _ready_to_send(
@@ -620,6 +624,28 @@ def _describe(outcome: Outcome) -> str:
         case NotSent(reason=reason) | NoAnswer(reason=reason):
             return reason
     assert_never(outcome)
+
+
+def _refuse_redirect(outcome: Outcome, policy: UpstreamPolicy, effect_id: int | None) -> None:
+    """A redirect that keeps the method is never relayed for a request that may have an effect.
+
+    A client that follows it (requests and aiohttp do by default) would send the request again to
+    wherever Location points, past the gateway: on the first answer and on every replay, with the
+    agent's Effect-Gateway-Token. The upstream did not act (the record is retryable): say so instead.
+    """
+    if not (isinstance(outcome, Answered) and outcome.status in REDIRECTED):
+        return
+    location = next((value for name, value in outcome.headers if name.lower() == "location"), "")
+    # Stored header text stands for the upstream's bytes (surrogate-escaped): shown here as text.
+    shown = location.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    raise problems.UpstreamRedirected(
+        f"the upstream answered {outcome.status} with Location {shown or '(none)'}: it did not act on the "
+        "request and asks for it there. The gateway relays no redirect that repeats a request, which a "
+        "client following it would send past the gateway. Nothing was done; once "
+        f"upstreams.{policy.name}.base_url points where it moved, retry with the same key",
+        effect_id=effect_id,
+        location=shown,
+    )
 
 
 def _reply(outcome: Outcome, effect_id: int | None) -> Reply:

@@ -182,6 +182,12 @@ def test_another_request_with_the_key_is_refused_in_every_state(state: State) ->
         (Answered(408, (), b""), False, State.RETRYABLE, False),
         (Answered(425, (), b""), False, State.RETRYABLE, False),
         (Answered(429, (), b""), False, State.RETRYABLE, False),
+        # a redirect that keeps the method: not acted on, asked for elsewhere (never relayed)
+        (Answered(307, (), b""), False, State.RETRYABLE, False),
+        (Answered(308, (), b""), False, State.RETRYABLE, False),
+        # a redirect to see the result (303, and the 301 and 302 that clients follow with a GET)
+        (Answered(303, (), b""), False, State.COMPLETED, True),
+        (Answered(302, (), b""), False, State.COMPLETED, True),
         (Answered(500, (), b""), False, State.IN_DOUBT, True),
         (Answered(502, (), b""), False, State.IN_DOUBT, True),
         (Answered(503, (), b""), False, State.IN_DOUBT, True),
@@ -192,6 +198,7 @@ def test_another_request_with_the_key_is_refused_in_every_state(state: State) ->
         # doubt is sticky: a refused attempt after one that may have reached stays in doubt
         (NotSent("refused"), True, State.IN_DOUBT, True),
         (Answered(429, (), b""), True, State.IN_DOUBT, True),
+        (Answered(307, (), b""), True, State.IN_DOUBT, True),
         (Answered(201, (), b""), True, State.COMPLETED, True),
     ],
 )
