@@ -184,6 +184,14 @@ class ProbeUnavailable(Problem):
     status, type, title = 503, "probe-failed", "Could not check whether the effect happened"
 
 
+class ProbeTooSoon(Problem):
+    status, type, title = (
+        503,
+        "probe-too-soon",
+        "Too soon to tell: the search may not list the effect yet",
+    )
+
+
 class StoreDown(Problem):
     status, type, title = 503, "store-unavailable", "The effect store is unavailable"
 

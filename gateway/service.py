@@ -35,6 +35,7 @@ from gateway.decision import (
     Send,
     SendReason,
     Settlement,
+    TooSoon,
     Unknown,
     before_sending,
     decide,
@@ -43,6 +44,7 @@ from gateway.decision import (
     settle,
     settle_probe,
     take_over,
+    too_soon,
     unrecorded,
 )
 from gateway.errors import ProbeFailed, StoreRejected, StoreUnavailable
@@ -459,7 +461,11 @@ class EffectService:
 
     async def _probe(self, record: EffectRecord, policy: UpstreamPolicy, outbound: Outbound) -> Reply:
         """Probe under the take-over ``record`` holds; then send, complete, or leave it for later."""
+        asked_at = record.read_at  # the take-over's clock: the probe leaves after it
+        assert asked_at is not None
         result = await self._look(policy, record)
+        if isinstance(result, NotFound) and (early := too_soon(record, asked_at, policy.decision)):
+            return await self._too_soon(record, early)
         if isinstance(result, NotFound):
             # Taken again once the probe has answered: the new attempt's lease covers the send (the
             # probe may have used up most of the old one), and the take-over reads the database's clock
@@ -501,6 +507,25 @@ class EffectService:
                 raise _outcome_unknown(record)
         raise problems.ProbeUnavailable(
             f"{note}; the record is unchanged, retry later", headers={"Retry-After": "5"}, effect_id=record.id
+        )
+
+    async def _too_soon(self, record: EffectRecord, early: TooSoon) -> Reply:
+        """The probe found nothing before its search could list the latest attempt: in doubt, nothing sent.
+
+        Written under the probe's take-over, which left the send times as they were: the next probe
+        judges the lag from the same attempt, so waiting it out ends.
+        """
+        note = "the probe found nothing, but too soon after the latest attempt for its search to list it"
+        saved = await self._settle(record, early.settlement, response=None, recovered_by=None, note=note)
+        if saved is None:
+            await self._store.note_fenced(record, note)
+            raise problems.Fenced("a newer attempt took over while probing; retry", effect_id=record.id)
+        wait = max(1, math.ceil(early.retry_after.total_seconds()))
+        raise problems.ProbeTooSoon(
+            f"{note} (the upstream's probe.lag); nothing was sent and the record is unchanged, retry in "
+            f"{wait}s",
+            headers={"Retry-After": str(wait)},
+            effect_id=record.id,
         )
 
     async def _restore(self, record: EffectRecord, policy: UpstreamPolicy) -> Reply:

@@ -68,6 +68,8 @@ SHAPES: dict[str, StripeShape] = {
     # The answer would be as large again.
     "response-too-large": StripeShape(502, "api_error", retry=False),
     "probe-failed": StripeShape(503, "api_error", retry=True),
+    # A retry after Retry-After can tell; stripe-python's own retries may come sooner and be told again.
+    "probe-too-soon": StripeShape(503, "api_error", retry=True),
     "store-unavailable": StripeShape(503, "api_error", retry=True),
     "upstream-timeout": StripeShape(504, "api_error", retry=True),
 }

@@ -106,7 +106,9 @@ async def test_probe_not_found_sends(dsn: str, upstream: Upstream, http: aiohttp
 
     upstream.routes["/orders"] = create
     upstream.routes["/orders/search"] = lambda request: _json({"items": []})
-    cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": SEARCH}}
+    # A search that would list an order the moment it is placed: "not found" is trusted at once.
+    probe = {**SEARCH, "lag": "0s"}
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": probe}}
     async with gateway_server(dsn, upstreams=cfg) as gw:
         assert (await order(http, gw.url))[0] == 503
         status, headers, body = await order(http, gw.url)
@@ -120,6 +122,82 @@ async def test_probe_not_found_sends(dsn: str, upstream: Upstream, http: aiohttp
 
 async def _json(doc: Any, status: int = 200) -> web.Response:
     return web.json_response(doc, status=status)
+
+
+def lagging_search(upstream: Upstream, lag: float) -> None:
+    """A search that lists each order ``lag`` seconds after it was placed, as a search index refreshes."""
+    placed: dict[int, float] = {}
+
+    async def search(request: web.Request) -> web.Response:
+        now = asyncio.get_running_loop().time()
+        listed = [
+            {"order": call.body.decode()}
+            for n, call in enumerate(upstream.effects("/orders"))
+            if request.query["ref"] in call.body.decode() and n in placed and now - placed[n] >= lag
+        ]
+        return web.json_response({"items": listed})
+
+    async def create(request: web.Request) -> web.Response:
+        placed[len(upstream.effects("/orders")) - 1] = asyncio.get_running_loop().time()
+        if len(upstream.effects("/orders")) == 1:
+            return web.json_response({"error": "crashed after commit"}, status=500)
+        return web.json_response({"order": len(upstream.effects("/orders"))}, status=201)
+
+    upstream.routes["/orders"] = create
+    upstream.routes["/orders/search"] = search
+
+
+async def test_a_search_that_lists_an_order_late_is_not_trusted_at_once(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """Right after a 500, a search that lists orders a second late finds nothing: 503, not a second order.
+
+    By default (probe.lag, a minute) "not found" is trusted only a minute after the latest attempt's
+    answer; the record stays in doubt and Retry-After says how long. Before, the retry probed at once,
+    found nothing yet, and placed the order a second time.
+    """
+    lagging_search(upstream, lag=1.0)
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": SEARCH}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        assert (await order(http, gw.url))[0] == 500
+        status, headers, body = await order(http, gw.url)
+    assert (status, body["type"].rsplit("/", 1)[1]) == (503, "probe-too-soon")
+    assert 55 <= int(headers["Retry-After"]) <= 60
+    assert len(upstream.effects("/orders")) == 1
+    (row,) = await effect_rows(dsn)
+    assert row["state"] == "in_doubt"
+    assert any("too soon" in (event.get("note") or "") for event in row["history"])
+
+
+@pytest.mark.parametrize("placed", [True, False], ids=["placed", "never-placed"])
+async def test_once_the_lag_has_passed_the_probe_is_trusted(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, placed: bool
+) -> None:
+    """After Retry-After the search has caught up: it finds the order (replayed), or finds none and sends."""
+    lagging_search(upstream, lag=0.5)
+    if not placed:  # the first attempt is answered 503 without placing anything
+        upstream.routes["/orders"] = lambda request: _json({"error": "overloaded"}, status=503)
+    cfg = {
+        "shop": {
+            "base_url": upstream.url,
+            "stamp": {"json_field": "client_reference"},
+            "probe": {**SEARCH, "lag": "1s"},
+        }
+    }
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        assert (await order(http, gw.url))[0] in (500, 503)
+        status, headers, _ = await order(http, gw.url)
+        assert status == 503
+        await asyncio.sleep(int(headers["Retry-After"]))
+        if not placed:
+            upstream.routes["/orders"] = lambda request: _json({"order": "P-2"}, status=201)
+        status, headers, body = await order(http, gw.url)
+    assert status == 201
+    assert ("Idempotent-Replayed" in headers) is placed
+    assert "client_reference" in body["order"] if placed else body == {"order": "P-2"}
+    assert len(upstream.effects("/orders")) == (1 if placed else 2)
+    (row,) = await effect_rows(dsn)
+    assert (row["state"], row["recovered_by"]) == ("completed", "probe" if placed else None)
 
 
 @pytest.mark.parametrize("failure", ["timeout", "garbage", "status"])
@@ -202,7 +280,7 @@ async def test_a_probe_by_key_reads_404_as_not_found(
 
     upstream.routes["/orders"] = create
     upstream.routes["/orders/by-reference"] = by_reference
-    probe = {"path": "/orders/by-reference?ref={key}", "status": 201}
+    probe = {"path": "/orders/by-reference?ref={key}", "status": 201, "lag": "0s"}
     cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": probe}}
     async with gateway_server(dsn, upstreams=cfg) as gw:
         assert (await order(http, gw.url))[0] == 503
