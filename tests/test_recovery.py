@@ -47,6 +47,17 @@ def flaky_first(upstream: Upstream, status: int = 500) -> None:
     upstream.routes["/orders"] = create
 
 
+def busy_first(upstream: Upstream) -> None:
+    """The first order is answered 503 without being placed; the next is placed, as order P-2."""
+
+    async def create(request: web.Request) -> web.Response:
+        if len(upstream.effects("/orders")) == 1:
+            return web.json_response({"error": "overloaded"}, status=503)
+        return web.json_response({"order": "P-2"}, status=201)
+
+    upstream.routes["/orders"] = create
+
+
 async def test_native_key_resend_completes_the_record(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession
 ) -> None:
@@ -95,16 +106,7 @@ async def test_probe_found_completes_from_the_probes_answer(
 
 async def test_probe_not_found_sends(dsn: str, upstream: Upstream, http: aiohttp.ClientSession) -> None:
     """Rule 3, not found: the effect does not exist upstream, so the retry sends it (once)."""
-    calls = 0
-
-    async def create(request: web.Request) -> web.Response:
-        nonlocal calls
-        calls += 1
-        if calls == 1:  # answered 503 without creating anything
-            return web.json_response({"error": "overloaded"}, status=503)
-        return web.json_response({"order": "P-2"}, status=201)
-
-    upstream.routes["/orders"] = create
+    busy_first(upstream)
     upstream.routes["/orders/search"] = lambda request: _json({"items": []})
     # A search that would list an order the moment it is placed: "not found" is trusted at once.
     probe = {**SEARCH, "lag": "0s"}
@@ -266,19 +268,11 @@ async def test_a_probe_by_key_reads_404_as_not_found(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession
 ) -> None:
     """A probe without `found` GETs the effect by its key: 404 is "no such effect", and the retry sends."""
-    calls = 0
-
-    async def create(request: web.Request) -> web.Response:
-        nonlocal calls
-        calls += 1
-        if calls == 1:  # answered 503 without creating anything
-            return web.json_response({"error": "overloaded"}, status=503)
-        return web.json_response({"order": "P-2"}, status=201)
 
     async def by_reference(request: web.Request) -> web.Response:
         return web.json_response({"error": "no such order"}, status=404)
 
-    upstream.routes["/orders"] = create
+    busy_first(upstream)
     upstream.routes["/orders/by-reference"] = by_reference
     probe = {"path": "/orders/by-reference?ref={key}", "status": 201, "lag": "0s"}
     cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": probe}}
@@ -286,7 +280,7 @@ async def test_a_probe_by_key_reads_404_as_not_found(
         assert (await order(http, gw.url))[0] == 503
         status, _, body = await order(http, gw.url)
     assert (status, body) == (201, {"order": "P-2"})
-    assert calls == 2
+    assert len(upstream.effects("/orders")) == 2
     assert [call.path for call in upstream.calls if call.method == "GET"] == ["/orders/by-reference"]
     (row,) = await effect_rows(dsn)
     assert row["state"] == "completed"
