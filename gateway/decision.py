@@ -20,6 +20,10 @@ from gateway.states import State, Transition
 
 # Statuses that say the upstream did nothing with the request, so sending again is safe.
 NOTHING_HAPPENED = frozenset({408, 425, 429})
+# Redirects that keep the method and body (RFC 9110, 15.4.8 and 15.4.9): the upstream did not act, and
+# asks for the same request at another URI. Nothing happened; the gateway never relays them (a client
+# that follows one would send the request again, past the gateway), and the retry sends again here.
+REDIRECTED = frozenset({307, 308})
 # Statuses after which the effect may or may not have happened.
 MAYBE_HAPPENED = frozenset({500, 502, 503, 504})
 
@@ -33,6 +37,8 @@ class Policy:
     has_probe: bool = False
     # How far back the upstream's search sees effects; None: as far back as the effects go.
     probe_horizon: timedelta | None = None
+    # How long after an effect the upstream's search may still not list it (0: at once).
+    probe_lag: timedelta = timedelta(0)
     repeat_harmless: bool = False
     # The most that may pass between taking a record (claim or take-over) and the request leaving:
     # the lease (the upstream's timeout plus a grace) only covers the request if it leaves within the
@@ -217,7 +223,7 @@ class Settlement:
 def settle(outcome: Outcome, *, earlier_doubt: bool) -> Settlement:
     """The state an attempt leaves its pending record in; ``earlier_doubt`` is its may_have_sent."""
     match outcome:
-        case Answered(status=status) if status in NOTHING_HAPPENED:
+        case Answered(status=status) if status in NOTHING_HAPPENED or status in REDIRECTED:
             state, reached, ends = State.RETRYABLE, False, True
         case Answered(status=status) if status in MAYBE_HAPPENED:
             state, reached, ends = State.IN_DOUBT, True, True
@@ -276,6 +282,44 @@ def settle_probe(
             # Back to in doubt: nothing left, so no lease need be waited out before the next try.
             return Settlement(Transition(pending, State.IN_DOUBT), may_have_sent=True, ends_lease=True)
     raise AssertionError(f"unhandled probe result {result}")  # pragma: no cover
+
+
+@dataclass(frozen=True, slots=True)
+class TooSoon:
+    """The probe found nothing, but its search may not list the latest attempt's effect yet.
+
+    The record goes back to in doubt, as after a failed probe, and nothing is sent; a probe asked
+    ``retry_after`` from now can tell.
+    """
+
+    settlement: Settlement
+    retry_after: timedelta
+
+
+def too_soon(record: EffectRecord, asked_at: datetime, policy: Policy) -> TooSoon | None:
+    """Whether a probe's "not found" may be the search lagging behind the latest attempt (None: it is not).
+
+    ``record`` is the record as the take-over the probe runs under returned it, and ``asked_at`` that
+    take-over's database clock, read before the probe left. The search lists an effect ``probe_lag``
+    after it happened, and it looked after ``asked_at``; so this never credits it with more time than it
+    had. (The clock read after the probe answered would: a gateway that stalls between the probe's
+    answer and that read would trust a "not found" the search gave before it could list the effect. The
+    horizon is the other way round, and judged at that later clock: there, later is the cautious side.)
+
+    When did the latest attempt act, if it did? If its answer was recorded (``response_at`` since its
+    claim, ``last_sent_at``), before that answer; else within its lease of its claim (it left within the
+    grace, and the upstream acts within its timeout). Earlier attempts acted before it was claimed.
+    """
+    if policy.probe_lag <= timedelta(0):
+        return None
+    claimed = record.last_sent_at or record.created_at
+    answered = record.response_at
+    acted_by = answered if answered is not None and answered >= claimed else claimed + policy.lease
+    listed_by = acted_by + policy.probe_lag
+    if asked_at >= listed_by:
+        return None
+    back = Settlement(Transition(State.PENDING, State.IN_DOUBT), may_have_sent=True, ends_lease=True)
+    return TooSoon(back, retry_after=listed_by - asked_at)
 
 
 def take_over(record: EffectRecord) -> Transition:

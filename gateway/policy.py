@@ -109,6 +109,7 @@ def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) ->
             native_key_ttl=cfg.native_key.ttl if cfg.native_key else None,
             has_probe=probe is not None,
             probe_horizon=cfg.probe.horizon if cfg.probe else None,
+            probe_lag=cfg.probe.lag if cfg.probe else timedelta(0),
             repeat_harmless=cfg.repeat_harmless,
             send_window=lease_grace,
         ),

@@ -126,11 +126,20 @@ class Prober:
             raise ProbeFailed(f"the probe of {policy.name} failed: {type(exc).__name__}: {exc}") from None
         if body is None:
             raise ProbeFailed(f"the probe of {policy.name} answered more than {limit} bytes")
+        # A search answers a list to look into at `found`; anything else asks for the effect by its key.
+        found_at = http.found if http.method != "HEAD" else None
+        if status == 404 and found_at is None:
+            return None  # no effect under that key
         if status == 404:
-            return None
+            # A search answers a list, found or not: a 404 is the search itself missing (a route renamed,
+            # a proxy in front that does not know it), which says nothing about the effect.
+            raise ProbeFailed(
+                f"the probe of {policy.name} answered 404: a search (probe.found is set) answers a list "
+                "whether it finds the effect or not, so its route is missing; check probe.path"
+            )
         if not 200 <= status < 300:
             raise ProbeFailed(f"the probe of {policy.name} answered {status}")
-        if http.method == "HEAD" or http.found is None:
+        if found_at is None:
             # No JSON to look into: a 2xx means the effect exists, and there is nothing more to replay.
             return StoredResponse(http.status, (JSON,), b"{}")
         try:
@@ -140,14 +149,14 @@ class Prober:
             raise ProbeFailed(
                 f"the probe of {policy.name} answered something that is not JSON: {exc}"
             ) from None
-        found = dig(doc, http.found)
+        found = dig(doc, found_at)
         if found is None:
             return None
         if not carries(found, derived_key):
             # A search that ignores a filter it does not know (a typo in probe.path, an API that changed)
             # lists other effects: the first may be another tenant's, and this one may never have happened.
             raise ProbeFailed(
-                f"the probe of {policy.name} found an item at {http.found!r} that does not carry the "
+                f"the probe of {policy.name} found an item at {found_at!r} that does not carry the "
                 "effect's key: does probe.path filter by {key}?"
             )
         return self._stored(http.status, jsonbody.compact(found).encode(), f"the probe of {policy.name}")

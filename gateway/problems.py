@@ -179,12 +179,24 @@ class UpstreamBroken(Problem):
     status, type, title = 502, "upstream-broken", "The connection broke after the request was sent"
 
 
+class UpstreamRedirected(Problem):
+    status, type, title = 502, "upstream-redirected", "The upstream redirected the request; nothing was done"
+
+
 class ResponseTooLarge(Problem):
     status, type, title = 502, "response-too-large", "The upstream's response is too large to record"
 
 
 class ProbeUnavailable(Problem):
     status, type, title = 503, "probe-failed", "Could not check whether the effect happened"
+
+
+class ProbeTooSoon(Problem):
+    status, type, title = (
+        503,
+        "probe-too-soon",
+        "Too soon to tell: the search may not list the effect yet",
+    )
 
 
 class StoreDown(Problem):

@@ -20,6 +20,7 @@ from typing import Any, TypeVar, assert_never
 from gateway import problems, trail
 from gateway.body import RequestBody
 from gateway.decision import (
+    REDIRECTED,
     Busy,
     Late,
     Mismatch,
@@ -34,6 +35,7 @@ from gateway.decision import (
     Send,
     SendReason,
     Settlement,
+    TooSoon,
     Unknown,
     before_sending,
     decide,
@@ -42,6 +44,7 @@ from gateway.decision import (
     settle,
     settle_probe,
     take_over,
+    too_soon,
     unrecorded,
 )
 from gateway.errors import ProbeFailed, StoreRejected, StoreUnavailable
@@ -233,6 +236,8 @@ class EffectService:
             )
         if mode == "forward":
             outcome = await self._client.send(outbound, policy.timeout.total_seconds())
+            if inbound.method not in SAFE_METHODS:
+                _refuse_redirect(outcome, policy, None)
             return _reply(outcome, None)
         # "audit": one row for the audit, under a made-up key that no request can ever present again.
         took = _clock()
@@ -420,6 +425,7 @@ class EffectService:
             trail.recovered(recovered_by)
         if settled.state is State.COMPLETED and isinstance(outcome, Answered):
             self._remember(saved, StoredResponse(outcome.status, outcome.headers, outcome.body))
+        _refuse_redirect(outcome, policy, record.id)
         return _reply(outcome, record.id)
 
     async def _ready_to_send(
@@ -487,7 +493,11 @@ class EffectService:
 
     async def _probe(self, record: EffectRecord, policy: UpstreamPolicy, outbound: Outbound) -> Reply:
         """Probe under the take-over ``record`` holds; then send, complete, or leave it for later."""
+        asked_at = record.read_at  # the take-over's clock: the probe leaves after it
+        assert asked_at is not None
         result = await self._look(policy, record)
+        if isinstance(result, NotFound) and (early := too_soon(record, asked_at, policy.decision)):
+            return await self._too_soon(record, early)
         if isinstance(result, NotFound):
             # Taken again once the probe has answered: the new attempt's lease covers the send (the
             # probe may have used up most of the old one), and the take-over reads the database's clock
@@ -531,6 +541,25 @@ class EffectService:
                 raise _outcome_unknown(record)
         raise problems.ProbeUnavailable(
             f"{note}; the record is unchanged, retry later", headers={"Retry-After": "5"}, effect_id=record.id
+        )
+
+    async def _too_soon(self, record: EffectRecord, early: TooSoon) -> Reply:
+        """The probe found nothing before its search could list the latest attempt: in doubt, nothing sent.
+
+        Written under the probe's take-over, which left the send times as they were: the next probe
+        judges the lag from the same attempt, so waiting it out ends.
+        """
+        note = "the probe found nothing, but too soon after the latest attempt for its search to list it"
+        saved = await self._settle(record, early.settlement, response=None, recovered_by=None, note=note)
+        if saved is None:
+            await self._store.note_fenced(record, note)
+            raise problems.Fenced("a newer attempt took over while probing; retry", effect_id=record.id)
+        wait = max(1, math.ceil(early.retry_after.total_seconds()))
+        raise problems.ProbeTooSoon(
+            f"{note} (the upstream's probe.lag); nothing was sent and the record is unchanged, retry in "
+            f"{wait}s",
+            headers={"Retry-After": str(wait)},
+            effect_id=record.id,
         )
 
     async def _restore(self, record: EffectRecord, policy: UpstreamPolicy) -> Reply:
@@ -655,6 +684,28 @@ def _describe(outcome: Outcome) -> str:
         case NotSent(reason=reason) | NoAnswer(reason=reason):
             return reason
     assert_never(outcome)
+
+
+def _refuse_redirect(outcome: Outcome, policy: UpstreamPolicy, effect_id: int | None) -> None:
+    """A redirect that keeps the method is never relayed for a request that may have an effect.
+
+    A client that follows it (requests and aiohttp do by default) would send the request again to
+    wherever Location points, past the gateway: on the first answer and on every replay, with the
+    agent's Effect-Gateway-Token. The upstream did not act (the record is retryable): say so instead.
+    """
+    if not (isinstance(outcome, Answered) and outcome.status in REDIRECTED):
+        return
+    location = next((value for name, value in outcome.headers if name.lower() == "location"), "")
+    # Stored header text stands for the upstream's bytes (surrogate-escaped): shown here as text.
+    shown = location.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    raise problems.UpstreamRedirected(
+        f"the upstream answered {outcome.status} with Location {shown or '(none)'}: it did not act on the "
+        "request and asks for it there. The gateway relays no redirect that repeats a request, which a "
+        "client following it would send past the gateway. Nothing was done; once "
+        f"upstreams.{policy.name}.base_url points where it moved, retry with the same key",
+        effect_id=effect_id,
+        location=shown,
+    )
 
 
 def _reply(outcome: Outcome, effect_id: int | None) -> Reply:

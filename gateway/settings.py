@@ -147,9 +147,23 @@ class ProbeSettings(_Section):
     # moves old orders away). Past it, "not found" proves nothing and the record goes to review.
     # None: the search sees every effect the upstream ever made.
     horizon: Duration | None = None
+    # How long after an effect happens the upstream's search may still not list it: a search index
+    # refreshes after the write (Elasticsearch and OpenSearch every second by default), a replica lags
+    # behind its primary, and Stripe's search documents that data can take up to a minute to become
+    # searchable. Until then "not found" may be wrong, and sending again on it places a second order; so
+    # the default is that minute, whatever the probe (HTTP or Python: the gateway cannot see how either
+    # looks). Its only cost is time: a retry that finds nothing that soon gets 503 with Retry-After, and
+    # one that finds the effect completes at once. "0s" only for a probe whose every answer follows every
+    # write (a GET by key from the primary).
+    lag: Duration = timedelta(minutes=1)
 
     @model_validator(mode="after")
     def _http_or_python(self) -> ProbeSettings:
+        if self.horizon is not None and self.lag >= self.horizon:
+            raise ValueError(
+                f"lag ({self.lag}) must be shorter than horizon ({self.horizon}): the search would never "
+                "list an effect it still sees"
+            )
         if self.entry_point:
             if self.path:
                 raise ValueError("give either entry_point or path, not both")

@@ -81,6 +81,15 @@ def reserved_use(
     kind, name = policy.stamp
     if kind == "query_param" and urlencoded.sets_name(query.encode(), name):
         return f"the query parameter {name}"
+    if kind in ("json_field", "form_field"):
+        # Rails' params and PHP's $_REQUEST merge the query into the body's fields, Rails with the query
+        # winning, and shallowly: a query's metadata[a] replaces the body's whole metadata, stamp and all.
+        top = name.split(".")[0] if kind == "json_field" else name.partition("[")[0] or name
+        if urlencoded.sets_name(query.encode(), top, nested=True):
+            return (
+                f"the query parameter {top} (or {top}[...]: frameworks that merge the query into the body "
+                f"read it as the body's {name})"
+            )
     if kind == "form_field" and body.kind != "json" and _names_form_field(body.raw, name):
         return f"the form field {name}"
     if kind == "json_field" and body.json is not None and isinstance(body.json.site, Taken):

@@ -63,9 +63,13 @@ SHAPES: dict[str, StripeShape] = {
     # Nothing was sent, or it may have been and a retry with the same key recovers it, never sends twice.
     "upstream-unreachable": StripeShape(502, "api_error", retry=True),
     "upstream-broken": StripeShape(502, "api_error", retry=True),
+    # The upstream moved: a retry is answered the same until base_url points where it went.
+    "upstream-redirected": StripeShape(502, "api_error", retry=False),
     # The answer would be as large again.
     "response-too-large": StripeShape(502, "api_error", retry=False),
     "probe-failed": StripeShape(503, "api_error", retry=True),
+    # A retry after Retry-After can tell; stripe-python's own retries may come sooner and be told again.
+    "probe-too-soon": StripeShape(503, "api_error", retry=True),
     "store-unavailable": StripeShape(503, "api_error", retry=True),
     "upstream-timeout": StripeShape(504, "api_error", retry=True),
 }

@@ -55,16 +55,17 @@ def check_size(raw: bytes) -> None:
         raise FormRefused(f"the form has more than {MAX_FIELDS} fields")
 
 
-def sets_name(raw: bytes, name: str) -> bool:
+def sets_name(raw: bytes, name: str, *, nested: bool = False) -> bool:
     """Whether a pair of ``raw`` is named ``name`` once decoded, ``;`` separating pairs too.
 
     Some parsers still split on ``;`` (Rack 2, Python before 3.9.2). One pattern for every spelling of
     the name, so that any body is searched in one pass: this is asked of opaque bodies of any size too.
+    ``nested``: a pair named ``name[...]`` counts too, which Rack and PHP read as a part of ``name``.
     """
-    return re.search(_spellings(name), raw) is not None
+    return re.search(_spellings(name, nested), raw) is not None
 
 
-def _spellings(name: str) -> bytes:
+def _spellings(name: str, nested: bool = False) -> bytes:
     """A pattern for ``name`` at the start of a pair, however it may be percent-encoded."""
     parts = []
     for byte in name.encode():
@@ -78,7 +79,8 @@ def _spellings(name: str) -> bytes:
             parts.append(escaped)
         else:
             parts.append(b"(?:" + re.escape(bytes([byte])) + b"|" + escaped + b")")
-    return b"(?:^|(?<=[&;]))" + b"".join(parts) + b"(?==|[&;]|\\Z)"
+    end = b"=|[&;]|\\Z" + (b"|\\[|%5[Bb]" if nested else b"")
+    return b"(?:^|(?<=[&;]))" + b"".join(parts) + b"(?=" + end + b")"
 
 
 def append(raw: bytes, name: str, value: str) -> bytes:

@@ -42,6 +42,9 @@ MUTATIONS = {
     "MUTATION_HORIZON_IGNORED": "the probe's horizon is ignored: not found always means send",
     "MUTATION_PURGED_NATIVE_RESEND": "a purged completed record is sent again under its native key",
     "MUTATION_HORIZON_AT_CLAIM": "the probe's horizon is judged at its re-claim, not when the probe runs",
+    "MUTATION_LAG_IGNORED": "the search's lag is ignored: not found is trusted at once",
+    "MUTATION_LAG_AFTER_PROBE": "the lag is judged once the probe has answered, not at its re-claim",
+    "MUTATION_LAG_FROM_CLAIM": "the lag is counted from the latest claim, not its answer or lease's end",
 }
 
 # The code as it stood when the model was written (gateway/store.py, gateway/service.py).
@@ -73,10 +76,11 @@ WITNESSES = {
     18: "a refused attempt after an earlier may-have-sent stays in doubt",
     19: "a definitive refusal (4xx) completes the record",
     20: "clients stop with the record pending (its holder crashed)",
+    21: "the probe finds nothing too soon for its search to list the effect: in_doubt",
 }
 
 # ``make test``: the smaller configuration; ``make model-check``: the default sizes in effects.pml.
-SHORT = ["-DTTL=3", "-DHORIZON=2"]
+SHORT = ["-DTTL=3", "-DHORIZON=3"]
 
 
 @dataclass

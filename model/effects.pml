@@ -33,6 +33,12 @@
 #ifndef HORIZON
 #define HORIZON 3      /* the probe's search sees effects that landed fewer than HORIZON ticks ago */
 #endif
+#ifndef LAG
+#define LAG 1          /* ... and lists an effect only LAG ticks after it landed (an index that refreshes) */
+#endif
+#if LAG >= HORIZON
+#error "LAG must be shorter than HORIZON: the search would never list an effect it still sees"
+#endif
 #ifndef REQUESTS
 #define REQUESTS 2     /* requests per client: a first try and one retry */
 #endif
@@ -104,6 +110,9 @@ byte lease_left;       /* lease_expires_at - now, 0 once it has run out */
 byte sent_age;         /* now - first_sent_at, saturating at SENT_CAP */
 bool has_resp;         /* a stored response (false after the retention purged it) */
 byte resp;             /* its id */
+/* Ticks until a probe's "not found" can be trusted: LAG after the latest attempt could have acted, which
+ * is when its answer was recorded, else when its lease ends (last_sent_at + lease). 0: trusted now. */
+byte lag_left;
 
 /* --- the upstream: its ledger, its native-key memory, requests in flight -------------------------- */
 #define REJECTED 9     /* the response id of a definitive refusal (a 4xx): nothing happened */
@@ -167,7 +176,8 @@ byte got;              /* the definitive answer (a response id) the first client
 #define W_STICKY 18              /* a refused attempt after an earlier may-have-sent stays in doubt */
 #define W_REFUSED_4XX 19         /* a definitive refusal completes the record */
 #define W_CRASH_PENDING 20       /* clients stopped with the record pending (its holder crashed) */
-#define WITNESSES 20
+#define W_PROBE_TOO_SOON 21      /* "not found" too soon for the search to list the effect: in_doubt */
+#define WITNESSES 21
 
 #ifndef ONLY_USER_VISIBLE
 #define STRUCTURAL 1
@@ -263,6 +273,7 @@ end:	do
 		(dl[0] == NODL || dl[0] > 0) && (dl[1] == NODL || dl[1] > 0) &&
 		(!infl[0] || sdl[0] > 0) && (!infl[1] || sdl[1] > 0) ->
 		if :: lease_left > 0 -> lease_left-- :: else -> skip fi;
+		if :: lag_left > 0 -> lag_left-- :: else -> skip fi;
 		if :: st != nothing && sent_age < SENT_CAP -> sent_age++ :: else -> skip fi;
 		if :: effects > 0 && eff_age < HORIZON -> eff_age++ :: else -> skip fi;
 		if :: key_set && key_age < TTL -> key_age++ :: else -> skip fi;
@@ -351,9 +362,10 @@ end:	atomic {
 #define ACT_PURGED 5     /* completed, response purged, a probe configured: ask it for the answer */
 
 /* The probe reads the upstream's ledger at this instant, and "not found" is judged against the horizon
- * at the same instant: any effect landed after first_sent. Used in atomic, never in d_step: a d_step
- * takes the first open option of an if, so a probe there could only ever fail. */
-#define VISIBLE (effects > 0 && eff_age < HORIZON)
+ * at the same instant: any effect landed after first_sent. The search lists an effect from LAG ticks
+ * after it landed until it is HORIZON old. Used in atomic, never in d_step: a d_step takes the first
+ * open option of an if, so a probe there could only ever fail. */
+#define VISIBLE (effects > 0 && eff_age >= LAG && eff_age < HORIZON)
 #define P_FAIL 1
 #define P_FOUND 2
 #define P_NOTFOUND 3     /* within the horizon: nothing happened */
@@ -374,6 +386,22 @@ inline probe() {
 	fi
 }
 
+/* Whether "not found" can be trusted to have seen the latest attempt's effect: judged when the record was
+ * taken over to probe (caught_up), before the probe ran, since the search looked later than that. */
+#ifdef MUTATION_LAG_IGNORED
+#define TRUSTED 1
+#elif defined(MUTATION_LAG_AFTER_PROBE)
+#define TRUSTED (lag_left == 0)  /* judged once the probe has answered, as the horizon is */
+#else
+#define TRUSTED caught_up
+#endif
+/* What a sending claim or re-claim sets lag_left to: its lease, then the lag. */
+#ifdef MUTATION_LAG_FROM_CLAIM
+#define SENT_LAG LAG             /* counted from the claim, as if the upstream acted as it was sent */
+#else
+#define SENT_LAG (LEASE + LAG)
+#endif
+
 inline say_probe() {
 	if
 	:: pr == P_FAIL -> printf("it fails\n")
@@ -387,7 +415,7 @@ inline say_probe() {
 
 /* nothing local survives a request */
 inline forget() {
-	act = 0; why = 0; a = 0; earlier = 0; out = 0; oid = 0; pr = 0
+	act = 0; why = 0; a = 0; earlier = 0; out = 0; oid = 0; pr = 0; caught_up = 0
 }
 
 /* The client is given its final answer (2xx, or a 4xx refusal) and stops retrying. */
@@ -479,6 +507,7 @@ proctype Client(byte h) {
 	bool young;                 /* the record was within the probe's horizon at the re-claim */
 #endif
 	byte out, oid, pr;          /* what came back, a response id, the probe's answer (then a state) */
+	bool caught_up;             /* at the probe's re-claim: the search has had its lag since the latest attempt */
 
 next:
 	skip;
@@ -489,7 +518,7 @@ next:
 		if
 		:: st == nothing ->
 			printf("gw%d claims: attempt 1\n", h);
-			set_state(pending); att = 1; mhs = 0; lease_left = LEASE; sent_age = 0;
+			set_state(pending); att = 1; mhs = 0; lease_left = LEASE; sent_age = 0; lag_left = SENT_LAG;
 			act = ACT_SEND; a = 1; earlier = 0; why = first_try; dl[h] = GRACE
 		:: else -> decide()
 		fi
@@ -527,6 +556,10 @@ reclaim:
 			printf("gw%d re-claims (", h); printm(why); printf("): attempt %d\n", att + 1);
 			mhs = mhs || st == pending; set_state(pending); att++; lease_left = LEASE;
 			a = att; earlier = mhs; dl[h] = GRACE;
+			if    /* a re-claim to probe keeps the send times; one to send is a send */
+			:: why == send_probe_not_found -> caught_up = (lag_left == 0)
+			:: else -> lag_left = SENT_LAG
+			fi;
 #ifdef MUTATION_HORIZON_AT_CLAIM
 			young = sent_age < HORIZON;
 #endif
@@ -573,17 +606,23 @@ probing:	/* ask the upstream whether the effect exists, under the lease just tak
 			:: else -> skip
 			fi;
 			forget()
-		:: pr == P_BLIND ->                                      /* needs_review: 409 outcome-unknown */
+		:: (pr == P_NOTFOUND || pr == P_BLIND) && !TRUSTED ->   /* too soon to tell: as it was, 503 */
+			if
+			:: att == a -> REACH(W_PROBE_TOO_SOON); set_state(in_doubt); mhs = 1; lease_left = 0
+			:: else -> skip
+			fi;
+			dl[h] = NODL; forget()
+		:: pr == P_BLIND && TRUSTED ->                           /* needs_review: 409 outcome-unknown */
 			if
 			:: att == a -> REACH(W_PROBE_BLIND); set_state(needs_review); att++; lease_left = 0
 			:: else -> skip
 			fi;
 			forget()
-		:: pr == P_NOTFOUND ->
+		:: pr == P_NOTFOUND && TRUSTED ->
 #ifndef FINDING_PROBE_SEND_SAME_LEASE
-			/* the probe used up part of the lease: a fresh one for the send (fenced) */
+			/* the probe used up part of the lease: a fresh one for the send (fenced), a send */
 			if
-			:: att == a -> REACH(W_PROBE_NOT_FOUND); lease_left = LEASE; dl[h] = GRACE
+			:: att == a -> REACH(W_PROBE_NOT_FOUND); lease_left = LEASE; dl[h] = GRACE; lag_left = SENT_LAG
 			:: else -> forget()
 			fi
 #else
@@ -682,6 +721,12 @@ sending:	/* the request leaves, or the connection is refused before it does */
 			:: out != A_NONE -> lease_left = 0          /* it answered (or never left): its lease is over */
 			:: else -> skip
 			fi;
+#ifndef MUTATION_LAG_FROM_CLAIM
+			if    /* its answer recorded: it acted before now, and the search lists it LAG from now */
+			:: out == A_OK || out == A_4XX || out == A_5XX -> lag_left = LAG
+			:: else -> skip
+			fi;
+#endif
 			if
 			:: pr == completed ->
 				if :: out == A_4XX -> REACH(W_REFUSED_4XX) :: else -> skip fi;

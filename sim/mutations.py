@@ -189,6 +189,46 @@ def _horizon_at_take_over() -> contextlib.AbstractContextManager[None]:
     return patched((EffectService, "_probe", probe), (service, "settle_probe", settle_probe))
 
 
+def _lag_ignored() -> contextlib.AbstractContextManager[None]:
+    def too_soon(record: EffectRecord, asked_at: datetime, policy: Policy) -> decision.TooSoon | None:
+        return None  # "not found" trusted at once, however lately the search lists an effect
+
+    return patched((service, "too_soon", too_soon))
+
+
+# This process's clock when the probe's take-over returned (for "lag-after-probe").
+_PROBED_FROM: contextvars.ContextVar[float] = contextvars.ContextVar("mutation_probed_from")
+
+
+def _lag_after_probe() -> contextlib.AbstractContextManager[None]:
+    real_probe = EffectService._probe
+    real = decision.too_soon
+
+    async def probe(self: EffectService, record: EffectRecord, *args: Any) -> Reply:
+        _PROBED_FROM.set(asyncio.get_running_loop().time())
+        return await real_probe(self, record, *args)
+
+    def too_soon(record: EffectRecord, asked_at: datetime, policy: Policy) -> decision.TooSoon | None:
+        # Judged at the database's clock once the probe has answered, as the horizon is (the simulated
+        # database's clock runs with the loop's), instead of the take-over's, before the probe left.
+        since = asyncio.get_running_loop().time() - _PROBED_FROM.get()
+        return real(record, asked_at + timedelta(seconds=since), policy)
+
+    return patched((EffectService, "_probe", probe), (service, "too_soon", too_soon))
+
+
+def _lag_from_the_claim() -> contextlib.AbstractContextManager[None]:
+    real = decision.too_soon
+
+    def too_soon(record: EffectRecord, asked_at: datetime, policy: Policy) -> decision.TooSoon | None:
+        # The lag counted from the latest claim, as if the upstream acted the moment it was sent: the
+        # answer's time and the lease are left out.
+        claimed = record.last_sent_at or record.created_at
+        return real(replace(record, response_at=claimed), asked_at, policy)
+
+    return patched((service, "too_soon", too_soon))
+
+
 class _Escaped(Exception):
     """Carries a store error past the service's own handler (for "unrecorded-outage-escapes")."""
 
@@ -292,6 +332,19 @@ MUTATIONS = [
         "horizon-at-take-over",
         "settle_probe judges 'not found' at the take-over's clock, before the probe ran (a bug found)",
         _horizon_at_take_over,
+    ),
+    Mutation(
+        "lag-ignored", "too_soon trusts 'not found' at once, however late the search lists", _lag_ignored
+    ),
+    Mutation(
+        "lag-after-probe",
+        "too_soon judges the lag at the clock after the probe answered, not the take-over's",
+        _lag_after_probe,
+    ),
+    Mutation(
+        "lag-from-the-claim",
+        "too_soon counts the lag from the latest claim, not from its answer or the end of its lease",
+        _lag_from_the_claim,
     ),
     Mutation(
         "unrecorded-outage-escapes",

@@ -1,9 +1,10 @@
 """Simulated upstreams, and the twins of the gateway's two upstream seams that reach them.
 
 An upstream is one of the kinds an operator configures: a native key that it forgets after a TTL,
-a stamp that its search (the probe) finds for a while, both (like Stripe), neither, or harmless
-duplicates. Every effect it makes lands in its :attr:`SimUpstream.ledger`: the truth that the
-invariants and the operators read. :class:`SimClient` and :class:`SimProber` have the methods of
+a stamp that its search (the probe) finds for a while, from a lag after the effect on (an index that
+refreshes), both (like Stripe), neither, or harmless duplicates. Every effect it makes lands in its
+:attr:`SimUpstream.ledger`: the truth that the invariants and the operators read.
+:class:`SimClient` and :class:`SimProber` have the methods of
 :class:`gateway.upstream.UpstreamClient` (``send``) and :class:`gateway.probes.Prober` (``probe``)
 that :class:`gateway.service.EffectService` calls; what the upstream does with a request is drawn
 from the run's choices.
@@ -100,6 +101,7 @@ class Stage(Protocol):
     def note(self, who: str, text: str) -> None: ...
     def faulty(self, what: str) -> bool: ...
     def hazard(self, who: str, within: float) -> None: ...
+    def probing(self, who: str, upstream: SimUpstream) -> None: ...
     def arrived(self, upstream: SimUpstream, call: Call) -> None: ...
     def landed(self, upstream: SimUpstream, effect: Effect, call: Call) -> None: ...
 
@@ -112,6 +114,8 @@ class SimUpstream:
     stage: Stage
     # How long the upstream's search sees an effect (None: for ever): the horizon it really has.
     search_retention: float | None = None
+    # How long after an effect its search starts listing it (an index that refreshes): the real lag.
+    search_lag: float = 0.0
     ledger: list[Effect] = field(default_factory=list)
     calls: list[Call] = field(default_factory=list)
     # native key -> (the effect made under it, or None while its first request runs; forgotten at)
@@ -235,9 +239,9 @@ class SimUpstream:
     # --- the search a probe asks ------------------------------------------------------------------
 
     def search(self, derived_key: str, now: float) -> StoredResponse | None:
-        """The oldest effect stamped with ``derived_key`` that the search still sees."""
+        """The oldest effect stamped with ``derived_key`` that the search already lists and still sees."""
         for effect in self.ledger:
-            if effect.derived_key != derived_key or effect.at > now:
+            if effect.derived_key != derived_key or now - effect.at < self.search_lag:
                 continue
             if self.search_retention is not None and now - effect.at > self.search_retention:
                 continue
@@ -321,6 +325,7 @@ class SimProber:
             else ProbeFate.OK
         )
         timeout = policy.timeout.total_seconds()
+        self._stage.probing(who, upstream)
         found: asyncio.Future[StoredResponse | None] = loop.create_future()
 
         def look() -> None:

@@ -48,6 +48,11 @@ DAY = 86400.0
 DB_TRIP = (0.0002, 0.004)
 # After this much virtual time clients stop starting requests (retention is days; a run spans a few).
 LAST_REQUEST = 12 * DAY
+# How long a probed upstream's search takes to list an effect, in seconds (and what its probe.lag says):
+# leases here are 1.5 to 6 s, so a lag shorter than any, about one, and longer than any.
+SEARCH_LAGS = (0.0, 0.5, 2.0, 8.0)
+# Clients in a thousand that retry an open effect within seconds (see World.gap).
+EAGER = 600
 # How often each fault family strikes, per thousand opportunities; each run draws one level of each.
 LEVELS: dict[str, tuple[int, ...]] = {
     "crash": (0, 8, 30, 90),
@@ -64,6 +69,9 @@ LEVELS: dict[str, tuple[int, ...]] = {
     # TTL's or horizon's edge makes a gateway busiest. Drawn last, from a stream of its own ("pauses"),
     # so that a schedule recorded before it existed replays as it did.
     "take-over-pause": (0, 300, 700),
+    # A pause while a probe is out (a GC as its answer is read): the search looks before the gateway
+    # reads the clock again, maybe while it cannot list the effect yet. Also its own stream ("pauses").
+    "probe-pause": (0, 300, 700),
 }
 
 
@@ -111,6 +119,7 @@ class Setup:
                 + (f", key TTL {d.native_key_ttl.total_seconds():g}s" if d.native_key_ttl else "")
                 + (f", probe horizon {d.probe_horizon.total_seconds():g}s" if d.probe_horizon else "")
                 + (", probe with no horizon" if d.has_probe and not d.probe_horizon else "")
+                + (f", search lag {d.probe_lag.total_seconds():g}s" if d.has_probe and d.probe_lag else "")
             )
         for i, jobs in enumerate(self.clients, 1):
             lines.append(f"client c{i}: " + ", ".join(f"{t}/{u}/{k}" for t, u, k in jobs))
@@ -129,6 +138,9 @@ def draw_setup(everything: Choices) -> Setup:
         grace = timedelta(seconds=choices.pick([0.5, 1, 2]))
         memory = timedelta(seconds=choices.pick([60, 30, 120]))
         probe_horizon = choices.pick([memory, None])
+        # How long its search takes to list an effect: none, under a lease, about one, several. Drawn
+        # from a stream of its own, so that a schedule recorded before searches lagged replays as it did.
+        search_lag = timedelta(seconds=everything["lag"].pick(SEARCH_LAGS))
         cfg = UpstreamSettings(
             base_url=f"http://{name}.sim",
             timeout=timeout,
@@ -137,7 +149,11 @@ def draw_setup(everything: Choices) -> Setup:
             if kind in (Kind.PROBED, Kind.STRIPE)
             else None,
             probe=ProbeSettings(
-                path="/orders/search?ref={key}", found="items.0", status=201, horizon=probe_horizon
+                path="/orders/search?ref={key}",
+                found="items.0",
+                status=201,
+                horizon=probe_horizon,
+                lag=search_lag,
             )
             if kind in (Kind.PROBED, Kind.STRIPE)
             else None,
@@ -280,6 +296,7 @@ class World:
                 policy,
                 self,
                 search_retention=horizon.total_seconds() if horizon is not None else None,
+                search_lag=policy.decision.probe_lag.total_seconds(),
             )
         self.longest_lease = max(p.lease.total_seconds() for _, p in self.setup.upstreams)
         windows = [p.lease.total_seconds() - p.timeout.total_seconds() for _, p in self.setup.upstreams]
@@ -348,6 +365,15 @@ class World:
         pauses = self.choices["pauses"]
         if gateway is not None and gateway.up and pauses.chance(self.setup.levels["take-over-pause"]):
             gateway.freeze(pauses.between(0, self.longest_window))
+
+    def probing(self, who: str, upstream: SimUpstream) -> None:
+        """A gateway's probe is about to leave: it may pause until after the search has looked."""
+        gateway = self._gateway(who)
+        pauses = self.choices["probe-pauses"]
+        if self.choices.quiet or gateway is None or not gateway.up:
+            return
+        if pauses.chance(self.setup.levels["probe-pause"]):
+            gateway.freeze(pauses.between(0, upstream.search_lag + self.longest_lease))
 
     def _crash(self, gateway: Gateway, owner: Owner) -> None:
         if gateway.owner is owner and not self.choices.quiet:
@@ -423,10 +449,19 @@ class World:
         self.checks.reply(scope, number, started, gateway, result)
         return result
 
-    def gap(self, mind: Stream, aim: Stream, scope: Scope, later: bool) -> float:
-        """How long a client waits before asking again: soon, about a lease, at an edge, or days."""
+    def gap(self, mind: Stream, aim: Stream, scope: Scope, later: bool, eager: Stream | None = None) -> float:
+        """How long a client waits before asking again: soon, about a lease, at an edge, or days.
+
+        An eager client (``eager``, its own stream) retries what is still open within seconds half the
+        time, while a probe's search may not list what the last attempt did yet.
+        """
         lease = self.longest_lease
         upstream = self.upstreams[scope[1]].policy.decision
+        # Where the probe is what recovers an effect in doubt (with a native key, it is the key until
+        # its TTL, whose edges the aim below covers).
+        lag = upstream.probe_lag.total_seconds() if upstream.native_key_ttl is None else 0.0
+        if eager is not None and lag and not later and eager.chance(500):
+            return eager.between(0, lag + lease)
         edges = [t.total_seconds() for t in (upstream.native_key_ttl, upstream.probe_horizon) if t]
         way = mind.below(4) if not later else 2 + mind.below(2)
         if way == 0:
@@ -451,6 +486,9 @@ class World:
     async def client(self, name: str, jobs: list[Scope]) -> None:
         mind = self.choices[name]
         aim = self.choices[f"{name}/aim"]
+        # One client in three retries eagerly; drawn from a stream of its own (see "take-over-pause").
+        haste = self.choices[f"{name}/eager"]
+        eager = haste if haste.chance(EAGER) else None
         await asyncio.sleep(mind.between(0, 3))
         for scope in jobs:
             reruns = mind.below(3)
@@ -465,7 +503,7 @@ class World:
                     break
                 if verdict == "done":
                     reruns -= 1
-                await asyncio.sleep(self.gap(mind, aim, scope, later=verdict != "retry"))
+                await asyncio.sleep(self.gap(mind, aim, scope, later=verdict != "retry", eager=eager))
 
     # --- operators and the retention --------------------------------------------------------------------
 
@@ -585,7 +623,9 @@ class World:
             result = await self.request("healer", scope, self.gateways[0], 3 * self.longest_lease)
             if settled(result) == "done":
                 return
-            await asyncio.sleep(self.longest_lease)
+            # As an agent would: no sooner than Retry-After (a probe waiting out its search's lag).
+            told = float(result.headers.get("Retry-After", 0)) if isinstance(result, problems.Problem) else 0
+            await asyncio.sleep(max(self.longest_lease, told))
 
 
 def settled(result: Reply | BaseException) -> str:

@@ -19,7 +19,8 @@ from tests.support import CRASH_MATRIX, Upstream, effect_rows, start_gateway_pro
 
 pytestmark = pytest.mark.crash
 
-SEARCH = 'probe = { path = "/orders/search?ref={key}", found = "items.0", status = 201 }\n'
+# The test upstream's search lists an order as it is placed: its "not found" is trusted at once.
+SEARCH = 'probe = { path = "/orders/search?ref={key}", found = "items.0", status = 201, lag = "0s" }\n'
 STAMP = 'stamp = { json_field = "client_reference" }\n'
 
 # kind -> (the upstream's own memory of keys, the gateway's policy for it)

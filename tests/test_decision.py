@@ -33,6 +33,7 @@ from gateway.decision import (
     settle,
     settle_probe,
     take_over,
+    too_soon,
     unrecorded,
 )
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError, ProbeResult
@@ -182,6 +183,12 @@ def test_another_request_with_the_key_is_refused_in_every_state(state: State) ->
         (Answered(408, (), b""), False, State.RETRYABLE, False),
         (Answered(425, (), b""), False, State.RETRYABLE, False),
         (Answered(429, (), b""), False, State.RETRYABLE, False),
+        # a redirect that keeps the method: not acted on, asked for elsewhere (never relayed)
+        (Answered(307, (), b""), False, State.RETRYABLE, False),
+        (Answered(308, (), b""), False, State.RETRYABLE, False),
+        # a redirect to see the result (303, and the 301 and 302 that clients follow with a GET)
+        (Answered(303, (), b""), False, State.COMPLETED, True),
+        (Answered(302, (), b""), False, State.COMPLETED, True),
         (Answered(500, (), b""), False, State.IN_DOUBT, True),
         (Answered(502, (), b""), False, State.IN_DOUBT, True),
         (Answered(503, (), b""), False, State.IN_DOUBT, True),
@@ -192,6 +199,7 @@ def test_another_request_with_the_key_is_refused_in_every_state(state: State) ->
         # doubt is sticky: a refused attempt after one that may have reached stays in doubt
         (NotSent("refused"), True, State.IN_DOUBT, True),
         (Answered(429, (), b""), True, State.IN_DOUBT, True),
+        (Answered(307, (), b""), True, State.IN_DOUBT, True),
         (Answered(201, (), b""), True, State.COMPLETED, True),
     ],
 )
@@ -278,6 +286,41 @@ def test_settle_probe(rec: EffectRecord, result: ProbeResult, policy: Policy, ex
     else:
         assert isinstance(verdict, Settlement)
         assert (verdict.transition, verdict.may_have_sent) == (Transition(State.PENDING, expected), True)
+
+
+LAGGED = Policy(lease=LEASE, has_probe=True, probe_lag=timedelta(minutes=1))
+S = timedelta(seconds=1)
+
+
+@pytest.mark.parametrize(
+    ("rec", "policy", "expected"),
+    [
+        # a search that lists an effect as it happens: "not found" is trusted at once
+        (record(State.PENDING, last_sent_at=NOW - S, response_at=NOW - S / 2), PROBED, None),
+        # the latest attempt was answered (a 5xx) 10s ago: it acted before that, and is listed a lag later
+        (record(State.PENDING, last_sent_at=NOW - 11 * S, response_at=NOW - 10 * S), LAGGED, 50 * S),
+        (record(State.PENDING, last_sent_at=NOW - 61 * S, response_at=NOW - 60 * S), LAGGED, None),
+        # no answer recorded (a timeout, a crash): it may have acted until its lease ran out
+        (record(State.PENDING, last_sent_at=NOW - 40 * S, response_at=None), LAGGED, 55 * S),
+        (record(State.PENDING, last_sent_at=NOW - LEASE - 60 * S, response_at=None), LAGGED, None),
+        # ... an answer recorded before the latest claim is an earlier attempt's, and does not count
+        (record(State.PENDING, last_sent_at=NOW - 40 * S, response_at=NOW - 100 * S), LAGGED, 55 * S),
+    ],
+)
+def test_too_soon(rec: EffectRecord, policy: Policy, expected: timedelta | None) -> None:
+    """ "Not found" is trusted only once the search has had its lag since the latest attempt could act."""
+    early = too_soon(rec, NOW, policy)
+    if expected is None:
+        assert early is None
+    else:
+        assert early is not None
+        assert early.retry_after == expected
+        back = early.settlement
+        assert (back.transition, back.may_have_sent, back.ends_lease) == (
+            Transition(State.PENDING, State.IN_DOUBT),
+            True,
+            True,
+        )
 
 
 def test_a_completed_record_is_never_taken_over() -> None:

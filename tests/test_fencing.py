@@ -117,7 +117,8 @@ async def test_a_gateway_stalled_before_sending_does_not_send_after_its_lease(
         f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nworkers = 1\nlease_grace = "300ms"\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\ntimeout = "700ms"\n'
         'stamp = { json_field = "client_reference" }\n'
-        'probe = { path = "/orders/search?ref={key}", found = "items.0", status = 201 }\n'
+        # the search lists an order as it is placed: its "not found" is trusted at once
+        'probe = { path = "/orders/search?ref={key}", found = "items.0", status = 201, lag = "0s" }\n'
     )
     stall = {"EFFECT_GATEWAY_FAULT": "after-claim", "EFFECT_GATEWAY_FAULT_SIGNAL": "SIGSTOP"}
     gateway_a = start_gateway_process(config, env=stall)

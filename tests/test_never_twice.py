@@ -144,7 +144,7 @@ async def test_past_its_horizon_a_probe_that_finds_nothing_sends_to_review(
     """An in-doubt effect older than the probe's horizon is not re-sent when the search does not list it."""
     order_in_doubt(upstream)
     upstream.routes["/orders/search"] = lambda request: _json({"items": []})  # only sees 30 days
-    probe = {**SEARCH, "horizon": "30d"}
+    probe = {**SEARCH, "horizon": "30d", "lag": "0s"}  # the search lists an order as it is placed
     cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": probe}}
     async with gateway_server(dsn, upstreams=cfg) as gw:
         assert (await call(http, gw.url))[0] == 500
@@ -280,7 +280,8 @@ async def test_a_tenant_cannot_plant_an_effect_that_another_tenants_probe_accept
     upstream.routes["/orders"] = create
     upstream.routes["/orders/search"] = search
     tenants = {"a": {"token": "token-a"}, "b": {"token": "token-b"}}
-    cfg = {"shop": {"base_url": upstream.url, **PROBED_SHOP}}
+    # The search lists an order as it is placed: its "not found" is trusted at once.
+    cfg = {"shop": {"base_url": upstream.url, **PROBED_SHOP, "probe": {**SEARCH, "lag": "0s"}}}
     async with gateway_server(dsn, upstreams=cfg, tenants=tenants) as gw:
         assert (await call(http, gw.url, **{"Effect-Gateway-Token": "token-a"}))[0] == 503
         # What the upstream key of a's "k" was before: a plain hash anyone could compute.

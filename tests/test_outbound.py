@@ -256,6 +256,12 @@ SPELLED_OTHERWISE: dict[str, tuple[str, dict[str, str], str, str, bytes]] = {
         b'--B\r\nContent-Disposition: form-data; name="metadata[idempotency_key]"\r\n\r\n'
         b"eg_forged\r\n--B--\r\n",
     ),
+    # Rails' params and PHP's $_REQUEST merge the query into the body's fields (in Rails the query wins)
+    "json-in-query": ("json", {}, "a=1&metadata[ref]=eg_forged", "application/json", b"{}"),
+    "form-in-query": ("form", {}, "metadata%5Bidempotency_key%5D=eg_forged", "", b"a=1"),
+    # ... and shallowly: a query's metadata[...] replaces the body's whole metadata, the stamp with it
+    "json-parent-in-query": ("json", {}, "metadata[a]=1", "application/json", b"{}"),
+    "form-parent-in-query": ("form", {}, "metadata=1", "application/x-www-form-urlencoded", b"a=1"),
 }
 
 
@@ -269,6 +275,41 @@ def test_the_stamps_name_spelled_as_another_parser_reads_it_is_reserved_too(case
     policy = _policy(STAMPS[where])
     read = read_body(body, content_type, policy.json_stamp_path)
     assert reserved_use(policy, CIMultiDict(headers), query, read) is not None
+
+
+@pytest.mark.parametrize("where", ["json", "form"])
+@pytest.mark.parametrize("key", ["k", None], ids=["keyed", "keyless"])
+async def test_a_body_stamps_name_in_the_query_is_refused(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, where: str, key: str | None
+) -> None:
+    """`PUT /shop/orders?client_reference=X` to a JSON-stamped shop: 400 stamp-reserved, nothing sent.
+
+    Frameworks that merge the query into the body's fields (Rails' params, PHP's $_REQUEST) would read
+    the agent's value as the stamp; it was forwarded.
+    """
+    stamp = {"json_field": "client_reference"} if where == "json" else {"form_field": "client_reference"}
+    content_type = "application/json" if where == "json" else "application/x-www-form-urlencoded"
+    cfg = {"shop": {"base_url": upstream.url, "stamp": stamp}}
+    async with (
+        gateway_server(dsn, upstreams=cfg) as gw,
+        http.put(
+            f"{gw.url}/shop/orders?client_reference=eg_forged",
+            data=b"{}" if where == "json" else b"a=1",
+            headers={"Content-Type": content_type, **({"Idempotency-Key": key} if key else {})},
+        ) as resp,
+    ):
+        assert resp.status == 400
+        assert problem(await resp.read()) == "stamp-reserved"
+    assert upstream.calls == []
+    assert await effect_rows(dsn) == []
+
+
+def test_a_query_name_that_only_begins_like_a_body_stamps_is_not_reserved() -> None:
+    """`metadata_x` or `metadatax[ref]` in the query is another name than a JSON stamp at metadata.ref."""
+    policy = _policy(STAMPS["json"])
+    body = read_body(b"{}", "application/json", policy.json_stamp_path)
+    for query in ("metadata_x=1", "metadatax[ref]=1", "x=metadata[ref]", "ref=1"):
+        assert reserved_use(policy, CIMultiDict(), query, body) is None, query
 
 
 def test_an_injected_credential_replaces_the_agents_under_an_underscore_spelling_too() -> None:
@@ -292,13 +333,20 @@ NAMES = st.sampled_from(["ref", "metadata[idempotency_key]", "a b", "%", "x;y", 
 def test_a_pair_is_found_by_its_decoded_name_in_any_spelling(
     name: str, pieces: list[tuple[bytes, bool]], data: st.DataObject
 ) -> None:
-    """sets_name() finds a pair whose name decodes to the stamp's, split on & or ;, and nothing else."""
+    """sets_name() finds a pair whose name decodes to the stamp's, split on & or ;, and nothing else.
+
+    With ``nested``, a name that decodes to the stamp's followed by ``[`` (``metadata[a]``) counts too.
+    """
     raw = b""
     for piece, named in pieces:
         segment = data.draw(spelled(name.encode())) + b"=1" if named else piece
+        if named and data.draw(st.booleans()):
+            segment = data.draw(spelled(name.encode())) + data.draw(spelled(b"[a]")) + b"=1"
         raw += (data.draw(st.sampled_from([b"&", b";"])) if raw else b"") + segment
     names = {urlencoded._decode(seg.partition(b"=")[0]) for seg in re.split(rb"[&;]", raw)}
     assert urlencoded.sets_name(raw, name) == (name.encode() in names)
+    under = any(n == name.encode() or n.startswith(name.encode() + b"[") for n in names)
+    assert urlencoded.sets_name(raw, name, nested=True) == under
 
 
 def test_a_form_of_too_many_fields_is_refused() -> None:

@@ -464,6 +464,47 @@ async def test_a_timed_out_call_is_not_recovered_while_its_lease_runs(
     assert len(upstream.effects()) == 1
 
 
+@pytest.mark.parametrize("status", [307, 308])
+async def test_a_redirect_that_keeps_the_method_is_not_relayed_and_nothing_happens_past_the_gateway(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, status: int
+) -> None:
+    """A 307 or 308 to an order is 502 upstream-redirected naming its Location; the record is retryable.
+
+    A client that follows redirects (aiohttp's default, as here; requests' too) cannot re-POST past the
+    gateway. Before, the answer was stored as completed, relayed and replayed: the agent's client sent
+    the order to the Location on every retry, straight to the upstream, with its Effect-Gateway-Token.
+    Once base_url points where the upstream moved, the next retry places the order, once.
+    """
+    moved = f"{upstream.url}/v2/orders"
+
+    async def old(request: web.Request) -> web.Response:
+        return web.Response(status=status, headers={"Location": moved})
+
+    upstream.routes["/orders"] = old
+    async with gateway_server(dsn, upstreams=shop(upstream)) as gw:
+        for _ in range(3):
+            async with http.post(
+                f"{gw.url}/shop/orders", json={"items": ["atta"]}, headers={"Idempotency-Key": "moved"}
+            ) as resp:
+                assert resp.status == 502
+                doc = await resp.json(content_type=PROBLEM)
+            assert doc["type"].endswith("/upstream-redirected")
+            assert doc["location"] == moved
+            assert f"answered {status}" in doc["detail"]
+        # a keyless PUT (audited) is not followed past the gateway either; a GET is relayed as it came
+        async with http.put(f"{gw.url}/shop/orders", data=b"{}", allow_redirects=False) as resp:
+            assert resp.status == 502
+        async with http.get(f"{gw.url}/shop/orders", allow_redirects=False) as resp:
+            assert (resp.status, resp.headers["Location"]) == (status, moved)
+    assert upstream.effects("/v2/orders") == []
+    rows = {row["key"]: row for row in await effect_rows(dsn)}
+    assert (rows["moved"]["state"], rows["moved"]["response_status"]) == ("retryable", status)
+    async with gateway_server(dsn, upstreams=shop(upstream, base_url=f"{upstream.url}/v2")) as gw:
+        assert (await post(http, f"{gw.url}/shop/orders", key="moved"))[0] == 201
+        assert (await post(http, f"{gw.url}/shop/orders", key="moved"))[0] == 201
+    assert len(upstream.effects("/v2/orders")) == 1
+
+
 # --- bad input ----------------------------------------------------------------------------------------------
 
 

@@ -47,6 +47,17 @@ def flaky_first(upstream: Upstream, status: int = 500) -> None:
     upstream.routes["/orders"] = create
 
 
+def busy_first(upstream: Upstream) -> None:
+    """The first order is answered 503 without being placed; the next is placed, as order P-2."""
+
+    async def create(request: web.Request) -> web.Response:
+        if len(upstream.effects("/orders")) == 1:
+            return web.json_response({"error": "overloaded"}, status=503)
+        return web.json_response({"order": "P-2"}, status=201)
+
+    upstream.routes["/orders"] = create
+
+
 async def test_native_key_resend_completes_the_record(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession
 ) -> None:
@@ -95,18 +106,11 @@ async def test_probe_found_completes_from_the_probes_answer(
 
 async def test_probe_not_found_sends(dsn: str, upstream: Upstream, http: aiohttp.ClientSession) -> None:
     """Rule 3, not found: the effect does not exist upstream, so the retry sends it (once)."""
-    calls = 0
-
-    async def create(request: web.Request) -> web.Response:
-        nonlocal calls
-        calls += 1
-        if calls == 1:  # answered 503 without creating anything
-            return web.json_response({"error": "overloaded"}, status=503)
-        return web.json_response({"order": "P-2"}, status=201)
-
-    upstream.routes["/orders"] = create
+    busy_first(upstream)
     upstream.routes["/orders/search"] = lambda request: _json({"items": []})
-    cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": SEARCH}}
+    # A search that would list an order the moment it is placed: "not found" is trusted at once.
+    probe = {**SEARCH, "lag": "0s"}
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": probe}}
     async with gateway_server(dsn, upstreams=cfg) as gw:
         assert (await order(http, gw.url))[0] == 503
         status, headers, body = await order(http, gw.url)
@@ -120,6 +124,82 @@ async def test_probe_not_found_sends(dsn: str, upstream: Upstream, http: aiohttp
 
 async def _json(doc: Any, status: int = 200) -> web.Response:
     return web.json_response(doc, status=status)
+
+
+def lagging_search(upstream: Upstream, lag: float) -> None:
+    """A search that lists each order ``lag`` seconds after it was placed, as a search index refreshes."""
+    placed: dict[int, float] = {}
+
+    async def search(request: web.Request) -> web.Response:
+        now = asyncio.get_running_loop().time()
+        listed = [
+            {"order": call.body.decode()}
+            for n, call in enumerate(upstream.effects("/orders"))
+            if request.query["ref"] in call.body.decode() and n in placed and now - placed[n] >= lag
+        ]
+        return web.json_response({"items": listed})
+
+    async def create(request: web.Request) -> web.Response:
+        placed[len(upstream.effects("/orders")) - 1] = asyncio.get_running_loop().time()
+        if len(upstream.effects("/orders")) == 1:
+            return web.json_response({"error": "crashed after commit"}, status=500)
+        return web.json_response({"order": len(upstream.effects("/orders"))}, status=201)
+
+    upstream.routes["/orders"] = create
+    upstream.routes["/orders/search"] = search
+
+
+async def test_a_search_that_lists_an_order_late_is_not_trusted_at_once(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """Right after a 500, a search that lists orders a second late finds nothing: 503, not a second order.
+
+    By default (probe.lag, a minute) "not found" is trusted only a minute after the latest attempt's
+    answer; the record stays in doubt and Retry-After says how long. Before, the retry probed at once,
+    found nothing yet, and placed the order a second time.
+    """
+    lagging_search(upstream, lag=1.0)
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": SEARCH}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        assert (await order(http, gw.url))[0] == 500
+        status, headers, body = await order(http, gw.url)
+    assert (status, body["type"].rsplit("/", 1)[1]) == (503, "probe-too-soon")
+    assert 55 <= int(headers["Retry-After"]) <= 60
+    assert len(upstream.effects("/orders")) == 1
+    (row,) = await effect_rows(dsn)
+    assert row["state"] == "in_doubt"
+    assert any("too soon" in (event.get("note") or "") for event in row["history"])
+
+
+@pytest.mark.parametrize("placed", [True, False], ids=["placed", "never-placed"])
+async def test_once_the_lag_has_passed_the_probe_is_trusted(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, placed: bool
+) -> None:
+    """After Retry-After the search has caught up: it finds the order (replayed), or finds none and sends."""
+    lagging_search(upstream, lag=0.5)
+    if not placed:  # the first attempt is answered 503 without placing anything
+        upstream.routes["/orders"] = lambda request: _json({"error": "overloaded"}, status=503)
+    cfg = {
+        "shop": {
+            "base_url": upstream.url,
+            "stamp": {"json_field": "client_reference"},
+            "probe": {**SEARCH, "lag": "1s"},
+        }
+    }
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        assert (await order(http, gw.url))[0] in (500, 503)
+        status, headers, _ = await order(http, gw.url)
+        assert status == 503
+        await asyncio.sleep(int(headers["Retry-After"]))
+        if not placed:
+            upstream.routes["/orders"] = lambda request: _json({"order": "P-2"}, status=201)
+        status, headers, body = await order(http, gw.url)
+    assert status == 201
+    assert ("Idempotent-Replayed" in headers) is placed
+    assert "client_reference" in body["order"] if placed else body == {"order": "P-2"}
+    assert len(upstream.effects("/orders")) == (1 if placed else 2)
+    (row,) = await effect_rows(dsn)
+    assert (row["state"], row["recovered_by"]) == ("completed", "probe" if placed else None)
 
 
 @pytest.mark.parametrize("failure", ["timeout", "garbage", "status"])
@@ -160,6 +240,50 @@ async def test_a_failed_probe_is_503_and_leaves_the_record_as_it_was(
         status, _, body = await order(http, gw.url)
     assert status == 201
     assert len(upstream.effects("/orders")) == 1
+
+
+async def test_a_search_probe_whose_route_answers_404_is_a_failed_probe(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """A search (a probe with `found`) answering 404 is a route that is not there: 503, nothing sent.
+
+    A search answers a list, found or not; its 404 is the route renamed, or a proxy in front that does
+    not know it. Before, the 404 was read as "not found" and the order was placed a second time.
+    """
+    flaky_first(upstream)
+    upstream.routes["/orders/search"] = lambda request: _json({"error": "no such route"}, status=404)
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": SEARCH}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        assert (await order(http, gw.url))[0] == 500
+        status, headers, body = await order(http, gw.url)
+    assert (status, body["type"].rsplit("/", 1)[1]) == (503, "probe-failed")
+    assert "404" in body["detail"]
+    assert "Retry-After" in headers
+    assert len(upstream.effects("/orders")) == 1
+    (row,) = await effect_rows(dsn)
+    assert row["state"] == "in_doubt"
+
+
+async def test_a_probe_by_key_reads_404_as_not_found(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """A probe without `found` GETs the effect by its key: 404 is "no such effect", and the retry sends."""
+
+    async def by_reference(request: web.Request) -> web.Response:
+        return web.json_response({"error": "no such order"}, status=404)
+
+    busy_first(upstream)
+    upstream.routes["/orders/by-reference"] = by_reference
+    probe = {"path": "/orders/by-reference?ref={key}", "status": 201, "lag": "0s"}
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": probe}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        assert (await order(http, gw.url))[0] == 503
+        status, _, body = await order(http, gw.url)
+    assert (status, body) == (201, {"order": "P-2"})
+    assert len(upstream.effects("/orders")) == 2
+    assert [call.path for call in upstream.calls if call.method == "GET"] == ["/orders/by-reference"]
+    (row,) = await effect_rows(dsn)
+    assert row["state"] == "completed"
 
 
 async def test_a_python_probe_registered_as_an_entry_point(

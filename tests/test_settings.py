@@ -48,6 +48,9 @@ def test_a_config_file_and_variables(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert settings.upstreams["shop"].timeout == timedelta(seconds=10)
     assert settings.upstreams["payments"].native_key is not None
     assert settings.upstreams["payments"].native_key.ttl == timedelta(hours=24)
+    # a probe's "not found" waits a minute after the latest attempt unless told otherwise
+    assert settings.upstreams["shop"].probe is not None
+    assert settings.upstreams["shop"].probe.lag == timedelta(minutes=1)
 
 
 def test_the_config_variable_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,6 +88,11 @@ def test_the_config_variable_names_the_file(tmp_path: Path, monkeypatch: pytest.
         ('[upstreams.m]\nbase_url = "http://x"\nfingerprint_ignore = []', "at least one field"),
         ('[upstreams.m]\nbase_url = "http://x"\nfingerprint_fields = ["a..b"]', "fingerprint_fields"),
         ('[upstreams.m]\nbase_url = "http://x"\nerror_format = "json"', "upstreams.m.error_format"),
+        # a search that lists an effect only after it stopped seeing it would never tell
+        (
+            '[upstreams.m]\nbase_url = "http://x"\nprobe = { path = "/{key}", lag = "2d", horizon = "1d" }',
+            "shorter than horizon",
+        ),
         # one token for two principals: the requests of one went to the other, or a tenant was the admin
         ('[tenants.a]\ntoken = "same"\n[tenants.b]\ntoken = "same"', "tenants a and b"),
         ('[tenants.a]\ntoken = "same"\n[admin]\ntoken = "same"', "tenant a and the admin"),

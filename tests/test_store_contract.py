@@ -15,7 +15,7 @@ from typing import cast
 import asyncpg
 import pytest
 
-from gateway.decision import Policy, Send, Settlement, review, settle, settle_probe, take_over
+from gateway.decision import Policy, Send, Settlement, review, settle, settle_probe, take_over, too_soon
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State, Transition
@@ -401,6 +401,41 @@ async def test_a_probe_that_found_nothing_sends_under_a_re_take_or_goes_to_revie
             assert saved is not None
             assert (saved.state, saved.attempt) == (State.NEEDS_REVIEW, 3)
             assert await store.settle(probing, DONE, response=OK, recovered_by=None) is None
+
+
+async def test_a_probe_too_soon_after_an_answer_waits_from_that_answer_and_not_again(
+    subject: Subject,
+) -> None:
+    """too_soon reads the latest answer's time from the probe's take-over, and the wait leaves it as it was.
+
+    The take-over to probe keeps the send times; so does putting the record back in doubt: every probe
+    in between judges the lag from the same answer, and waiting it out ends.
+    """
+    store = subject.store
+    lagged = Policy(lease=LEASE, has_probe=True, probe_lag=timedelta(hours=1))
+    record = await claimed(store, lease=EXPIRED)
+    failed = settle(Answered(500, (), b"{}"), earlier_doubt=False)
+    answered = await store.settle(record, failed, response=StoredResponse(500, (), b"{}"), recovered_by=None)
+    assert answered is not None
+    assert answered.response_at is not None
+    assert answered.last_sent_at is not None
+    assert answered.response_at >= answered.last_sent_at
+    for attempt in (2, 3):
+        probing = await store.reclaim(answered, take_over(answered), LEASE, "probe", sends=False)
+        assert probing is not None
+        assert probing.attempt == attempt
+        assert (probing.last_sent_at, probing.response_at) == (answered.last_sent_at, answered.response_at)
+        assert probing.read_at is not None
+        early = too_soon(probing, probing.read_at, lagged)
+        assert early is not None
+        assert early.retry_after == answered.response_at + timedelta(hours=1) - probing.read_at
+        back = await store.settle(probing, early.settlement, response=None, recovered_by=None)
+        assert back is not None
+        assert (back.state, back.lease_expires_at is not None) == (State.IN_DOUBT, True)
+        assert back.lease_expires_at is not None
+        assert back.read_at is not None
+        assert back.lease_expires_at <= back.read_at  # the next request probes at once, no lease to wait
+        answered = back
 
 
 # --- operators -----------------------------------------------------------------------------------------
