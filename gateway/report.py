@@ -108,6 +108,16 @@ def effect_detail(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _probe_window(policy: UpstreamPolicy) -> str:
+    """When a probe's "not found" counts: after its lag, and only for effects inside its horizon."""
+    window = []
+    if policy.decision.probe_lag > timedelta(0):
+        window.append(f"lists an effect {duration(policy.decision.probe_lag)} after it")
+    if policy.decision.probe_horizon is not None:
+        window.append(f"looks back {duration(policy.decision.probe_horizon)}")
+    return f" ({'; '.join(window)})" if window else ""
+
+
 def protection(policy: UpstreamPolicy) -> tuple[str, list[str]]:
     """What recovers an effect in doubt on this upstream, in the order the gateway tries it; and warnings."""
     steps = []
@@ -115,9 +125,9 @@ def protection(policy: UpstreamPolicy) -> tuple[str, list[str]]:
         steps.append(f"native key {policy.native_header} for {duration(policy.native_ttl)}")
     match policy.probe:
         case HttpProbe() as http:
-            steps.append(f"probe {http.method} {http.path}")
+            steps.append(f"probe {http.method} {http.path}{_probe_window(policy)}")
         case PythonProbe() as py:
-            steps.append(f"probe {py.entry_point} (Python)")
+            steps.append(f"probe {py.entry_point} (Python){_probe_window(policy)}")
     steps.append("re-send (repeat_harmless)" if policy.repeat_harmless else "needs_review")
     summary = ", then ".join(steps)
     if policy.stamp:

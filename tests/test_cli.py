@@ -227,18 +227,24 @@ async def test_commands_that_read_need_only_the_database(
 async def test_check_config_says_what_protects_each_upstream(
     tmp_path: Path, run: Callable[..., Done]
 ) -> None:
-    """check-config: a line per upstream, native key / probe / harmless / nothing; --json the same."""
+    """check-config: a line per upstream: native key, probe (lag, horizon), harmless, nothing; --json too."""
     config = tmp_path / "gateway.toml"
     config.write_text(
         (ROOT / "examples/gateway.toml").read_text()
         + '[upstreams.search]\nbase_url = "http://127.0.0.1:9004"\nrepeat_harmless = true\n'
         + '[upstreams.sms]\nbase_url = "http://127.0.0.1:9005"\n'
+        + '[upstreams.orders]\nbase_url = "http://127.0.0.1:9006"\nstamp = { json_field = "ref" }\n'
+        + 'probe = { path = "/o?ref={key}", found = "0", lag = "0s", horizon = "30d" }\n'
     )
     done = await in_thread(run, "check-config", config=config)
     assert done.status == 0, done.err
     lines = {line.split()[0]: line for line in done.out.splitlines()}
     assert f"configuration {config} is valid" in done.out
-    assert "probe GET /orders?client_reference={key}, then needs_review" in lines["shop"]
+    assert (
+        "probe GET /orders?client_reference={key} (lists an effect 1m after it), then needs_review"
+        in (lines["shop"])
+    )
+    assert "probe GET /o?ref={key} (looks back 30d), then needs_review" in lines["orders"]
     assert "native key Idempotency-Key for 24h, then needs_review" in lines["mail"]
     assert "native key Idempotency-Key for 24h, then probe GET /v1/charges/search" in lines["payments"]
     assert "re-send (repeat_harmless)" in lines["search"]
@@ -247,7 +253,14 @@ async def test_check_config_says_what_protects_each_upstream(
         (await in_thread(run, "check-config", "--json", env={"EFFECT_GATEWAY_CONFIG": str(config)})).out
     )
     assert as_json["config"] == str(config)
-    assert [u["name"] for u in as_json["upstreams"]] == ["shop", "mail", "payments", "search", "sms"]
+    assert [u["name"] for u in as_json["upstreams"]] == [
+        "shop",
+        "mail",
+        "payments",
+        "search",
+        "sms",
+        "orders",
+    ]
     assert as_json["tenants"] == []
 
 
