@@ -1,10 +1,10 @@
 """Fill the effect tables with realistic rows, fast: server-side ``insert .. select generate_series``.
 
-This module is the one place that knows the columns of ``effect_keys``, ``effects`` and
-``effect_bodies``; the growth benchmark calls only :func:`fill`. :func:`fill` reads each table's
-columns from the catalog first and stops with the name of any column it would leave without a value or
-any it names that the table no longer has, so a stale fill fails loudly instead of measuring the wrong
-rows. When the schema changes, adapt ``KEY_COLUMNS``, ``AUDIT_COLUMNS`` and ``BODY_COLUMNS``.
+This module is the one place that knows the columns of ``effect_keys``, ``effects``,
+``open_effects`` and ``effect_bodies``; the growth benchmark calls only :func:`fill`. :func:`fill`
+reads each table's columns from the catalog first and stops with the name of any column it would leave
+without a value or any it names that the table no longer has, so a stale fill fails loudly instead of
+measuring the wrong rows. When the schema changes, adapt ``TABLES``.
 
 The rows, as a gateway that has served agents for 60 days would have them: ids in time order; 4
 tenants; 3 upstreams; random keys (agents' UUIDs, so the key table's unique index is filled at random
@@ -95,6 +95,14 @@ AUDIT_COLUMNS: dict[str, str] = {
             'note', 'answered 201', 'at', g.created_at + {ANSWERED_AFTER}))""",
 }
 
+# An effect not completed has its row in open_effects too.
+OPEN_COLUMNS: dict[str, str] = {
+    "state": "g.state",
+    "id": "g.id",
+    "created_at": "g.created_at",
+    "tenant": "g.tenant",
+}
+
 # Column -> SQL over g and b (the row's bodies); one row per request, and one per response on record.
 BODY_COLUMNS: dict[str, str] = {
     "effect_id": "g.id",
@@ -105,6 +113,14 @@ BODY_COLUMNS: dict[str, str] = {
 }
 
 
+TABLES = {
+    "effect_keys": KEY_COLUMNS,
+    "effects": AUDIT_COLUMNS,
+    "open_effects": OPEN_COLUMNS,
+    "effect_bodies": BODY_COLUMNS,
+}
+
+
 async def check_columns(conn: asyncpg.Connection) -> None:
     rows = await conn.fetch(
         """select table_name, column_name,
@@ -112,7 +128,8 @@ async def check_columns(conn: asyncpg.Connection) -> None:
                   or is_generated <> 'NEVER' as optional
            from information_schema.columns
            where table_schema = current_schema()
-             and table_name in ('effect_keys', 'effects', 'effect_bodies')"""
+             and table_name = any($1::text[])""",
+        list(TABLES),
     )
     problems = []
     for table, columns in (
@@ -138,6 +155,7 @@ def _insert(table: str, columns: dict[str, str], source: str) -> str:
 _SQL = (
     _insert("effect_keys", KEY_COLUMNS, f"from ({_ROWS}) g"),
     _insert("effects", AUDIT_COLUMNS, f"from ({_ROWS}) g"),
+    _insert("open_effects", OPEN_COLUMNS, f"from ({_ROWS}) g where not g.done"),
     _insert(
         "effect_bodies",
         BODY_COLUMNS,

@@ -395,14 +395,14 @@ async def _sizes(dsn: str) -> dict[str, Any]:
         await conn.close()
 
 
-TABLES = ("effect_keys", "effects", "effect_bodies")
+TABLES = ("effect_keys", "effects", "open_effects", "effect_bodies")
 
 
 def sizes(dsn: str, col: Column, when: str) -> dict[str, Any]:
     s = _run(lambda: _sizes(dsn))
     rows = max(1, s["rows"])
     total = sum(s[t]["total"] for t in TABLES)
-    kept = s["effects"]["total"] + s["effect_keys"]["total"]
+    kept = s["effects"]["total"] + s["effect_keys"]["total"] + s["open_effects"]["total"]
     col.notes.append(
         f"sizes {when}: {s['rows']:,} effects, {total / 2**20:,.0f} MB in all: "
         + ", ".join(

@@ -101,6 +101,23 @@ def _stamped(param: int) -> str:
     return f"jsonb_set(${param}::jsonb, '{{0,at}}', to_jsonb(now()))"
 
 
+def _open_moved(source: str, target: str) -> str:
+    """CTEs keeping open_effects in step with the audit row that the CTE ``e`` just moved.
+
+    ``source`` and ``target`` are SQL for the states before and after (parameters or literals). The
+    effect leaves open_effects when it completes and changes its row there when it moves between open
+    states; a move from a state to itself writes nothing.
+    """
+    return f"""
+        o_gone as (
+            delete from open_effects o using e
+            where {target} = 'completed' and o.state = {source} and o.id = e.id
+        ), o_moved as (
+            update open_effects o set state = {target} from e
+            where {target} <> 'completed' and {target} <> {source} and o.state = {source} and o.id = e.id
+        )"""
+
+
 def _source(record: EffectRecord, move: Transition) -> str:
     """The state a write fences on: the one the record was read in, which the move must start from."""
     if move.source is not record.state:
@@ -155,6 +172,32 @@ _OUTAGE = (
     # what asyncpg raises when the server cuts a session in the middle of a message exchange
     asyncpg.exceptions.InternalClientError,
 )
+OPEN_STATES = tuple(state for state in State if state is not State.COMPLETED)
+# An open state is counted exactly up to this many effects (a range of open_effects' key, well under a
+# millisecond to read); beyond, nobody needs the exact figure and Postgres's estimate stands in.
+EXACT_OPEN_COUNT = 1000
+# Per open state: the exact count up to the bound, and the estimate from the statistics of
+# open_effects (its row count times the state's share, and the tenant's when one is given).
+_OPEN_COUNTS = """
+    with shares as (
+        select st.attname, f.val, f.freq
+        from pg_stats st
+        cross join unnest(st.most_common_vals::text::text[], st.most_common_freqs) as f(val, freq)
+        where st.tablename = 'open_effects' and st.attname in ('state', 'tenant')
+          and st.schemaname = (select n.nspname from pg_class c join pg_namespace n on n.oid = c.relnamespace
+                               where c.oid = 'open_effects'::regclass)
+    )
+    select s.state,
+        (select count(*) from (select from open_effects o
+                               where o.state = s.state and ($2::text is null or o.tenant = $2)
+                               limit $3) as c) as n,
+        coalesce((select greatest(c.reltuples, 0) from pg_class c where c.oid = 'open_effects'::regclass)
+                 * (select freq from shares where attname = 'state' and val = s.state)
+                 * case when $2::text is null then 1
+                        else (select freq from shares where attname = 'tenant' and val = $2) end,
+                 0)::bigint as estimate
+    from unnest($1::text[]) as s(state)
+"""
 _PARTITION_SIZES = """
     select c.oid::regclass::text as part, c.reltuples::bigint as rows, pg_relation_size(c.oid) as bytes
     from pg_inherits i join pg_class c on c.oid = i.inhrelid
@@ -293,6 +336,9 @@ class Store:
                 ), b as (
                     insert into effect_bodies (effect_id, stored_at, kind, headers, body)
                     select effect_id, created_at, 'request', $9, $10 from k
+                ), o as (
+                    insert into open_effects (state, id, created_at, tenant)
+                    select 'pending', effect_id, created_at, $1 from k
                 )
                 select {_COLUMNS}, null::bytea as r_headers, null::bytea as r_body, true as created
                 from e
@@ -355,17 +401,20 @@ class Store:
         return await self._one(
             "reclaim",
             f"""
-            update effects e set
-                attempt = attempt + 1,
-                state = 'pending',
-                -- a pending record whose lease ran out may have been sent by the gateway that held it
-                may_have_sent = may_have_sent or (state = 'pending' and not $8),
-                lease_expires_at = now() + $5::interval,
-                last_sent_at = case when $6 then now() else last_sent_at end,
-                first_sent_at = coalesce(first_sent_at, now()),
-                history = history || {_stamped(7)}
-            where id = $1 and created_at = $2 and attempt = $3 and state = $4
-            returning {_COLUMNS}
+            with e as (
+                update effects e set
+                    attempt = attempt + 1,
+                    state = 'pending',
+                    -- a pending record whose lease ran out may have been sent by the gateway that held it
+                    may_have_sent = may_have_sent or (state = 'pending' and not $8),
+                    lease_expires_at = now() + $5::interval,
+                    last_sent_at = case when $6 then now() else last_sent_at end,
+                    first_sent_at = coalesce(first_sent_at, now()),
+                    history = history || {_stamped(7)}
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                returning {_COLUMNS}
+            ), {_open_moved("$4", "'pending'")}
+            select * from e
             """,
             record.id,
             record.created_at,
@@ -406,7 +455,7 @@ class Store:
             ), stored as (
                 insert into effect_bodies (effect_id, stored_at, kind, headers, body)
                 select id, now(), 'response', $9, $10 from e where $9::bytea is not null
-            )
+            ), {_open_moved("$4", "$5")}
             select * from e
             """,
             record.id,
@@ -447,11 +496,14 @@ class Store:
             f"""
             -- A new attempt number: a stalled holder that wakes up now is fenced out, and what it
             -- saw goes to the history for the operator instead of over their head.
-            update effects e set state = 'needs_review', attempt = attempt + 1,
-                lease_expires_at = least(lease_expires_at, now()),
-                history = history || {_stamped(5)}
-            where id = $1 and created_at = $2 and attempt = $3 and state = $4
-            returning {_COLUMNS}
+            with e as (
+                update effects e set state = 'needs_review', attempt = attempt + 1,
+                    lease_expires_at = least(lease_expires_at, now()),
+                    history = history || {_stamped(5)}
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                returning {_COLUMNS}
+            ), {_open_moved("$4", "'needs_review'")}
+            select * from e
             """,
             record.id,
             record.created_at,
@@ -532,7 +584,7 @@ class Store:
             ), stored as (
                 insert into effect_bodies (effect_id, stored_at, kind, headers, body)
                 select id, now(), 'response', $8, $9 from e where $6
-            )
+            ), {_open_moved("$4", "$5")}
             select * from e
             """,
             record.id,
@@ -594,12 +646,20 @@ class Store:
         return fresh
 
     async def find(self, where: EffectFilter) -> list[EffectRecord]:
-        """A page of the audit, newest first; only the filters given reach the SQL (so indexes apply)."""
+        """A page of the audit, newest first; only the filters given reach the SQL (so indexes apply).
+
+        An open state is listed from open_effects (its key is (state, id): the page is a range of it),
+        joined to the audit rows; any other filter reads the audit in id order.
+        """
+        listed = where.state is not None and where.state is not State.COMPLETED
+        # open_effects holds the tenant, id and creation time of an open effect: filtering there
+        # leaves the audit to be read only for the rows of the page.
+        holder = "o" if listed else "e"
         clauses: list[str] = []
         args: list[Any] = []
         for column, value in (
-            ("e.tenant", where.tenant),
-            ("e.state", where.state.value if where.state else None),
+            (f"{holder}.tenant", where.tenant),
+            (f"{holder}.state", where.state.value if where.state else None),
             ("e.upstream", where.upstream),
             ("e.run_id", where.run_id),
             ("e.key", where.key),
@@ -607,24 +667,25 @@ class Store:
             if value is not None:
                 args.append(value)
                 clauses.append(f"{column} = ${len(args)}")
-        if where.state is State.COMPLETED:
-            pass  # no partial index to use; the id order of each partition pages through them
-        elif where.state is not None:
-            clauses.append("e.state <> 'completed'")  # lets the planner use the open-state index
         if where.since is not None:
             args.append(where.since)
-            clauses.append(f"e.created_at >= ${len(args)}")
+            clauses.append(f"{holder}.created_at >= ${len(args)}")
         if where.until is not None:
             args.append(where.until)
-            clauses.append(f"e.created_at < ${len(args)}")
+            clauses.append(f"{holder}.created_at < ${len(args)}")
         if where.before_id is not None:
             args.append(where.before_id)
-            clauses.append(f"e.id < ${len(args)}")
+            clauses.append(f"{holder}.id < ${len(args)}")
         args.append(where.limit)
+        source = (
+            "open_effects o join effects e on e.id = o.id and e.created_at = o.created_at"
+            if listed
+            else "effects e"
+        )
         sql = (
-            f"select {_COLUMNS} from effects e"
+            f"select {_COLUMNS} from {source}"
             + (" where " + " and ".join(clauses) if clauses else "")
-            + f" order by e.id desc limit ${len(args)}"
+            + f" order by {holder}.id desc limit ${len(args)}"
         )
 
         async def op(conn: Conn) -> list[EffectRecord]:
@@ -633,38 +694,36 @@ class Store:
         return await self._run("find", op)
 
     async def state_counts(self, tenant: str | None = None) -> dict[str, int]:
-        """Effects by state: the open ones counted exactly (from their small index), completed estimated.
+        """Effects by state: open ones from open_effects, completed ones estimated; no scan of the audit.
 
-        Counting completed rows would read the whole table. Partitions small enough to read in a few
-        milliseconds are counted; for larger ones Postgres's own row estimate less the open rows is close
-        enough for a gauge. With a tenant, only the open states are counted.
+        Each open state is counted exactly up to EXACT_OPEN_COUNT (a bounded range of open_effects'
+        key); above that, Postgres's estimate from its statistics stands in. Completed effects would
+        take a read of the whole audit to count: partitions small enough to read in a few milliseconds
+        are counted, larger ones give Postgres's row estimate, less the open effects. With a tenant,
+        only the open states are counted.
         """
 
         async def op(conn: Conn) -> dict[str, int]:
-            rows = await conn.fetch(
-                """
-                select tableoid::regclass::text as part, state, count(*) as n from effects
-                where state <> 'completed' and ($1::text is null or tenant = $1)
-                group by 1, 2
-                """,
-                tenant,
-            )
+            rows = await conn.fetch(_OPEN_COUNTS, [s.value for s in OPEN_STATES], tenant, EXACT_OPEN_COUNT)
             counts = {state.value: 0 for state in State}
-            open_in: dict[str, int] = {}
             for row in rows:
-                counts[row["state"]] += row["n"]
-                open_in[row["part"]] = open_in.get(row["part"], 0) + row["n"]
+                many = row["n"] >= EXACT_OPEN_COUNT
+                counts[row["state"]] = max(row["n"], row["estimate"]) if many else row["n"]
             if tenant is not None:
                 del counts[State.COMPLETED.value]
                 return counts
+            estimated = 0
             for part in await conn.fetch(_PARTITION_SIZES):
                 if part["bytes"] <= partitions.EXACT_COUNT_BYTES:
                     counts[State.COMPLETED.value] += await partitions.row_count(
                         conn, part["part"], part["rows"], part["bytes"], "state = 'completed'"
                     )
                 else:
-                    estimate = await partitions.row_count(conn, part["part"], part["rows"], part["bytes"])
-                    counts[State.COMPLETED.value] += max(0, estimate - open_in.get(part["part"], 0))
+                    estimated += await partitions.row_count(conn, part["part"], part["rows"], part["bytes"])
+            if estimated:
+                # The open effects are nearly all in the large (older or current) partitions' estimate.
+                open_ = sum(counts[s.value] for s in OPEN_STATES)
+                counts[State.COMPLETED.value] += max(0, estimated - open_)
             return counts
 
         return await self._run("state_counts", op)

@@ -87,7 +87,9 @@ async def subject(which: tuple[str, str | None]) -> AsyncIterator[Subject]:
         return
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute("truncate effects, effect_keys, effect_bodies; alter sequence effect_ids restart")
+        await conn.execute(
+            "truncate effects, effect_keys, effect_bodies, open_effects; alter sequence effect_ids restart"
+        )
     finally:
         await conn.close()
 
@@ -681,6 +683,46 @@ async def test_state_counts_count_every_state(subject: Subject) -> None:
         "in_doubt": 1,
         "needs_review": 0,
     }
+
+
+async def test_an_effect_is_listed_and_counted_under_the_state_it_is_in_after_every_move(
+    subject: Subject,
+) -> None:
+    """Through claim, doubt, take-over, review, a verdict and completion, find and counts follow each move."""
+    store = subject.store
+    await completed(store, "done")
+
+    async def where(record: EffectRecord, state: State) -> None:
+        listed = {s: [r.id for r in await store.find(EffectFilter(state=s))] for s in State}
+        assert {s for s, ids in listed.items() if record.id in ids} == {state}
+        counts = await store.state_counts()
+        assert counts[state.value] == (2 if state is State.COMPLETED else 1)
+        tenant = await store.state_counts("default")
+        assert sum(tenant.values()) == (0 if state is State.COMPLETED else 1)
+
+    record = await claimed(store, "moved", lease=EXPIRED)
+    await where(record, State.PENDING)
+    doubt = await store.settle(record, TIMED_OUT, response=None, recovered_by=None)
+    assert doubt is not None
+    await where(doubt, State.IN_DOUBT)
+    doubt = await store.reread(doubt)
+    again = await store.reclaim(doubt, take_over(doubt), EXPIRED, "probe", sends=False)
+    assert again is not None
+    await where(again, State.PENDING)
+    renewed = await store.reclaim(again, take_over(again), EXPIRED, "renew", sends=False, renew=True)
+    assert renewed is not None
+    await where(renewed, State.PENDING)
+    reviewed = await store.send_to_review(renewed, review(renewed), "nothing can tell")
+    assert reviewed is not None
+    await where(reviewed, State.NEEDS_REVIEW)
+    retry = await store.resolve(reviewed, Transition(State.NEEDS_REVIEW, State.RETRYABLE), None, "op")
+    assert retry is not None
+    await where(retry, State.RETRYABLE)
+    sending = await store.reclaim(retry, take_over(retry), LEASE, "retry", sends=True)
+    assert sending is not None
+    done = await store.settle(sending, DONE, response=OK, recovered_by=None)
+    assert done is not None
+    await where(done, State.COMPLETED)
 
 
 async def test_the_key_secret_is_stable_and_ping_answers(subject: Subject) -> None:
