@@ -56,9 +56,9 @@ _ROWS = f"""
 """
 
 KEY_COLUMNS: dict[str, str] = {
+    "digest": "effect_key_digest(g.key)",
     "tenant": "g.tenant",
     "upstream": "g.upstream",
-    "key": "g.key",
     "effect_id": "g.id",
     "created_at": "g.created_at",
 }

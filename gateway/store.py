@@ -4,10 +4,11 @@ Every phase is one statement (so one transaction), and every write that follows 
 the state and attempt it was read in: ``where id = $1 and attempt = $2 and state = $3``. Times that
 decide anything come from Postgres's clock so that several gateways agree.
 
-Three tables (gateway/migrations/003_partitioned.sql): ``effect_keys`` keeps each key unique for ever,
-``effects`` is the audit (a row per effect, partitioned by month), ``effect_bodies`` holds headers and
-bodies (partitioned by day, dropped by the retention). A statement returns only what its caller uses:
-the claim of a new key no bodies and no history, a take-over or settle only what the next step needs.
+The tables (gateway/migrations/003_partitioned.sql and after): ``effect_keys`` keeps each key unique for
+ever (by a digest of the key, 005), ``effects`` is the audit (a row per effect, partitioned by month),
+``open_effects`` lists the effects not completed (004), ``effect_bodies`` holds headers and bodies
+(partitioned by day, dropped by the retention). A statement returns only what its caller uses: the
+claim of a new key no bodies and no history, a take-over or settle only what the next step needs.
 """
 
 from __future__ import annotations
@@ -321,8 +322,8 @@ class Store:
             row = await conn.fetchrow(
                 f"""
                 with k as (
-                    insert into effect_keys (tenant, upstream, key, effect_id, created_at)
-                    values ($1, $2, $3, nextval('effect_ids'), now())
+                    insert into effect_keys (digest, tenant, upstream, effect_id, created_at)
+                    values (effect_key_digest($3), $1, $2, nextval('effect_ids'), now())
                     on conflict do nothing
                     returning effect_id, created_at
                 ), e as (
@@ -347,7 +348,8 @@ class Store:
                 from effect_keys k2
                 join effects e on e.id = k2.effect_id and e.created_at = k2.created_at
                 {_RESPONSE}
-                where k2.tenant = $1 and k2.upstream = $2 and k2.key = $3 and not exists (select from k)
+                where k2.digest = effect_key_digest($3) and k2.tenant = $1 and k2.upstream = $2
+                  and not exists (select from k)
                 """,
                 new.tenant,
                 new.upstream,
@@ -365,20 +367,25 @@ class Store:
                 new.keyless,
                 _event("claimed", attempt=1),
             )
-            if row is not None:
-                return _record(row, response=True), row["created"]
-            existing = await conn.fetchrow(
-                f"""
-                select {_WITH_RESPONSE}
-                from effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at
-                {_RESPONSE}
-                where k.tenant = $1 and k.upstream = $2 and k.key = $3
-                """,
-                new.tenant,
-                new.upstream,
-                new.key,
-            )
-            return (_record(existing, response=True) if existing else None), False
+            if row is None:
+                row = await conn.fetchrow(
+                    f"""
+                    select {_WITH_RESPONSE}, false as created
+                    from effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at
+                    {_RESPONSE}
+                    where k.digest = effect_key_digest($3) and k.tenant = $1 and k.upstream = $2
+                    """,
+                    new.tenant,
+                    new.upstream,
+                    new.key,
+                )
+                if row is None:
+                    return None, False
+            if row["key"] != new.key:
+                # Two keys with one digest: never by chance (see migration 005), so refuse rather than
+                # answer for another effect.
+                raise StoreRejected(f"the key {new.key!r} shares its digest with the key {row['key']!r}")
+            return _record(row, response=True), row["created"]
 
         return await self._run("claim", op)
 
@@ -648,10 +655,11 @@ class Store:
     async def find(self, where: EffectFilter) -> list[EffectRecord]:
         """A page of the audit, newest first; only the filters given reach the SQL (so indexes apply).
 
-        An open state is listed from open_effects (its key is (state, id): the page is a range of it),
-        joined to the audit rows; any other filter reads the audit in id order.
+        A key is found through effect_keys (its digest leads that table's index); an open state is listed
+        from open_effects (its key is (state, id): the page is a range of it); either is joined to the
+        audit rows. Any other filter reads the audit in id order.
         """
-        listed = where.state is not None and where.state is not State.COMPLETED
+        listed = where.state is not None and where.state is not State.COMPLETED and where.key is None
         # open_effects holds the tenant, id and creation time of an open effect: filtering there
         # leaves the audit to be read only for the rows of the page.
         holder = "o" if listed else "e"
@@ -667,6 +675,8 @@ class Store:
             if value is not None:
                 args.append(value)
                 clauses.append(f"{column} = ${len(args)}")
+        if where.key is not None:
+            clauses.append(f"k.digest = effect_key_digest(${len(args)})")
         if where.since is not None:
             args.append(where.since)
             clauses.append(f"{holder}.created_at >= ${len(args)}")
@@ -677,11 +687,12 @@ class Store:
             args.append(where.before_id)
             clauses.append(f"{holder}.id < ${len(args)}")
         args.append(where.limit)
-        source = (
-            "open_effects o join effects e on e.id = o.id and e.created_at = o.created_at"
-            if listed
-            else "effects e"
-        )
+        if where.key is not None:
+            source = "effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at"
+        elif listed:
+            source = "open_effects o join effects e on e.id = o.id and e.created_at = o.created_at"
+        else:
+            source = "effects e"
         sql = (
             f"select {_COLUMNS} from {source}"
             + (" where " + " and ".join(clauses) if clauses else "")

@@ -13,7 +13,7 @@ from gateway.decision import settle
 from gateway.outcome import Answered
 from gateway.schema import migrate, migration_files
 from gateway.states import State
-from gateway.store import EffectFilter, opened
+from gateway.store import EffectFilter, NewEffect, opened
 from tests.support import effect_rows, other_database
 
 
@@ -116,6 +116,12 @@ async def test_an_effects_table_with_rows_migrates_to_the_partitioned_layout(pos
     assert rows["k20"]["state"] == "needs_review"
 
 
+def _retry(tenant: str, key: str) -> NewEffect:
+    return NewEffect(
+        tenant, "shop", key, "eg_" + key, "POST", "/orders", "", "fp-" + key, {}, b"{}", None, None
+    )
+
+
 async def _migrated_to(dsn: str, last: int) -> None:
     """The migrations up to version ``last`` applied, as a gateway of that version left them."""
     conn = await asyncpg.connect(dsn)
@@ -136,10 +142,10 @@ async def _migrated_to(dsn: str, last: int) -> None:
         await conn.close()
 
 
-async def test_effects_open_before_migration_004_are_listed_counted_and_settled_after_it(
+async def test_effects_of_the_partitioned_layout_keep_their_keys_lists_and_counts_after_004_and_005(
     postgres_dsn: str,
 ) -> None:
-    """Effects pending, in doubt or in review under the partitioned layout keep their lists and counts."""
+    """Effects stored under 003 are found by their keys, listed and counted by state, and settle as before."""
     admin = await asyncpg.connect(postgres_dsn)
     await admin.execute("drop database if exists upgraded_open")
     await admin.execute("create database upgraded_open")
@@ -180,8 +186,13 @@ async def test_effects_open_before_migration_004_are_listed_counted_and_settled_
             assert index is not None, "migration 003 made the open-state index that 004 replaces"
         finally:
             await conn.close()
-        assert await migrate(dsn) == ["004_open_effects.sql"]
+        assert await migrate(dsn) == ["004_open_effects.sql", "005_key_digests.sql"]
         async with opened(dsn) as store:
+            for n, state in enumerate(states):
+                again, created = await store.claim(_retry(f"t{n % 2}", f"k{n}"), timedelta(seconds=30))
+                assert again is not None
+                assert (again.key, again.state.value, created) == (f"k{n}", state, False)
+            assert [r.key for r in await store.find(EffectFilter(key="k3"))] == ["k3"]
             assert await store.state_counts() == {
                 "pending": 1,
                 "completed": 3,
@@ -203,6 +214,9 @@ async def test_effects_open_before_migration_004_are_listed_counted_and_settled_
             assert await store.settle(record, done, response=None, recovered_by="probe") is not None
             assert await store.find(EffectFilter(state=State.PENDING)) == []
             assert (await store.state_counts())["completed"] == 4
+            fresh, created = await store.claim(_retry("t0", "k-new"), timedelta(seconds=30))
+            assert created
+            assert fresh is not None
         conn = await asyncpg.connect(dsn)
         try:
             assert await conn.fetchval("select to_regclass('effects_open')") is None

@@ -16,6 +16,7 @@ import asyncpg
 import pytest
 
 from gateway.decision import Policy, Send, Settlement, review, settle, settle_probe, take_over, too_soon
+from gateway.errors import StoreRejected
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State, Transition
@@ -745,3 +746,22 @@ def test_the_simulated_store_has_the_same_surface() -> None:
         }
 
     assert surface(SimStore) == surface(Store)
+
+
+async def test_a_key_whose_digest_leads_to_another_keys_effect_is_refused(dsn: str) -> None:
+    """Postgres only: were two keys to share a digest, the claim refuses rather than answer for the other."""
+    async with opened(dsn) as store:
+        first = await claimed(store, "first")
+        conn = await asyncpg.connect(dsn)
+        try:
+            # What a collision would look like: the digest of "second" naming the effect of "first".
+            await conn.execute(
+                """insert into effect_keys (digest, tenant, upstream, effect_id, created_at)
+                   values (effect_key_digest('second'), 'default', 'shop', $1, $2)""",
+                first.id,
+                first.created_at,
+            )
+        finally:
+            await conn.close()
+        with pytest.raises(StoreRejected, match="shares its digest"):
+            await store.claim(effect("second"), LEASE)
