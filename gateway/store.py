@@ -42,11 +42,26 @@ _COLUMNS = """
     e.response_at, e.recovered_by, e.run_id, e.step, e.first_sent_at, e.last_sent_at, e.completed_at,
     e.replays, e.keyless, clock_timestamp() as read_at
 """
-# The response on record, for a replay: found in effect_bodies at the time it was stored.
+# The response on record, for a replay: found in effect_bodies at the time it was stored. The hot path
+# reads it with a statement of its own (_STORED_RESPONSE): a join cannot know which day's partition
+# holds it, so Postgres would open and lock every partition of effect_bodies on each execution.
 _RESPONSE = """
     left join effect_bodies r on r.effect_id = e.id and r.kind = 'response' and r.stored_at = e.response_at
 """
 _WITH_RESPONSE = f"{_COLUMNS}, r.headers as r_headers, r.body as r_body"
+_STORED_RESPONSE = """
+    select headers, body from effect_bodies where effect_id = $1 and kind = 'response' and stored_at = $2
+"""
+# No response on record (none stored, or its day dropped by the retention).
+_NO_BODY: Mapping[str, Any] = {"headers": None, "body": None}
+
+
+async def _read_with_response(conn: Conn, row: asyncpg.Record) -> EffectRecord:
+    """The record of ``row`` (read without the bodies) with the response on record, if there is one."""
+    if row["response_status"] is None or row["response_at"] is None:
+        return _record(row, response=True, body=_NO_BODY)
+    body = await conn.fetchrow(_STORED_RESPONSE, row["id"], row["response_at"])
+    return _record(row, response=True, body=body or _NO_BODY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,9 +246,14 @@ class Store:
         telemetry: Telemetry | None = None,
     ) -> Store:
         limits = limits or StoreLimits()
-        millis = {
+        session = {
             "statement_timeout": str(int(limits.statement.total_seconds() * 1000)),
             "lock_timeout": str(int(limits.lock.total_seconds() * 1000)),
+            # The hot path's statements find their rows by key, so one plan per statement serves every
+            # value. Left to choose, Postgres re-plans a statement on the partitioned tables at each
+            # execution (a plan for the given values prunes partitions, so it looks cheaper): a third
+            # of the CPU Postgres spent on a new effect went to planning its settle.
+            "plan_cache_mode": "force_generic_plan",
         }
         try:
             pool = await asyncpg.create_pool(
@@ -242,7 +262,7 @@ class Store:
                 max_size=max_size,
                 init=_init_connection,
                 reset=_keep_session,
-                server_settings=millis,
+                server_settings=session,
             )
         except (OSError, asyncpg.PostgresError) as exc:
             raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
@@ -344,10 +364,9 @@ class Store:
                 select {_COLUMNS}, null::bytea as r_headers, null::bytea as r_body, true as created
                 from e
                 union all
-                select {_WITH_RESPONSE}, false as created
+                select {_COLUMNS}, null::bytea as r_headers, null::bytea as r_body, false as created
                 from effect_keys k2
                 join effects e on e.id = k2.effect_id and e.created_at = k2.created_at
-                {_RESPONSE}
                 where k2.digest = effect_key_digest($3) and k2.tenant = $1 and k2.upstream = $2
                   and not exists (select from k)
                 """,
@@ -370,9 +389,8 @@ class Store:
             if row is None:
                 row = await conn.fetchrow(
                     f"""
-                    select {_WITH_RESPONSE}, false as created
+                    select {_COLUMNS}, false as created
                     from effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at
-                    {_RESPONSE}
                     where k.digest = effect_key_digest($3) and k.tenant = $1 and k.upstream = $2
                     """,
                     new.tenant,
@@ -385,7 +403,9 @@ class Store:
                 # Two keys with one digest: never by chance (see migration 005), so refuse rather than
                 # answer for another effect.
                 raise StoreRejected(f"the key {new.key!r} shares its digest with the key {row['key']!r}")
-            return _record(row, response=True), row["created"]
+            if row["created"]:
+                return _record(row, response=True), True
+            return await _read_with_response(conn, row), False
 
         return await self._run("claim", op)
 
@@ -642,15 +662,17 @@ class Store:
 
     async def reread(self, record: EffectRecord) -> EffectRecord:
         """The record as it is now, with its response: what the decision needs to be taken again."""
-        fresh = await self._one(
-            "reread",
-            f"select {_WITH_RESPONSE} from effects e {_RESPONSE} where e.id = $1 and e.created_at = $2",
-            record.id,
-            record.created_at,
-            response=True,
-        )
-        assert fresh is not None, "effects are never deleted while in use"
-        return fresh
+
+        async def op(conn: Conn) -> EffectRecord:
+            row = await conn.fetchrow(
+                f"select {_COLUMNS} from effects e where e.id = $1 and e.created_at = $2",
+                record.id,
+                record.created_at,
+            )
+            assert row is not None, "effects are never deleted while in use"
+            return await _read_with_response(conn, row)
+
+        return await self._run("reread", op)
 
     async def find(self, where: EffectFilter) -> list[EffectRecord]:
         """A page of the audit, newest first; only the filters given reach the SQL (so indexes apply).
@@ -775,14 +797,26 @@ class Store:
             await conn.close()
 
 
-def _record(row: asyncpg.Record, *, response: bool = False, full: bool = False) -> EffectRecord:
+def _stored(status: int | None, headers: bytes | None, body: bytes | None) -> StoredResponse | None:
+    if status is None or headers is None or body is None:
+        return None
+    return StoredResponse(status=status, headers=head_pairs(bytes(headers)), body=bytes(body))
+
+
+def _record(
+    row: asyncpg.Record,
+    *,
+    response: bool = False,
+    full: bool = False,
+    body: asyncpg.Record | Mapping[str, Any] | None = None,
+) -> EffectRecord:
+    """The record of ``row``, with the response on record when ``response``: from ``body`` (a row of
+    _STORED_RESPONSE) when given, else from the row's own r_headers and r_body."""
     stored = None
-    if response and row["response_status"] is not None and row["r_body"] is not None:
-        stored = StoredResponse(
-            status=row["response_status"],
-            headers=head_pairs(bytes(row["r_headers"])),
-            body=bytes(row["r_body"]),
-        )
+    if response and body is not None:
+        stored = _stored(row["response_status"], body["headers"], body["body"])
+    elif response:
+        stored = _stored(row["response_status"], row["r_headers"], row["r_body"])
     return EffectRecord(
         id=row["id"],
         tenant=row["tenant"],
