@@ -709,17 +709,24 @@ class Store:
             args.append(where.before_id)
             clauses.append(f"{holder}.id < ${len(args)}")
         args.append(where.limit)
+        where_sql = " where " + " and ".join(clauses) if clauses else ""
         if where.key is not None:
             source = "effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at"
         elif listed:
             source = "open_effects o join effects e on e.id = o.id and e.created_at = o.created_at"
+        elif where.since is not None and where.until is not None and where.run_id is None:
+            # A span of time: the ids of all its effects first (offset 0 keeps the limit out, so that
+            # Postgres reads the span from effects_created instead of stepping down the primary key
+            # from the newest effect), the page's newest of them, then their rows. A run is found
+            # faster by its own index.
+            source = f"""(select s.id, s.created_at
+                          from (select e.id, e.created_at from effects e{where_sql} offset 0) as s
+                          order by s.id desc limit ${len(args)}) as p
+                         join effects e on e.id = p.id and e.created_at = p.created_at"""
+            where_sql = ""
         else:
             source = "effects e"
-        sql = (
-            f"select {_COLUMNS} from {source}"
-            + (" where " + " and ".join(clauses) if clauses else "")
-            + f" order by {holder}.id desc limit ${len(args)}"
-        )
+        sql = f"select {_COLUMNS} from {source}{where_sql} order by {holder}.id desc limit ${len(args)}"
 
         async def op(conn: Conn) -> list[EffectRecord]:
             return [_record(row) for row in await conn.fetch(sql, *args)]

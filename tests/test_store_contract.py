@@ -664,6 +664,10 @@ async def test_find_filters_and_pages_newest_first(subject: Subject) -> None:
     assert [r.id for r in await store.find(EffectFilter(since=b.created_at))] == [c.id, b.id]
     assert [r.id for r in await store.find(EffectFilter(until=c.created_at))] == [b.id, a.id]
     assert [r.id for r in await store.find(EffectFilter(since=b.created_at, until=c.created_at))] == [b.id]
+    assert [
+        r.id for r in await store.find(EffectFilter(since=a.created_at, until=c.created_at, limit=1))
+    ] == [b.id]
+    assert [r.id for r in await store.find(EffectFilter(until=b.created_at, upstream="shop"))] == [a.id]
     page = await store.find(EffectFilter(limit=2))
     assert [r.id for r in page] == [c.id, b.id]
     assert not page[0].response_read
