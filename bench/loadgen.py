@@ -35,10 +35,18 @@ class Client:
         self.fixed = [f"Host: {self.host}:{self.port}", *args.header]
         if body:
             self.fixed.append(f"Content-Length: {len(body)}")
+        # --target "path|Name:value|...": each run of STEPS_PER_RUN requests goes to the next in turn.
+        self.targets = [
+            (path, [f"{h.partition(':')[0]}: {h.partition(':')[2]}" for h in extra])
+            for path, *extra in (t.split("|") for t in args.target)
+        ]
 
     def request(self) -> bytes:
         self.counter += 1
-        lines = [f"{self.args.method} {self.target} HTTP/1.1", *self.fixed]
+        target, extra = self.target, list[str]()
+        if self.targets:
+            target, extra = self.targets[(self.counter - 1) // STEPS_PER_RUN % len(self.targets)]
+        lines = [f"{self.args.method} {target} HTTP/1.1", *self.fixed, *extra]
         if self.args.mode == "new":
             lines.append(f"Idempotency-Key: {random.getrandbits(64):016x}-{self.args.tag}-{self.counter}")
         elif self.args.mode == "cycle":
@@ -128,6 +136,9 @@ def main() -> None:
     parser.add_argument("--method", default="POST")
     parser.add_argument("--body-file")
     parser.add_argument("--header", action="append", default=[], help="Name:value (repeatable)")
+    parser.add_argument(
+        "--target", action="append", default=[], help="path|Name:value|... per run, in turn (repeatable)"
+    )
     parser.add_argument("--rate", type=float, help="requests per second from this process in all")
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()

@@ -66,8 +66,8 @@ async def health(request: web.Request) -> web.Response:
     """Up or down for anyone (a load balancer holds no token); the counts for who may read them.
 
     Up means this worker serves and Postgres answers; the effect tables are not read for it, so a
-    readiness probe costs the same at a billion effects as at none. The counts (open states exact,
-    completed estimated; a tenant sees its own open ones) need a token.
+    readiness probe costs the same at a billion effects as at none. The counts (open states exact up to
+    1,000 each, completed estimated; a tenant sees its own open ones) need a token.
     """
     runtime = _runtime(request)
     await runtime.store.ping()  # down (503) when the store is

@@ -217,7 +217,8 @@ class _StateGauge:
     def _family(self) -> GaugeMetricFamily:
         return GaugeMetricFamily(
             "effect_gateway_effects",
-            "Effect records by state: open states exact, completed from Postgres's estimate on large tables.",
+            "Effect records by state: open states exact up to 1,000 each and estimated above, completed"
+            " from Postgres's estimate on large tables.",
             labels=["state"],
         )
 

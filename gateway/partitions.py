@@ -167,8 +167,8 @@ async def _drop(conn: Any, part: Partition, progress: Progress) -> None:
     carried = await conn.execute(
         f"""
         with open as (
-            select e.id, e.created_at from effects e
-            where e.state <> 'completed' and exists (select from "{part.name}" b where b.effect_id = e.id)
+            select o.id, o.created_at from open_effects o
+            where exists (select from "{part.name}" b where b.effect_id = o.id)
         ), moved as (
             insert into effect_bodies (effect_id, stored_at, kind, headers, body)
             select b.effect_id, now(), b.kind, b.headers, b.body
@@ -177,7 +177,8 @@ async def _drop(conn: Any, part: Partition, progress: Progress) -> None:
             returning effect_id, kind
         )
         update effects e set response_at = now()
-        from moved m where m.kind = 'response' and m.effect_id = e.id and e.state <> 'completed'
+        from moved m join open o on o.id = m.effect_id
+        where m.kind = 'response' and e.id = o.id and e.created_at = o.created_at
         """
     )
     await _detach(conn, part.name)

@@ -4,10 +4,11 @@ Every phase is one statement (so one transaction), and every write that follows 
 the state and attempt it was read in: ``where id = $1 and attempt = $2 and state = $3``. Times that
 decide anything come from Postgres's clock so that several gateways agree.
 
-Three tables (gateway/migrations/003_partitioned.sql): ``effect_keys`` keeps each key unique for ever,
-``effects`` is the audit (a row per effect, partitioned by month), ``effect_bodies`` holds headers and
-bodies (partitioned by day, dropped by the retention). A statement returns only what its caller uses:
-the claim of a new key no bodies and no history, a take-over or settle only what the next step needs.
+The tables (gateway/migrations/003_partitioned.sql and after): ``effect_keys`` keeps each key unique for
+ever (by a digest of the key, 005), ``effects`` is the audit (a row per effect, partitioned by month),
+``open_effects`` lists the effects not completed (004), ``effect_bodies`` holds headers and bodies
+(partitioned by day, dropped by the retention). A statement returns only what its caller uses: the
+claim of a new key no bodies and no history, a take-over or settle only what the next step needs.
 """
 
 from __future__ import annotations
@@ -41,11 +42,26 @@ _COLUMNS = """
     e.response_at, e.recovered_by, e.run_id, e.step, e.first_sent_at, e.last_sent_at, e.completed_at,
     e.replays, e.keyless, clock_timestamp() as read_at
 """
-# The response on record, for a replay: found in effect_bodies at the time it was stored.
+# The response on record, for a replay: found in effect_bodies at the time it was stored. The hot path
+# reads it with a statement of its own (_STORED_RESPONSE): a join cannot know which day's partition
+# holds it, so Postgres would open and lock every partition of effect_bodies on each execution.
 _RESPONSE = """
     left join effect_bodies r on r.effect_id = e.id and r.kind = 'response' and r.stored_at = e.response_at
 """
 _WITH_RESPONSE = f"{_COLUMNS}, r.headers as r_headers, r.body as r_body"
+_STORED_RESPONSE = """
+    select headers, body from effect_bodies where effect_id = $1 and kind = 'response' and stored_at = $2
+"""
+# No response on record (none stored, or its day dropped by the retention).
+_NO_BODY: Mapping[str, Any] = {"headers": None, "body": None}
+
+
+async def _read_with_response(conn: Conn, row: asyncpg.Record) -> EffectRecord:
+    """The record of ``row`` (read without the bodies) with the response on record, if there is one."""
+    if row["response_status"] is None or row["response_at"] is None:
+        return _record(row, response=True, body=_NO_BODY)
+    body = await conn.fetchrow(_STORED_RESPONSE, row["id"], row["response_at"])
+    return _record(row, response=True, body=body or _NO_BODY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +115,23 @@ def _event(kind: str, **data: Any) -> list[dict[str, Any]]:
 def _stamped(param: int) -> str:
     """SQL for history entry ``$param`` with the database's time added (``at``)."""
     return f"jsonb_set(${param}::jsonb, '{{0,at}}', to_jsonb(now()))"
+
+
+def _open_moved(source: str, target: str) -> str:
+    """CTEs keeping open_effects in step with the audit row that the CTE ``e`` just moved.
+
+    ``source`` and ``target`` are SQL for the states before and after (parameters or literals). The
+    effect leaves open_effects when it completes and changes its row there when it moves between open
+    states; a move from a state to itself writes nothing.
+    """
+    return f"""
+        o_gone as (
+            delete from open_effects o using e
+            where {target} = 'completed' and o.state = {source} and o.id = e.id
+        ), o_moved as (
+            update open_effects o set state = {target} from e
+            where {target} <> 'completed' and {target} <> {source} and o.state = {source} and o.id = e.id
+        )"""
 
 
 def _source(record: EffectRecord, move: Transition) -> str:
@@ -155,6 +188,32 @@ _OUTAGE = (
     # what asyncpg raises when the server cuts a session in the middle of a message exchange
     asyncpg.exceptions.InternalClientError,
 )
+OPEN_STATES = tuple(state for state in State if state is not State.COMPLETED)
+# An open state is counted exactly up to this many effects (a range of open_effects' key, well under a
+# millisecond to read); beyond, nobody needs the exact figure and Postgres's estimate stands in.
+EXACT_OPEN_COUNT = 1000
+# Per open state: the exact count up to the bound, and the estimate from the statistics of
+# open_effects (its row count times the state's share, and the tenant's when one is given).
+_OPEN_COUNTS = """
+    with shares as (
+        select st.attname, f.val, f.freq
+        from pg_stats st
+        cross join unnest(st.most_common_vals::text::text[], st.most_common_freqs) as f(val, freq)
+        where st.tablename = 'open_effects' and st.attname in ('state', 'tenant')
+          and st.schemaname = (select n.nspname from pg_class c join pg_namespace n on n.oid = c.relnamespace
+                               where c.oid = 'open_effects'::regclass)
+    )
+    select s.state,
+        (select count(*) from (select from open_effects o
+                               where o.state = s.state and ($2::text is null or o.tenant = $2)
+                               limit $3) as c) as n,
+        coalesce((select greatest(c.reltuples, 0) from pg_class c where c.oid = 'open_effects'::regclass)
+                 * (select freq from shares where attname = 'state' and val = s.state)
+                 * case when $2::text is null then 1
+                        else (select freq from shares where attname = 'tenant' and val = $2) end,
+                 0)::bigint as estimate
+    from unnest($1::text[]) as s(state)
+"""
 _PARTITION_SIZES = """
     select c.oid::regclass::text as part, c.reltuples::bigint as rows, pg_relation_size(c.oid) as bytes
     from pg_inherits i join pg_class c on c.oid = i.inhrelid
@@ -187,9 +246,14 @@ class Store:
         telemetry: Telemetry | None = None,
     ) -> Store:
         limits = limits or StoreLimits()
-        millis = {
+        session = {
             "statement_timeout": str(int(limits.statement.total_seconds() * 1000)),
             "lock_timeout": str(int(limits.lock.total_seconds() * 1000)),
+            # The hot path's statements find their rows by key, so one plan per statement serves every
+            # value. Left to choose, Postgres re-plans a statement on the partitioned tables at each
+            # execution (a plan for the given values prunes partitions, so it looks cheaper): a third
+            # of the CPU Postgres spent on a new effect went to planning its settle.
+            "plan_cache_mode": "force_generic_plan",
         }
         try:
             pool = await asyncpg.create_pool(
@@ -198,7 +262,7 @@ class Store:
                 max_size=max_size,
                 init=_init_connection,
                 reset=_keep_session,
-                server_settings=millis,
+                server_settings=session,
             )
         except (OSError, asyncpg.PostgresError) as exc:
             raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
@@ -278,8 +342,8 @@ class Store:
             row = await conn.fetchrow(
                 f"""
                 with k as (
-                    insert into effect_keys (tenant, upstream, key, effect_id, created_at)
-                    values ($1, $2, $3, nextval('effect_ids'), now())
+                    insert into effect_keys (digest, tenant, upstream, effect_id, created_at)
+                    values (effect_key_digest($3), $1, $2, nextval('effect_ids'), now())
                     on conflict do nothing
                     returning effect_id, created_at
                 ), e as (
@@ -293,15 +357,18 @@ class Store:
                 ), b as (
                     insert into effect_bodies (effect_id, stored_at, kind, headers, body)
                     select effect_id, created_at, 'request', $9, $10 from k
+                ), o as (
+                    insert into open_effects (state, id, created_at, tenant)
+                    select 'pending', effect_id, created_at, $1 from k
                 )
                 select {_COLUMNS}, null::bytea as r_headers, null::bytea as r_body, true as created
                 from e
                 union all
-                select {_WITH_RESPONSE}, false as created
+                select {_COLUMNS}, null::bytea as r_headers, null::bytea as r_body, false as created
                 from effect_keys k2
                 join effects e on e.id = k2.effect_id and e.created_at = k2.created_at
-                {_RESPONSE}
-                where k2.tenant = $1 and k2.upstream = $2 and k2.key = $3 and not exists (select from k)
+                where k2.digest = effect_key_digest($3) and k2.tenant = $1 and k2.upstream = $2
+                  and not exists (select from k)
                 """,
                 new.tenant,
                 new.upstream,
@@ -319,20 +386,26 @@ class Store:
                 new.keyless,
                 _event("claimed", attempt=1),
             )
-            if row is not None:
-                return _record(row, response=True), row["created"]
-            existing = await conn.fetchrow(
-                f"""
-                select {_WITH_RESPONSE}
-                from effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at
-                {_RESPONSE}
-                where k.tenant = $1 and k.upstream = $2 and k.key = $3
-                """,
-                new.tenant,
-                new.upstream,
-                new.key,
-            )
-            return (_record(existing, response=True) if existing else None), False
+            if row is None:
+                row = await conn.fetchrow(
+                    f"""
+                    select {_COLUMNS}, false as created
+                    from effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at
+                    where k.digest = effect_key_digest($3) and k.tenant = $1 and k.upstream = $2
+                    """,
+                    new.tenant,
+                    new.upstream,
+                    new.key,
+                )
+                if row is None:
+                    return None, False
+            if row["key"] != new.key:
+                # Two keys with one digest: never by chance (see migration 005), so refuse rather than
+                # answer for another effect.
+                raise StoreRejected(f"the key {new.key!r} shares its digest with the key {row['key']!r}")
+            if row["created"]:
+                return _record(row, response=True), True
+            return await _read_with_response(conn, row), False
 
         return await self._run("claim", op)
 
@@ -355,17 +428,20 @@ class Store:
         return await self._one(
             "reclaim",
             f"""
-            update effects e set
-                attempt = attempt + 1,
-                state = 'pending',
-                -- a pending record whose lease ran out may have been sent by the gateway that held it
-                may_have_sent = may_have_sent or (state = 'pending' and not $8),
-                lease_expires_at = now() + $5::interval,
-                last_sent_at = case when $6 then now() else last_sent_at end,
-                first_sent_at = coalesce(first_sent_at, now()),
-                history = history || {_stamped(7)}
-            where id = $1 and created_at = $2 and attempt = $3 and state = $4
-            returning {_COLUMNS}
+            with e as (
+                update effects e set
+                    attempt = attempt + 1,
+                    state = 'pending',
+                    -- a pending record whose lease ran out may have been sent by the gateway that held it
+                    may_have_sent = may_have_sent or (state = 'pending' and not $8),
+                    lease_expires_at = now() + $5::interval,
+                    last_sent_at = case when $6 then now() else last_sent_at end,
+                    first_sent_at = coalesce(first_sent_at, now()),
+                    history = history || {_stamped(7)}
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                returning {_COLUMNS}
+            ), {_open_moved("$4", "'pending'")}
+            select * from e
             """,
             record.id,
             record.created_at,
@@ -406,7 +482,7 @@ class Store:
             ), stored as (
                 insert into effect_bodies (effect_id, stored_at, kind, headers, body)
                 select id, now(), 'response', $9, $10 from e where $9::bytea is not null
-            )
+            ), {_open_moved("$4", "$5")}
             select * from e
             """,
             record.id,
@@ -447,11 +523,14 @@ class Store:
             f"""
             -- A new attempt number: a stalled holder that wakes up now is fenced out, and what it
             -- saw goes to the history for the operator instead of over their head.
-            update effects e set state = 'needs_review', attempt = attempt + 1,
-                lease_expires_at = least(lease_expires_at, now()),
-                history = history || {_stamped(5)}
-            where id = $1 and created_at = $2 and attempt = $3 and state = $4
-            returning {_COLUMNS}
+            with e as (
+                update effects e set state = 'needs_review', attempt = attempt + 1,
+                    lease_expires_at = least(lease_expires_at, now()),
+                    history = history || {_stamped(5)}
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                returning {_COLUMNS}
+            ), {_open_moved("$4", "'needs_review'")}
+            select * from e
             """,
             record.id,
             record.created_at,
@@ -532,7 +611,7 @@ class Store:
             ), stored as (
                 insert into effect_bodies (effect_id, stored_at, kind, headers, body)
                 select id, now(), 'response', $8, $9 from e where $6
-            )
+            ), {_open_moved("$4", "$5")}
             select * from e
             """,
             record.id,
@@ -583,23 +662,34 @@ class Store:
 
     async def reread(self, record: EffectRecord) -> EffectRecord:
         """The record as it is now, with its response: what the decision needs to be taken again."""
-        fresh = await self._one(
-            "reread",
-            f"select {_WITH_RESPONSE} from effects e {_RESPONSE} where e.id = $1 and e.created_at = $2",
-            record.id,
-            record.created_at,
-            response=True,
-        )
-        assert fresh is not None, "effects are never deleted while in use"
-        return fresh
+
+        async def op(conn: Conn) -> EffectRecord:
+            row = await conn.fetchrow(
+                f"select {_COLUMNS} from effects e where e.id = $1 and e.created_at = $2",
+                record.id,
+                record.created_at,
+            )
+            assert row is not None, "effects are never deleted while in use"
+            return await _read_with_response(conn, row)
+
+        return await self._run("reread", op)
 
     async def find(self, where: EffectFilter) -> list[EffectRecord]:
-        """A page of the audit, newest first; only the filters given reach the SQL (so indexes apply)."""
+        """A page of the audit, newest first; only the filters given reach the SQL (so indexes apply).
+
+        A key is found through effect_keys (its digest leads that table's index); an open state is listed
+        from open_effects (its key is (state, id): the page is a range of it); either is joined to the
+        audit rows. Any other filter reads the audit in id order.
+        """
+        listed = where.state is not None and where.state is not State.COMPLETED and where.key is None
+        # open_effects holds the tenant, id and creation time of an open effect: filtering there
+        # leaves the audit to be read only for the rows of the page.
+        holder = "o" if listed else "e"
         clauses: list[str] = []
         args: list[Any] = []
         for column, value in (
-            ("e.tenant", where.tenant),
-            ("e.state", where.state.value if where.state else None),
+            (f"{holder}.tenant", where.tenant),
+            (f"{holder}.state", where.state.value if where.state else None),
             ("e.upstream", where.upstream),
             ("e.run_id", where.run_id),
             ("e.key", where.key),
@@ -607,25 +697,36 @@ class Store:
             if value is not None:
                 args.append(value)
                 clauses.append(f"{column} = ${len(args)}")
-        if where.state is State.COMPLETED:
-            pass  # no partial index to use; the id order of each partition pages through them
-        elif where.state is not None:
-            clauses.append("e.state <> 'completed'")  # lets the planner use the open-state index
+        if where.key is not None:
+            clauses.append(f"k.digest = effect_key_digest(${len(args)})")
         if where.since is not None:
             args.append(where.since)
-            clauses.append(f"e.created_at >= ${len(args)}")
+            clauses.append(f"{holder}.created_at >= ${len(args)}")
         if where.until is not None:
             args.append(where.until)
-            clauses.append(f"e.created_at < ${len(args)}")
+            clauses.append(f"{holder}.created_at < ${len(args)}")
         if where.before_id is not None:
             args.append(where.before_id)
-            clauses.append(f"e.id < ${len(args)}")
+            clauses.append(f"{holder}.id < ${len(args)}")
         args.append(where.limit)
-        sql = (
-            f"select {_COLUMNS} from effects e"
-            + (" where " + " and ".join(clauses) if clauses else "")
-            + f" order by e.id desc limit ${len(args)}"
-        )
+        where_sql = " where " + " and ".join(clauses) if clauses else ""
+        if where.key is not None:
+            source = "effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at"
+        elif listed:
+            source = "open_effects o join effects e on e.id = o.id and e.created_at = o.created_at"
+        elif where.since is not None and where.until is not None and where.run_id is None:
+            # A span of time: the ids of all its effects first (offset 0 keeps the limit out, so that
+            # Postgres reads the span from effects_created instead of stepping down the primary key
+            # from the newest effect), the page's newest of them, then their rows. A run is found
+            # faster by its own index.
+            source = f"""(select s.id, s.created_at
+                          from (select e.id, e.created_at from effects e{where_sql} offset 0) as s
+                          order by s.id desc limit ${len(args)}) as p
+                         join effects e on e.id = p.id and e.created_at = p.created_at"""
+            where_sql = ""
+        else:
+            source = "effects e"
+        sql = f"select {_COLUMNS} from {source}{where_sql} order by {holder}.id desc limit ${len(args)}"
 
         async def op(conn: Conn) -> list[EffectRecord]:
             return [_record(row) for row in await conn.fetch(sql, *args)]
@@ -633,38 +734,36 @@ class Store:
         return await self._run("find", op)
 
     async def state_counts(self, tenant: str | None = None) -> dict[str, int]:
-        """Effects by state: the open ones counted exactly (from their small index), completed estimated.
+        """Effects by state: open ones from open_effects, completed ones estimated; no scan of the audit.
 
-        Counting completed rows would read the whole table. Partitions small enough to read in a few
-        milliseconds are counted; for larger ones Postgres's own row estimate less the open rows is close
-        enough for a gauge. With a tenant, only the open states are counted.
+        Each open state is counted exactly up to EXACT_OPEN_COUNT (a bounded range of open_effects'
+        key); above that, Postgres's estimate from its statistics stands in. Completed effects would
+        take a read of the whole audit to count: partitions small enough to read in a few milliseconds
+        are counted, larger ones give Postgres's row estimate, less the open effects. With a tenant,
+        only the open states are counted.
         """
 
         async def op(conn: Conn) -> dict[str, int]:
-            rows = await conn.fetch(
-                """
-                select tableoid::regclass::text as part, state, count(*) as n from effects
-                where state <> 'completed' and ($1::text is null or tenant = $1)
-                group by 1, 2
-                """,
-                tenant,
-            )
+            rows = await conn.fetch(_OPEN_COUNTS, [s.value for s in OPEN_STATES], tenant, EXACT_OPEN_COUNT)
             counts = {state.value: 0 for state in State}
-            open_in: dict[str, int] = {}
             for row in rows:
-                counts[row["state"]] += row["n"]
-                open_in[row["part"]] = open_in.get(row["part"], 0) + row["n"]
+                many = row["n"] >= EXACT_OPEN_COUNT
+                counts[row["state"]] = max(row["n"], row["estimate"]) if many else row["n"]
             if tenant is not None:
                 del counts[State.COMPLETED.value]
                 return counts
+            estimated = 0
             for part in await conn.fetch(_PARTITION_SIZES):
                 if part["bytes"] <= partitions.EXACT_COUNT_BYTES:
                     counts[State.COMPLETED.value] += await partitions.row_count(
                         conn, part["part"], part["rows"], part["bytes"], "state = 'completed'"
                     )
                 else:
-                    estimate = await partitions.row_count(conn, part["part"], part["rows"], part["bytes"])
-                    counts[State.COMPLETED.value] += max(0, estimate - open_in.get(part["part"], 0))
+                    estimated += await partitions.row_count(conn, part["part"], part["rows"], part["bytes"])
+            if estimated:
+                # The open effects are nearly all in the large (older or current) partitions' estimate.
+                open_ = sum(counts[s.value] for s in OPEN_STATES)
+                counts[State.COMPLETED.value] += max(0, estimated - open_)
             return counts
 
         return await self._run("state_counts", op)
@@ -705,14 +804,26 @@ class Store:
             await conn.close()
 
 
-def _record(row: asyncpg.Record, *, response: bool = False, full: bool = False) -> EffectRecord:
+def _stored(status: int | None, headers: bytes | None, body: bytes | None) -> StoredResponse | None:
+    if status is None or headers is None or body is None:
+        return None
+    return StoredResponse(status=status, headers=head_pairs(bytes(headers)), body=bytes(body))
+
+
+def _record(
+    row: asyncpg.Record,
+    *,
+    response: bool = False,
+    full: bool = False,
+    body: asyncpg.Record | Mapping[str, Any] | None = None,
+) -> EffectRecord:
+    """The record of ``row``, with the response on record when ``response``: from ``body`` (a row of
+    _STORED_RESPONSE) when given, else from the row's own r_headers and r_body."""
     stored = None
-    if response and row["response_status"] is not None and row["r_body"] is not None:
-        stored = StoredResponse(
-            status=row["response_status"],
-            headers=head_pairs(bytes(row["r_headers"])),
-            body=bytes(row["r_body"]),
-        )
+    if response and body is not None:
+        stored = _stored(row["response_status"], body["headers"], body["body"])
+    elif response:
+        stored = _stored(row["response_status"], row["r_headers"], row["r_body"])
     return EffectRecord(
         id=row["id"],
         tenant=row["tenant"],

@@ -184,7 +184,9 @@ async def empty_effects(dsn: str) -> None:
     """No effects at all, and ids from 1 again: each test starts from an empty audit."""
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute("truncate effects, effect_keys, effect_bodies; alter sequence effect_ids restart")
+        await conn.execute(
+            "truncate effects, effect_keys, effect_bodies, open_effects; alter sequence effect_ids restart"
+        )
     finally:
         await conn.close()
 
@@ -260,7 +262,7 @@ async def database_text(dsn: str) -> str:
     try:
         rows = [
             dict(row)
-            for table in ("effects", "effect_keys", "effect_bodies")
+            for table in ("effects", "effect_keys", "effect_bodies", "open_effects")
             for row in await conn.fetch(f"select * from {table}")
         ]
     finally:

@@ -225,9 +225,14 @@ async def _as_left_by_a_dead_gateway(dsn: str, key: str) -> None:
     conn = await asyncpg.connect(dsn)
     try:
         await conn.execute(
-            """update effects set state = 'pending', may_have_sent = true, completed_at = null,
-                   lease_expires_at = now() - interval '1 second'
-               where key = $1""",
+            """with e as (
+                   update effects set state = 'pending', may_have_sent = true, completed_at = null,
+                       lease_expires_at = now() - interval '1 second'
+                   where key = $1
+                   returning id, created_at, tenant
+               )
+               insert into open_effects (state, id, created_at, tenant)
+               select 'pending', id, created_at, tenant from e""",
             key,
         )
     finally:

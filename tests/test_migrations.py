@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
+from gateway import partitions
+from gateway.decision import settle
+from gateway.outcome import Answered
 from gateway.schema import migrate, migration_files
+from gateway.states import State
+from gateway.store import EffectFilter, NewEffect, opened
 from tests.support import effect_rows, other_database
 
 
@@ -109,3 +114,114 @@ async def test_an_effects_table_with_rows_migrates_to_the_partitioned_layout(pos
     purged = rows["k15"]
     assert (purged["state"], purged["response_status"], purged["response_body"]) == ("completed", 201, None)
     assert rows["k20"]["state"] == "needs_review"
+
+
+def _retry(tenant: str, key: str) -> NewEffect:
+    return NewEffect(
+        tenant, "shop", key, "eg_" + key, "POST", "/orders", "", "fp-" + key, {}, b"{}", None, None
+    )
+
+
+async def _migrated_to(dsn: str, last: int) -> None:
+    """The migrations up to version ``last`` applied, as a gateway of that version left them."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "create table effect_gateway_migrations (version integer primary key, name text not null,"
+            " applied_at timestamptz not null default now())"
+        )
+        for version, name, sql in migration_files():
+            if version <= last:
+                async with conn.transaction():
+                    await conn.execute(sql)
+                    await conn.execute(
+                        "insert into effect_gateway_migrations (version, name) values ($1, $2)", version, name
+                    )
+        await partitions.ensure(conn)
+    finally:
+        await conn.close()
+
+
+async def test_effects_of_the_partitioned_layout_keep_their_keys_lists_and_counts_after_the_upgrade(
+    postgres_dsn: str,
+) -> None:
+    """Effects stored under 003 are found by their keys, listed and counted by state, and settle as before."""
+    admin = await asyncpg.connect(postgres_dsn)
+    await admin.execute("drop database if exists upgraded_open")
+    await admin.execute("create database upgraded_open")
+    dsn = other_database(postgres_dsn, "upgraded_open")
+    states = ["completed", "completed", "pending", "in_doubt", "needs_review", "needs_review", "completed"]
+    try:
+        await _migrated_to(dsn, 3)
+        conn = await asyncpg.connect(dsn)
+        try:
+            for n, state in enumerate(states):
+                await partitions.ensure(conn, datetime.now(UTC) - timedelta(days=n))
+                await conn.execute(
+                    """
+                    with k as (
+                        insert into effect_keys (tenant, upstream, key, effect_id, created_at)
+                        values ($1, 'shop', $2, nextval('effect_ids'), now() - $4 * interval '1 day')
+                        returning effect_id, created_at
+                    ), e as (
+                        insert into effects (id, created_at, tenant, upstream, key, derived_key, method,
+                            path, fingerprint, state, attempt, may_have_sent, lease_expires_at,
+                            response_status, response_at, completed_at, history)
+                        select effect_id, created_at, $1, 'shop', $2, 'eg_' || $2, 'POST', '/orders',
+                            'fp-' || $2, $3, 1, true, created_at,
+                            case when $3 = 'completed' then 201 end,
+                            case when $3 = 'completed' then created_at end,
+                            case when $3 = 'completed' then created_at end, '[{"event": "claimed"}]'
+                        from k
+                    )
+                    insert into effect_bodies (effect_id, stored_at, kind, headers, body)
+                    select effect_id, created_at, 'request', '', '{}' from k
+                    """,
+                    f"t{n % 2}",
+                    f"k{n}",
+                    state,
+                    n,
+                )
+            index = await conn.fetchval("select to_regclass('effects_open')")
+            assert index is not None, "migration 003 made the open-state index that 004 replaces"
+        finally:
+            await conn.close()
+        assert await migrate(dsn) == [name for version, name, _ in migration_files() if version > 3]
+        async with opened(dsn) as store:
+            for n, state in enumerate(states):
+                again, created = await store.claim(_retry(f"t{n % 2}", f"k{n}"), timedelta(seconds=30))
+                assert again is not None
+                assert (again.key, again.state.value, created) == (f"k{n}", state, False)
+            assert [r.key for r in await store.find(EffectFilter(key="k3"))] == ["k3"]
+            assert await store.state_counts() == {
+                "pending": 1,
+                "completed": 3,
+                "retryable": 0,
+                "in_doubt": 1,
+                "needs_review": 2,
+            }
+            assert await store.state_counts("t0") == {
+                "pending": 1,
+                "retryable": 0,
+                "in_doubt": 0,
+                "needs_review": 1,
+            }
+            review = await store.find(EffectFilter(state=State.NEEDS_REVIEW))
+            assert [r.key for r in review] == ["k5", "k4"]
+            [pending] = await store.find(EffectFilter(state=State.PENDING))
+            record = await store.reread(pending)
+            done = settle(Answered(201, (), b"{}"), earlier_doubt=True)
+            assert await store.settle(record, done, response=None, recovered_by="probe") is not None
+            assert await store.find(EffectFilter(state=State.PENDING)) == []
+            assert (await store.state_counts())["completed"] == 4
+            fresh, created = await store.claim(_retry("t0", "k-new"), timedelta(seconds=30))
+            assert created
+            assert fresh is not None
+        conn = await asyncpg.connect(dsn)
+        try:
+            assert await conn.fetchval("select to_regclass('effects_open')") is None
+        finally:
+            await conn.close()
+    finally:
+        await admin.execute("drop database upgraded_open with (force)")
+        await admin.close()

@@ -16,6 +16,7 @@ import asyncpg
 import pytest
 
 from gateway.decision import Policy, Send, Settlement, review, settle, settle_probe, take_over, too_soon
+from gateway.errors import StoreRejected
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State, Transition
@@ -87,7 +88,9 @@ async def subject(which: tuple[str, str | None]) -> AsyncIterator[Subject]:
         return
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute("truncate effects, effect_keys, effect_bodies; alter sequence effect_ids restart")
+        await conn.execute(
+            "truncate effects, effect_keys, effect_bodies, open_effects; alter sequence effect_ids restart"
+        )
     finally:
         await conn.close()
 
@@ -661,6 +664,10 @@ async def test_find_filters_and_pages_newest_first(subject: Subject) -> None:
     assert [r.id for r in await store.find(EffectFilter(since=b.created_at))] == [c.id, b.id]
     assert [r.id for r in await store.find(EffectFilter(until=c.created_at))] == [b.id, a.id]
     assert [r.id for r in await store.find(EffectFilter(since=b.created_at, until=c.created_at))] == [b.id]
+    assert [
+        r.id for r in await store.find(EffectFilter(since=a.created_at, until=c.created_at, limit=1))
+    ] == [b.id]
+    assert [r.id for r in await store.find(EffectFilter(until=b.created_at, upstream="shop"))] == [a.id]
     page = await store.find(EffectFilter(limit=2))
     assert [r.id for r in page] == [c.id, b.id]
     assert not page[0].response_read
@@ -683,6 +690,46 @@ async def test_state_counts_count_every_state(subject: Subject) -> None:
     }
 
 
+async def test_an_effect_is_listed_and_counted_under_the_state_it_is_in_after_every_move(
+    subject: Subject,
+) -> None:
+    """Through claim, doubt, take-over, review, a verdict and completion, find and counts follow each move."""
+    store = subject.store
+    await completed(store, "done")
+
+    async def where(record: EffectRecord, state: State) -> None:
+        listed = {s: [r.id for r in await store.find(EffectFilter(state=s))] for s in State}
+        assert {s for s, ids in listed.items() if record.id in ids} == {state}
+        counts = await store.state_counts()
+        assert counts[state.value] == (2 if state is State.COMPLETED else 1)
+        tenant = await store.state_counts("default")
+        assert sum(tenant.values()) == (0 if state is State.COMPLETED else 1)
+
+    record = await claimed(store, "moved", lease=EXPIRED)
+    await where(record, State.PENDING)
+    doubt = await store.settle(record, TIMED_OUT, response=None, recovered_by=None)
+    assert doubt is not None
+    await where(doubt, State.IN_DOUBT)
+    doubt = await store.reread(doubt)
+    again = await store.reclaim(doubt, take_over(doubt), EXPIRED, "probe", sends=False)
+    assert again is not None
+    await where(again, State.PENDING)
+    renewed = await store.reclaim(again, take_over(again), EXPIRED, "renew", sends=False, renew=True)
+    assert renewed is not None
+    await where(renewed, State.PENDING)
+    reviewed = await store.send_to_review(renewed, review(renewed), "nothing can tell")
+    assert reviewed is not None
+    await where(reviewed, State.NEEDS_REVIEW)
+    retry = await store.resolve(reviewed, Transition(State.NEEDS_REVIEW, State.RETRYABLE), None, "op")
+    assert retry is not None
+    await where(retry, State.RETRYABLE)
+    sending = await store.reclaim(retry, take_over(retry), LEASE, "retry", sends=True)
+    assert sending is not None
+    done = await store.settle(sending, DONE, response=OK, recovered_by=None)
+    assert done is not None
+    await where(done, State.COMPLETED)
+
+
 async def test_the_key_secret_is_stable_and_ping_answers(subject: Subject) -> None:
     """The secret of derived keys is the same on every read; ping answers while the database is up."""
     await subject.store.ping()
@@ -703,3 +750,22 @@ def test_the_simulated_store_has_the_same_surface() -> None:
         }
 
     assert surface(SimStore) == surface(Store)
+
+
+async def test_a_key_whose_digest_leads_to_another_keys_effect_is_refused(dsn: str) -> None:
+    """Postgres only: were two keys to share a digest, the claim refuses rather than answer for the other."""
+    async with opened(dsn) as store:
+        first = await claimed(store, "first")
+        conn = await asyncpg.connect(dsn)
+        try:
+            # What a collision would look like: the digest of "second" naming the effect of "first".
+            await conn.execute(
+                """insert into effect_keys (digest, tenant, upstream, effect_id, created_at)
+                   values (effect_key_digest('second'), 'default', 'shop', $1, $2)""",
+                first.id,
+                first.created_at,
+            )
+        finally:
+            await conn.close()
+        with pytest.raises(StoreRejected, match="shares its digest"):
+            await store.claim(effect("second"), LEASE)
