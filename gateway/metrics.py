@@ -38,6 +38,8 @@ log = logging.getLogger("effect_gateway")
 
 # prometheus-client's own variable: where the workers' metric files are (set before they start).
 SHARED_DIR = "PROMETHEUS_MULTIPROC_DIR"
+# The workers' directory in the temporary folder, followed by the pid of the gateway that made it.
+DIR_PREFIX = "effect-gateway-metrics-"
 # Seconds, for every latency: a replay from memory takes a fraction of a millisecond, a statement a
 # millisecond or so, a new effect a few (two commits), an upstream call up to its timeout (30 s by
 # default); 60 s is the longest Prefer: wait may hold a request.
@@ -277,10 +279,44 @@ def _count_in_files(directory: str) -> None:
     values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def sweep_left_behind(parent: str | None = None) -> list[str]:
+    """Remove the metric directories of gateways that died without removing theirs; returns them.
+
+    A gateway SIGKILLed (or killed by the OOM killer) cannot run its ``finally``, and its directory,
+    named after its pid, stays in the temporary folder: one per kill, forever. The next gateway to
+    start removes those whose gateway is gone and that this user owns. A pid reused by another process
+    only keeps a directory a while longer.
+    """
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    for entry in os.scandir(parent):
+        owner = entry.name.removeprefix(DIR_PREFIX).partition("-")[0]
+        if not entry.name.startswith(DIR_PREFIX) or not owner.isdecimal() or not entry.is_dir():
+            continue
+        if entry.stat().st_uid != os.getuid() or _alive(int(owner)):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
 @contextlib.contextmanager
 def shared_by_workers() -> Iterator[str]:
     """A directory for the workers' metric files, named in the environment they inherit; removed after."""
-    directory = tempfile.mkdtemp(prefix="effect-gateway-metrics-")
+    gone = sweep_left_behind()
+    if gone:
+        log.info("removed %d metrics directories of gateways that were killed", len(gone))
+    directory = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
     before = os.environ.get(SHARED_DIR)
     os.environ[SHARED_DIR] = directory
     try:

@@ -62,7 +62,13 @@ def announce(sock: socket.socket, settings: Settings, workers: int) -> None:
     print(f"effect-gateway listening on http://{listen_host(settings.listen)}:{port}", flush=True)
 
 
-async def _worker(settings: Settings, dsn: str, sock: socket.socket, metrics_dir: str) -> None:
+async def _worker(
+    settings: Settings,
+    dsn: str,
+    sock: socket.socket,
+    metrics_dir: str,
+    ready: Callable[[], None] | None = None,
+) -> None:
     from gateway.app import make_app
 
     app = make_app(settings, dsn, metrics_dir=metrics_dir)
@@ -74,6 +80,9 @@ async def _worker(settings: Settings, dsn: str, sock: socket.socket, metrics_dir
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        # Only now: a SIGTERM right after the announcement must stop it as any other does.
+        ready()
     try:
         await stop.wait()
     finally:
@@ -108,8 +117,7 @@ def run(settings: Settings, dsn: str, sock: socket.socket) -> int:
     # them reads them all (gateway.metrics); removed when the gateway stops.
     with metrics.shared_by_workers() as shared:
         if workers == 1:
-            announce(sock, settings, 1)
-            run_loop(settings, _worker(settings, dsn, sock, shared))
+            run_loop(settings, _worker(settings, dsn, sock, shared, lambda: announce(sock, settings, 1)))
             return 0
         asyncio.run(migrate(dsn))  # once, before any worker starts
         supervisor = Supervisor(

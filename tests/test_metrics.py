@@ -324,6 +324,36 @@ async def test_a_scrape_of_either_worker_counts_the_requests_both_served(
     assert list(temp.iterdir()) == []  # the metrics directory goes with the gateway
 
 
+def test_a_killed_gateways_metrics_directory_is_removed_by_the_next(
+    dsn: str, upstream: Upstream, tmp_path: Path
+) -> None:
+    """A gateway SIGKILLed with its workers leaves its metrics directory; the next gateway removes it."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nworkers = 1\n'
+        f'[upstreams.shop]\nbase_url = "{upstream.url}"\n'
+    )
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    someone_elses = temp / "effect-gateway-metrics-notapid-x"  # not a gateway's name: left alone
+    someone_elses.mkdir()
+    killed = start_gateway_process(config, {"TMPDIR": str(temp)})
+    workers = children(killed.proc.pid)
+    killed.kill()
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    left = set(temp.glob(f"effect-gateway-metrics-{killed.proc.pid}-*"))
+    assert len(left) == 1
+    second = start_gateway_process(config, {"TMPDIR": str(temp)})
+    try:
+        now = set(temp.iterdir())
+    finally:
+        second.stop()
+    assert now & left == set()
+    assert {p.name.split("-")[3] for p in now} == {str(second.proc.pid), "notapid"}
+    assert list(temp.iterdir()) == [someone_elses]
+
+
 def test_every_metric_is_in_the_operations_guide() -> None:
     """An operator finds each metric the gateway exports, by the name a scrape shows, in the guide."""
     exported = Metrics(["shop"]).exposition({"completed": 0}).decode()
