@@ -4,8 +4,10 @@ Run: `make bench` (or `python -m bench.gateway_overhead --requests 500`). Everyt
 an aiohttp upstream, the gateway on the embedded Postgres (or $TEST_DATABASE_URL), and a client that
 sends one request at a time so each figure is a latency, not a throughput. Prints median and p99 in ms
 and the ratio to the direct baseline, measured side by side in one run. The gateway's metrics are
-counted as in `serve`; its log is not written unless `--log-format json|text` asks for it (to
-/dev/null, as serve writes its line per request to stderr), to show what the log costs.
+counted in an in-process registry (`serve`'s workers write prometheus-client's multiprocess files,
+which cost a little more per update: bench/gateway_load.py measures serve itself); its log is not
+written unless `--log-format json|text` asks for it (to /dev/null, as serve writes its line per
+request to stderr), to show what the log costs.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ a person at a terminal reads text, and a supervisor (systemd, a container runtim
 stderr to a log pipeline that parses JSON. Every line written while a request runs carries the trace id
 the agent sent. The line per decision (logger ``effect_gateway.decision``, INFO) names the effect, the
 tenant, the upstream, the method, what came of it, the states before and after, the attempt, what
-recovered it and how long it took; the key only as a keyed hash, and no header at all, so no credential
-or secret can reach the log.
+recovered it and how long it took; the key only as a keyed hash, no header and no query at all, so no
+credential sent as a header reaches the log. The path is logged as sent: an API that puts a secret in
+its paths (some webhook URLs do) should have that part in the upstream's ``base_url``.
 """
 
 from __future__ import annotations

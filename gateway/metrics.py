@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -30,7 +31,7 @@ from prometheus_client import (
     values,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway.errors import StoreRejected, StoreUnavailable
 
@@ -38,8 +39,10 @@ log = logging.getLogger("effect_gateway")
 
 # prometheus-client's own variable: where the workers' metric files are (set before they start).
 SHARED_DIR = "PROMETHEUS_MULTIPROC_DIR"
-# The workers' directory in the temporary folder, followed by the pid of the gateway that made it.
+# The workers' directory in the temporary folder, followed by the pid of the gateway that made it (for
+# a person looking), and the file in it whose lock says the gateway still runs.
 DIR_PREFIX = "effect-gateway-metrics-"
+LOCK_FILE = "running.lock"
 # Seconds, for every latency: a replay from memory takes a fraction of a millisecond, a statement a
 # millisecond or so, a new effect a few (two commits), an upstream call up to its timeout (30 s by
 # default); 60 s is the longest Prefer: wait may hold a request.
@@ -279,32 +282,25 @@ def _count_in_files(directory: str) -> None:
     values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
-
-
 def sweep_left_behind(parent: str | None = None) -> list[str]:
     """Remove the metric directories of gateways that died without removing theirs; returns them.
 
-    A gateway SIGKILLed (or killed by the OOM killer) cannot run its ``finally``, and its directory,
-    named after its pid, stays in the temporary folder: one per kill, forever. The next gateway to
-    start removes those whose gateway is gone and that this user owns. A pid reused by another process
-    only keeps a directory a while longer.
+    A gateway SIGKILLed (or killed by the OOM killer) cannot run its ``finally``, and its directory
+    stays in the temporary folder: one per kill, forever. Each gateway holds a lock on a file in its
+    directory for as long as it runs (the kernel lets go of it however the gateway ends), so the next
+    gateway to start removes every directory whose lock it can take: a gateway in another container
+    sharing the folder holds its lock as well, which a pid, read in another pid namespace, would not show.
     """
     parent = parent or tempfile.gettempdir()
     removed = []
     for entry in os.scandir(parent):
-        owner = entry.name.removeprefix(DIR_PREFIX).partition("-")[0]
-        if not entry.name.startswith(DIR_PREFIX) or not owner.isdecimal() or not entry.is_dir():
+        if not entry.name.startswith(DIR_PREFIX) or not entry.is_dir(follow_symlinks=False):
             continue
-        if entry.stat().st_uid != os.getuid() or _alive(int(owner)):
-            continue
+        try:
+            with open(os.path.join(entry.path, LOCK_FILE), "rb") as held:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (FileNotFoundError, NotADirectoryError, BlockingIOError, PermissionError):
+            continue  # not a gateway's, a running gateway's, or another user's
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.path)
     return removed
@@ -316,19 +312,21 @@ def shared_by_workers() -> Iterator[str]:
     gone = sweep_left_behind()
     if gone:
         log.info("removed %d metrics directories of gateways that were killed", len(gone))
-    directory = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
+    # Made under a name no sweep looks at, and given its name once locked: a sweep never sees it unlocked.
+    making = tempfile.mkdtemp(prefix=f".{DIR_PREFIX}")
+    # Held until this process and the workers it forks have all exited: while held, no sweep removes it.
+    lock = open(os.path.join(making, LOCK_FILE), "wb")  # noqa: SIM115 - held for the whole with
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    directory = os.path.join(os.path.dirname(making), f"{DIR_PREFIX}{os.getpid()}-{making[-8:]}")
+    os.rename(making, directory)
     before = os.environ.get(SHARED_DIR)
     os.environ[SHARED_DIR] = directory
     try:
         yield directory
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+        lock.close()
         if before is None:
             os.environ.pop(SHARED_DIR, None)
         else:
             os.environ[SHARED_DIR] = before
-
-
-def worker_gone(directory: str, pid: int) -> None:
-    """A worker exited: its counts stay (counters never go back), its live gauges go."""
-    mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]

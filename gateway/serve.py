@@ -123,21 +123,16 @@ def run(settings: Settings, dsn: str, sock: socket.socket) -> int:
         supervisor = Supervisor(
             lambda: run_loop(settings, _worker(settings, dsn, sock, shared)),
             workers,
-            gone=lambda pid: metrics.worker_gone(shared, pid),
         )
         return supervisor.run(lambda: announce(sock, settings, workers))
 
 
 class Supervisor:
-    """Forks the workers, replaces one that dies, and passes SIGTERM/SIGINT on to all of them.
+    """Forks the workers, replaces one that dies, and passes SIGTERM/SIGINT on to all of them."""
 
-    ``gone`` is told the pid of each worker that exited, whatever the reason.
-    """
-
-    def __init__(self, work: Callable[[], None], count: int, gone: Callable[[int], None]) -> None:
+    def __init__(self, work: Callable[[], None], count: int) -> None:
         self._work = work
         self._count = count
-        self._gone = gone
         self._children: dict[int, float] = {}  # pid -> when it started
         self._stopping = False
         self._early_deaths = 0
@@ -159,7 +154,6 @@ class Supervisor:
             started = self._children.pop(pid, None)
             if started is None:
                 continue
-            self._gone(pid)
             if self._stopping:
                 continue
             log.error("worker %d %s; starting another", pid, _death(code))

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, sweep_left_behind
 from tests.support import (
     ROOT,
     Upstream,
@@ -327,10 +327,13 @@ async def test_a_scrape_of_either_worker_counts_the_requests_both_served(
 def test_a_killed_gateways_metrics_directory_is_removed_by_the_next(
     dsn: str, upstream: Upstream, tmp_path: Path
 ) -> None:
-    """A gateway SIGKILLed with its workers leaves its metrics directory; the next gateway removes it."""
+    """A gateway SIGKILLed with its workers leaves its metrics directory; the next gateway removes it.
+
+    It removes only directories no running gateway holds, and none that are not a gateway's.
+    """
     config = tmp_path / "gateway.toml"
     config.write_text(
-        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nworkers = 1\n'
+        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nworkers = 2\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\n'
     )
     temp = tmp_path / "tmp"
@@ -339,6 +342,7 @@ def test_a_killed_gateways_metrics_directory_is_removed_by_the_next(
     someone_elses.mkdir()
     killed = start_gateway_process(config, {"TMPDIR": str(temp)})
     workers = children(killed.proc.pid)
+    assert len(workers) == 2
     killed.kill()
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
@@ -347,6 +351,7 @@ def test_a_killed_gateways_metrics_directory_is_removed_by_the_next(
     second = start_gateway_process(config, {"TMPDIR": str(temp)})
     try:
         now = set(temp.iterdir())
+        assert sweep_left_behind(str(temp)) == []  # a running gateway's directory stays
     finally:
         second.stop()
     assert now & left == set()
