@@ -22,7 +22,7 @@ from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State, Transition
 from gateway.store import EffectFilter, NewEffect, Store, opened
 from sim.store import SimDatabase, SimStore
-from tests.support import backdate_bodies
+from tests.support import backdate_bodies, empty_effects
 
 LEASE = timedelta(seconds=30)
 EXPIRED = timedelta(0)
@@ -86,13 +86,7 @@ async def subject(which: tuple[str, str | None]) -> AsyncIterator[Subject]:
 
         yield Subject(cast(Store, SimStore(db)), sim_backdate, sim_clock)
         return
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute(
-            "truncate effects, effect_keys, effect_bodies, open_effects; alter sequence effect_ids restart"
-        )
-    finally:
-        await conn.close()
+    await empty_effects(dsn)
 
     async def pg_backdate(days: int) -> None:
         await backdate_bodies(dsn, days)
