@@ -164,26 +164,43 @@ async def finish_interrupted(conn: Any, progress: Progress = _quiet) -> list[Par
 
 
 async def _drop(conn: Any, part: Partition, progress: Progress) -> None:
-    carried = await conn.execute(
+    # An open effect's request is carried into today, and its response if it is the latest attempt's
+    # answer (stored since its claim): its new time is later than the answer was, which only makes a
+    # probe's lag count from later. An earlier attempt's answer is not carried, and the record stops
+    # pointing at it: carried to now it would pass for the answer of the attempt under way, and a
+    # probe's lag would count from now instead of from that attempt's lease (gateway.decision.too_soon).
+    # The record is changed only while it is still open and still points at that very answer: a settle
+    # that completes it meanwhile wrote an answer of its own, which must stand.
+    kept = await conn.fetchval(
         f"""
         with open as (
             select o.id, o.created_at from open_effects o
             where exists (select from "{part.name}" b where b.effect_id = o.id)
+        ), day as (
+            select b.effect_id, b.stored_at, b.kind, b.headers, b.body, o.created_at,
+                   b.kind = 'request'
+                   or (b.stored_at = e.response_at and b.stored_at >= coalesce(e.last_sent_at, e.created_at))
+                       as kept
+            from "{part.name}" b
+            join open o on o.id = b.effect_id
+            join effects e on e.id = o.id and e.created_at = o.created_at
         ), moved as (
             insert into effect_bodies (effect_id, stored_at, kind, headers, body)
-            select b.effect_id, now(), b.kind, b.headers, b.body
-            from "{part.name}" b join open o on o.id = b.effect_id
+            select effect_id, now(), kind, headers, body from day where kept
             on conflict do nothing
-            returning effect_id, kind
+            returning effect_id
+        ), pointed as (
+            update effects e set response_at = case when d.kept then now() end
+            from day d
+            where d.kind = 'response' and e.id = d.effect_id and e.created_at = d.created_at
+              and e.response_at = d.stored_at and e.state <> 'completed'
+            returning e.id
         )
-        update effects e set response_at = now()
-        from moved m join open o on o.id = m.effect_id
-        where m.kind = 'response' and e.id = o.id and e.created_at = o.created_at
+        select count(*) from moved
         """
     )
     await _detach(conn, part.name)
     await conn.execute(f'drop table "{part.name}"')
-    kept = int(carried.split()[-1])
     progress(f"dropped {part.name}: about {part.rows} bodies" + (f", {kept} carried forward" if kept else ""))
 
 

@@ -13,16 +13,20 @@ from __future__ import annotations
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from gateway import problems
 from gateway.record import EffectRecord
 from gateway.states import State
 
-# Problems that are an outcome of the idempotency decision rather than a refusal or a failure.
+# Problems that are an outcome of the idempotency decision, or an answer the gateway would not relay,
+# rather than a refusal or a failure: an alert on outcome="failed" should not fire for them.
 _OUTCOME_OF_PROBLEM = {
-    "in-flight": "in_flight",
-    "key-reused": "key_reused",
-    "outcome-unknown": "needs_review",
-    "response-purged": "purged",
-    "fenced": "fenced",
+    problems.InFlight.type: "in_flight",
+    problems.KeyReused.type: "key_reused",
+    problems.OutcomeUnknown.type: "needs_review",
+    problems.ResponsePurged.type: "purged",
+    problems.Fenced.type: "fenced",
+    problems.ProbeTooSoon.type: "too_soon",
+    problems.UpstreamRedirected.type: "redirected",
 }
 
 

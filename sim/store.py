@@ -444,14 +444,19 @@ class SimDatabase:
                 break
             in_day = sorted((k, v) for k, v in self.bodies.items() if lower <= k[2] < upper)
             carried = 0
-            for (effect_id, kind, _), (headers, body) in in_day:
+            for (effect_id, kind, at), (headers, body) in in_day:
                 row = self.rows.get(effect_id)
-                if row is None or row.state is State.COMPLETED or (effect_id, kind, now) in self.bodies:
-                    continue  # "on conflict do nothing"
-                self.bodies[(effect_id, kind, now)] = (headers, body)
-                carried += 1
-                if kind == "response":
-                    row.response_at = now
+                if row is None or row.state is State.COMPLETED:
+                    continue
+                # As gateway.partitions._drop: an earlier attempt's answer is not carried, and the
+                # record stops pointing at it.
+                claimed = row.last_sent_at or row.created_at
+                kept = kind == "request" or (at == row.response_at and at >= claimed)
+                if kept and (effect_id, kind, now) not in self.bodies:  # "on conflict do nothing"
+                    self.bodies[(effect_id, kind, now)] = (headers, body)
+                    carried += 1
+                if kind == "response" and row.response_at == at:
+                    row.response_at = now if kept else None
             for key, _ in in_day:
                 del self.bodies[key]
             name = f"effect_bodies_{lower:%Y_%m_%d}"
@@ -471,6 +476,9 @@ class SimDatabase:
         self.bodies = {(i, kind, at - back): v for (i, kind, at), v in self.bodies.items()}
         for row in self.rows.values():
             if row.response_at is not None:
+                # The attempt that stored an answer moves with it, as in tests/support.py.
+                if row.last_sent_at is not None and row.last_sent_at <= row.response_at:
+                    row.last_sent_at -= back
                 row.response_at -= back
 
 

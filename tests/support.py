@@ -7,6 +7,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -345,10 +346,28 @@ async def backdate_bodies(dsn: str, days: int = 10) -> None:
         )
         # A day a gateway left half detached takes no rows: finish it as the next retention would.
         await partitions.finish_interrupted(conn)
-        await partitions.ensure(conn, past)
+        latest = await conn.fetchval("select now() - $1 * interval '1 day'", days)
         async with conn.transaction():
+            # No detach (of a running gateway's retention) between making the days and filling them:
+            # it would drop a day made here, still empty, as past the retention.
+            await conn.execute("lock table effect_bodies in share update exclusive mode")
+            # Every day the bodies move into: ensure makes a day and the days ahead of it.
+            while past <= latest:
+                if not await partitions.ensure(conn, past):
+                    raise RuntimeError("the days to backdate into could not be made")
+                past += timedelta(days=partitions.BODY_DAYS_AHEAD)
             await conn.execute("update effect_bodies set stored_at = stored_at - $1 * interval '1 day'", days)
-            await conn.execute("update effects set response_at = response_at - $1 * interval '1 day'", days)
+            # The attempt that stored an answer moves with it: the answer stays its attempt's own
+            # (stored since its claim), as when time really passes.
+            await conn.execute(
+                """
+                update effects set response_at = response_at - $1 * interval '1 day',
+                    last_sent_at = case when last_sent_at <= response_at
+                                        then last_sent_at - $1 * interval '1 day' else last_sent_at end
+                where response_at is not null
+                """,
+                days,
+            )
     finally:
         await conn.close()
 

@@ -110,9 +110,14 @@ def slow_once(upstream: Upstream, seconds: float) -> None:
 async def test_each_request_is_counted_by_what_came_of_it(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession
 ) -> None:
-    """Sent, replayed, recovered by probe and by native key, key reused, refused and failed, by upstream."""
+    """Sent, replayed, recovered by probe and by native key, key reused, redirected, refused and failed."""
     first_answered(upstream, 500)
     upstream.serve_search()
+
+    async def moved(request: web.Request) -> web.Response:
+        return web.Response(status=307, headers={"Location": "http://127.0.0.1:9/orders"})
+
+    upstream.routes["/moved"] = moved
     async with upstream_server() as mail:
         mail.key_header = "Idempotency-Key"
         slow_once(mail, 0.6)
@@ -128,6 +133,7 @@ async def test_each_request_is_counted_by_what_came_of_it(
             assert await post(http, shop, "k1") == 201  # from memory
             assert await post(http, shop, "k1", b'{"items":["dal"]}') == 422
             assert await post(http, shop, None) == 400
+            assert await post(http, f"{gw.url}/shop/moved", "k2") == 502  # not relayed, nothing done
             assert await post(http, f"{gw.url}/nowhere/x", "k1") == 404
             assert await post(http, f"{gw.url}/down/x", "k1") == 502
             assert await post(http, mailer, "m1") == 504
@@ -139,6 +145,7 @@ async def test_each_request_is_counted_by_what_came_of_it(
         ("replayed", ""): 1,
         ("key_reused", "key-reused"): 1,
         ("refused", "key-missing"): 1,
+        ("redirected", "upstream-redirected"): 1,
     }
     assert requests(metrics, "") == {("refused", "unknown-upstream"): 1}
     assert requests(metrics, "down") == {("failed", "upstream-unreachable"): 1}
@@ -147,7 +154,7 @@ async def test_each_request_is_counted_by_what_came_of_it(
     assert value(metrics, "effect_gateway_probes_total", upstream="shop", result="not_found") == 0
     assert value(metrics, "effect_gateway_replay_cache_total", result="hit") == 2  # k1's replay, k1's reuse
     histogram = "effect_gateway_upstream_duration_seconds_count"
-    assert value(metrics, histogram, upstream="shop", call="send") == 1
+    assert value(metrics, histogram, upstream="shop", call="send") == 2  # k1 and k2
     assert value(metrics, histogram, upstream="shop", call="probe") == 1
     assert value(metrics, histogram, upstream="mail", call="send") == 2
     timeout = value(metrics, "effect_gateway_upstream_duration_seconds_sum", upstream="mail", call="send")
@@ -156,10 +163,10 @@ async def test_each_request_is_counted_by_what_came_of_it(
     assert value(metrics, latency, upstream="shop", outcome="replayed") == 1
     assert value(metrics, latency, upstream="mail", outcome="recovered_native_key") == 1
     statements = "effect_gateway_store_duration_seconds_count"
-    assert value(metrics, statements, statement="claim") == 5  # shop k1 twice, down, mail twice
+    assert value(metrics, statements, statement="claim") == 6  # shop k1 twice, k2, down, mail twice
     assert value(metrics, statements, statement="settle") >= 4
     assert value(metrics, "effect_gateway_effects", state="completed") == 2
-    assert value(metrics, "effect_gateway_effects", state="retryable") == 1  # down's: nothing was sent
+    assert value(metrics, "effect_gateway_effects", state="retryable") == 2  # down's and k2: nothing sent
 
 
 async def test_a_twin_in_flight_a_lease_taken_over_and_a_verdict_are_counted(

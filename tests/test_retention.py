@@ -15,10 +15,13 @@ import asyncpg
 import pytest
 
 from gateway import partitions
-from gateway.record import EffectRecord
+from gateway.decision import settle, take_over
+from gateway.outcome import Answered
+from gateway.record import EffectRecord, StoredResponse
+from gateway.states import State
 from gateway.store import Store, opened
 from tests.support import backdate_bodies
-from tests.test_store_contract import RETENTION, completed
+from tests.test_store_contract import DONE, LEASE, RETENTION, completed, effect
 
 
 @pytest.fixture
@@ -154,3 +157,59 @@ async def test_a_day_of_bodies_left_detached_by_a_round_cut_short_is_dropped_by_
         assert day in [p.name for p in await partitions.listed(conn, partitions.BODIES)]
     finally:
         await conn.close()
+
+
+async def _lock_waiters(conn: asyncpg.Connection) -> int:
+    return int(
+        await conn.fetchval(
+            "select count(*) from pg_stat_activity"
+            " where wait_event_type = 'Lock' and datname = current_database()"
+        )
+    )
+
+
+async def _until_waiting(conn: asyncpg.Connection, count: int) -> None:
+    for _ in range(500):
+        if await _lock_waiters(conn) >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{count} statements never came to wait on the lock")
+
+
+async def test_a_retry_that_completes_while_the_retention_runs_keeps_its_own_answer(
+    dsn: str, store: Store
+) -> None:
+    """The retention's carry never rewrites a record a retry completed after the carry read it.
+
+    The order is forced with a row lock: the retry's settle waits on it first, the retention (which has
+    read the effect as still open) second; the settle goes first and completes the effect.
+    """
+    record, _ = await store.claim(effect("k"), timedelta(0))
+    assert record is not None
+    busy = settle(Answered(429, (), b'{"error":"slow down"}'), earlier_doubt=False)
+    refused = await store.settle(
+        record, busy, response=StoredResponse(429, (), b'{"error":"slow down"}'), recovered_by=None
+    )
+    assert refused is not None
+    assert refused.state is State.RETRYABLE
+    await backdate_bodies(dsn, 10)
+    retry = await store.reclaim(await store.reread(refused), take_over(refused), LEASE, "retry", sends=True)
+    assert retry is not None
+    placed = StoredResponse(201, (), b'{"order":"P-2"}')
+    lock, watcher = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    try:
+        holding = lock.transaction()
+        await holding.start()
+        await lock.execute("select 1 from effects where id = $1 for update", record.id)
+        settling = asyncio.create_task(store.settle(retry, DONE, response=placed, recovered_by=None))
+        await _until_waiting(watcher, 1)
+        maintaining = asyncio.create_task(store.maintain(RETENTION))
+        await _until_waiting(watcher, 2)
+        await holding.rollback()
+        assert await settling is not None
+        await maintaining
+    finally:
+        await lock.close()
+        await watcher.close()
+    replayed = await store.reread(record)
+    assert (replayed.state, replayed.response) == (State.COMPLETED, placed)

@@ -603,6 +603,38 @@ async def test_the_retention_carries_the_bodies_of_open_effects_forward(subject:
     assert kept.response == StoredResponse(500, (), b"oops")
 
 
+async def test_the_retention_never_passes_an_earlier_answer_off_as_the_attempt_under_ways(
+    subject: Subject,
+) -> None:
+    """An earlier attempt's answer is not carried past the retention: a probe's lag still counts from the
+    attempt under way's lease, not from when the retention ran (which would trust a lagging search early).
+    """
+    store = subject.store
+    lagged = Policy(lease=LEASE, has_probe=True, probe_lag=timedelta(seconds=5))
+    record = await claimed(store, lease=EXPIRED)
+    failed = settle(Answered(500, (), b"busy"), earlier_doubt=False)
+    answered = await store.settle(
+        record, failed, response=StoredResponse(500, (), b"busy"), recovered_by=None
+    )
+    assert answered is not None
+    await subject.backdate(10)
+    sending = await store.reclaim(
+        await store.reread(answered), take_over(answered), LEASE, "probe", sends=True
+    )
+    assert sending is not None
+    assert sending.last_sent_at is not None
+    await store.maintain(RETENTION)  # while the new attempt is under way
+    now = await store.reread(sending)
+    assert now.response is None
+    probed_at = sending.last_sent_at + timedelta(seconds=1)
+    early = too_soon(now, probed_at, lagged)
+    assert early is not None
+    assert early.retry_after == sending.last_sent_at + LEASE + timedelta(seconds=5) - probed_at
+    full = await store.get(record.id)
+    assert full is not None
+    assert full.request_body == b'{"items": ["atta"]}'  # what it asked for is carried
+
+
 async def test_restore_puts_back_only_a_purged_response(subject: Subject) -> None:
     """A probe's answer replaces nothing that is still stored; after the purge it is replayed."""
     store = subject.store
