@@ -24,6 +24,16 @@ NOTHING_HAPPENED = frozenset({408, 425, 429})
 # asks for the same request at another URI. Nothing happened; the gateway never relays them (a client
 # that follows one would send the request again, past the gateway), and the retry sends again here.
 REDIRECTED = frozenset({307, 308})
+# 301 and 302 let a client turn a POST into a GET, and clients do (requests, aiohttp); any other method
+# they send again as it was, to the Location: for those, these too repeat the request.
+REDIRECTED_BUT_POST = frozenset({301, 302})
+
+
+def repeats_request(status: int, method: str) -> bool:
+    """Whether a client following this redirect would send the same request again, elsewhere."""
+    return status in REDIRECTED or (status in REDIRECTED_BUT_POST and method != "POST")
+
+
 # Statuses after which the effect may or may not have happened.
 MAYBE_HAPPENED = frozenset({500, 502, 503, 504})
 
@@ -220,10 +230,13 @@ class Settlement:
         return self.transition.target
 
 
-def settle(outcome: Outcome, *, earlier_doubt: bool) -> Settlement:
-    """The state an attempt leaves its pending record in; ``earlier_doubt`` is its may_have_sent."""
+def settle(outcome: Outcome, *, earlier_doubt: bool, method: str = "POST") -> Settlement:
+    """The state an attempt leaves its pending record in; ``earlier_doubt`` is its may_have_sent.
+
+    ``method`` is the request's: a 301 or 302 to a POST is an answer, to a PUT it asks for the PUT again.
+    """
     match outcome:
-        case Answered(status=status) if status in NOTHING_HAPPENED or status in REDIRECTED:
+        case Answered(status=status) if status in NOTHING_HAPPENED or repeats_request(status, method):
             state, reached, ends = State.RETRYABLE, False, True
         case Answered(status=status) if status in MAYBE_HAPPENED:
             state, reached, ends = State.IN_DOUBT, True, True

@@ -20,7 +20,6 @@ from typing import Any, TypeVar, assert_never
 from gateway import problems, trail
 from gateway.body import RequestBody
 from gateway.decision import (
-    REDIRECTED,
     Busy,
     Late,
     Mismatch,
@@ -39,6 +38,7 @@ from gateway.decision import (
     Unknown,
     before_sending,
     decide,
+    repeats_request,
     restore,
     review,
     settle,
@@ -237,7 +237,7 @@ class EffectService:
         if mode == "forward":
             outcome = await self._client.send(outbound, policy.timeout.total_seconds())
             if inbound.method not in SAFE_METHODS:
-                _refuse_redirect(outcome, policy, None)
+                _refuse_redirect(outcome, policy, None, inbound.method)
             return _reply(outcome, None)
         # "audit": one row for the audit, under a made-up key that no request can ever present again.
         took = _clock()
@@ -402,7 +402,7 @@ class EffectService:
     ) -> Reply:
         """Write down what the attempt ``record`` holds came to (fenced), and answer with it."""
         recovered_by = None if reason in (None, "retryable") else reason
-        settled = settle(outcome, earlier_doubt=record.may_have_sent)
+        settled = settle(outcome, earlier_doubt=record.may_have_sent, method=record.method)
         try:
             saved = await self._settle(
                 record,
@@ -425,7 +425,7 @@ class EffectService:
             trail.recovered(recovered_by)
         if settled.state is State.COMPLETED and isinstance(outcome, Answered):
             self._remember(saved, StoredResponse(outcome.status, outcome.headers, outcome.body))
-        _refuse_redirect(outcome, policy, record.id)
+        _refuse_redirect(outcome, policy, record.id, record.method)
         return _reply(outcome, record.id)
 
     async def _ready_to_send(
@@ -686,14 +686,14 @@ def _describe(outcome: Outcome) -> str:
     assert_never(outcome)
 
 
-def _refuse_redirect(outcome: Outcome, policy: UpstreamPolicy, effect_id: int | None) -> None:
+def _refuse_redirect(outcome: Outcome, policy: UpstreamPolicy, effect_id: int | None, method: str) -> None:
     """A redirect that keeps the method is never relayed for a request that may have an effect.
 
     A client that follows it (requests and aiohttp do by default) would send the request again to
     wherever Location points, past the gateway: on the first answer and on every replay, with the
     agent's Effect-Gateway-Token. The upstream did not act (the record is retryable): say so instead.
     """
-    if not (isinstance(outcome, Answered) and outcome.status in REDIRECTED):
+    if not (isinstance(outcome, Answered) and repeats_request(outcome.status, method)):
         return
     location = next((value for name, value in outcome.headers if name.lower() == "location"), "")
     # Stored header text stands for the upstream's bytes (surrogate-escaped): shown here as text.

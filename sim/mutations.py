@@ -64,9 +64,9 @@ def patched(*changes: tuple[Any, str, Any]) -> Iterator[None]:
 def _doubt_not_sticky() -> contextlib.AbstractContextManager[None]:
     real = decision.settle
 
-    def settle(outcome: Sent, *, earlier_doubt: bool) -> Settlement:
+    def settle(outcome: Sent, *, earlier_doubt: bool, method: str = "POST") -> Settlement:
         # The state as if no earlier attempt had been in doubt; may_have_sent is still carried.
-        fresh = real(outcome, earlier_doubt=False)
+        fresh = real(outcome, earlier_doubt=False, method=method)
         return Settlement(fresh.transition, earlier_doubt or fresh.may_have_sent, fresh.ends_lease)
 
     return patched((decision, "settle", settle), (service, "settle", settle))

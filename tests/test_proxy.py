@@ -505,6 +505,46 @@ async def test_a_redirect_that_keeps_the_method_is_not_relayed_and_nothing_happe
     assert len(upstream.effects("/v2/orders")) == 1
 
 
+@pytest.mark.parametrize("status", [301, 302])
+async def test_a_301_or_302_to_a_put_patch_or_delete_is_not_relayed_but_to_a_post_it_is(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, status: int
+) -> None:
+    """301 and 302 repeat any method but POST (clients follow them with the same PUT, PATCH or DELETE).
+
+    So to a keyed PUT, PATCH or DELETE they are 502 upstream-redirected and the record retryable, as 307
+    and 308 are; to a POST, which clients turn into a GET, they are an answer like any other. Before,
+    every one was completed and relayed, and aiohttp re-sent the PUT to the Location, past the gateway.
+    """
+    moved = f"{upstream.url}/v2/orders"
+
+    async def old(request: web.Request) -> web.Response:
+        return web.Response(status=status, headers={"Location": moved})
+
+    upstream.routes["/orders"] = old
+    async with gateway_server(dsn, upstreams=shop(upstream)) as gw:
+        for method in ("PUT", "PATCH", "DELETE"):
+            async with http.request(
+                method, f"{gw.url}/shop/orders", data=b"{}", headers={"Idempotency-Key": f"k-{method}"}
+            ) as resp:
+                assert resp.status == 502
+                assert (await resp.json(content_type=PROBLEM))["type"].endswith("/upstream-redirected")
+        async with http.post(
+            f"{gw.url}/shop/orders",
+            json={"items": ["atta"]},
+            headers={"Idempotency-Key": "k-POST"},
+            allow_redirects=False,
+        ) as resp:
+            assert (resp.status, resp.headers["Location"]) == (status, moved)
+    assert upstream.effects("/v2/orders") == []
+    rows = {row["key"]: row["state"] for row in await effect_rows(dsn)}
+    assert rows == {
+        "k-PUT": "retryable",
+        "k-PATCH": "retryable",
+        "k-DELETE": "retryable",
+        "k-POST": "completed",
+    }
+
+
 # --- bad input ----------------------------------------------------------------------------------------------
 
 
