@@ -52,18 +52,29 @@ def load_python_probe(name: str) -> PythonProbeFn:
     raise ConfigError(f"bad setting probe.entry_point: no probe named {name!r} in group {ENTRY_POINT_GROUP}")
 
 
+class NotASearchAnswer(ValueError):
+    """The answer does not have the shape ``found`` describes: it says nothing about the effect."""
+
+
 def dig(doc: Any, path: str) -> Any | None:
-    """Follow ``items.0.id``-style paths into JSON; None where the path leads nowhere."""
+    """Follow an ``items.0.id``-style path into a search's answer; None where its list ends first.
+
+    Only a list that is there and shorter than the index says "not found". Anything else (a key
+    missing, null, an object where the list should be: an error document, a changed API) raises
+    :class:`NotASearchAnswer`, since taking it for "not found" would send the effect again.
+    """
+    walked = []
     for part in path.split(".") if path else ():
+        walked.append(part)
         if isinstance(doc, list) and part.isascii() and part.isdigit():
             index = int(part)
-            doc = doc[index] if index < len(doc) else None
-        elif isinstance(doc, dict):
-            doc = doc.get(part)
+            if index >= len(doc):
+                return None
+            doc = doc[index]
+        elif isinstance(doc, dict) and doc.get(part) is not None:
+            doc = doc[part]
         else:
-            return None
-        if doc is None:
-            return None
+            raise NotASearchAnswer(f"nothing at {'.'.join(walked)!r} ({type(doc).__name__} there)")
     return doc
 
 
@@ -149,7 +160,13 @@ class Prober:
             raise ProbeFailed(
                 f"the probe of {policy.name} answered something that is not JSON: {exc}"
             ) from None
-        found = dig(doc, found_at)
+        try:
+            found = dig(doc, found_at)
+        except NotASearchAnswer as exc:
+            raise ProbeFailed(
+                f"the probe of {policy.name} answered {status} without the list probe.found = {found_at!r} "
+                f"looks into: {exc}"
+            ) from None
         if found is None:
             return None
         if not carries(found, derived_key):

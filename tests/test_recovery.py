@@ -264,6 +264,30 @@ async def test_a_search_probe_whose_route_answers_404_is_a_failed_probe(
     assert row["state"] == "in_doubt"
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [{"error": {"message": "bad query"}}, {}, None, [], {"items": None}, {"data": {"items": []}}],
+    ids=["error", "empty", "null", "list", "items-null", "nested"],
+)
+async def test_a_search_answer_without_its_list_is_a_failed_probe(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, answer: object
+) -> None:
+    """A 200 from the search that has no list where `found` looks says nothing: 503, nothing sent.
+
+    Only the list there and shorter than the index is "not found". Before, an error document or a
+    changed shape (`{}`, `null`, `{"items": null}`, ...) read as "not found" and the order was placed again.
+    """
+    flaky_first(upstream)
+    upstream.routes["/orders/search"] = lambda request: _json(answer)
+    probe = {**SEARCH, "lag": "0s"}  # a "not found" would be trusted at once
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": probe}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        assert (await order(http, gw.url))[0] == 500
+        status, _, body = await order(http, gw.url)
+    assert (status, body["type"].rsplit("/", 1)[1]) == (503, "probe-failed")
+    assert len(upstream.effects("/orders")) == 1
+
+
 async def test_a_probe_by_key_reads_404_as_not_found(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession
 ) -> None:
