@@ -171,10 +171,17 @@ class Supervisor:
         return status
 
     def _fork(self) -> None:
+        # Held back across the fork: a worker that got SIGTERM before it dropped the parent's handler
+        # would run that handler instead of stopping, and the parent would wait for it forever.
+        stopping = {signal.SIGTERM, signal.SIGINT}
+        signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
         pid = os.fork()
+        if pid != 0:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
         if pid == 0:  # the worker
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
             code = 0
             try:
                 self._work()
