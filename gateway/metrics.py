@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import (
@@ -43,6 +44,8 @@ SHARED_DIR = "PROMETHEUS_MULTIPROC_DIR"
 # a person looking), and the file in it whose lock says the gateway still runs.
 DIR_PREFIX = "effect-gateway-metrics-"
 LOCK_FILE = "running.lock"
+# Seconds a directory may take to be made and locked before a sweep takes it for a killed gateway's.
+MAKING_FOR = 60
 # Seconds, for every latency: a replay from memory takes a fraction of a millisecond, a statement a
 # millisecond or so, a new effect a few (two commits), an upstream call up to its timeout (30 s by
 # default); 60 s is the longest Prefer: wait may hold a request.
@@ -294,13 +297,23 @@ def sweep_left_behind(parent: str | None = None) -> list[str]:
     parent = parent or tempfile.gettempdir()
     removed = []
     for entry in os.scandir(parent):
-        if not entry.name.startswith(DIR_PREFIX) or not entry.is_dir(follow_symlinks=False):
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        # One still being made (see shared_by_workers) is locked within moments; a gateway killed in
+        # those moments leaves it, unlocked, for good.
+        making = entry.name.startswith(f".{DIR_PREFIX}")
+        if not (entry.name.startswith(DIR_PREFIX) or making):
+            continue
+        if making and time.time() - entry.stat(follow_symlinks=False).st_mtime < MAKING_FOR:
             continue
         try:
             with open(os.path.join(entry.path, LOCK_FILE), "rb") as held:
                 fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except (FileNotFoundError, NotADirectoryError, BlockingIOError, PermissionError):
-            continue  # not a gateway's, a running gateway's, or another user's
+        except FileNotFoundError:
+            if not making:
+                continue  # not a gateway's
+        except (NotADirectoryError, BlockingIOError, PermissionError):
+            continue  # a running gateway's, or another user's
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.path)
     return removed

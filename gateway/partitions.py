@@ -190,7 +190,10 @@ async def _drop(conn: Any, part: Partition, progress: Progress) -> None:
             on conflict do nothing
             returning effect_id
         ), pointed as (
-            update effects e set response_at = case when d.kept then now() end
+            -- Judged again on the row as it is now (a take-over that committed since this statement
+            -- began moved last_sent_at, and Postgres re-checks the row it updates, not the day CTE).
+            update effects e set response_at = case when d.stored_at >= coalesce(e.last_sent_at, e.created_at)
+                                                    then now() end
             from day d
             where d.kind = 'response' and e.id = d.effect_id and e.created_at = d.created_at
               and e.response_at = d.stored_at and e.state <> 'completed'

@@ -175,7 +175,11 @@ class Supervisor:
         # would run that handler instead of stopping, and the parent would wait for it forever.
         stopping = {signal.SIGTERM, signal.SIGINT}
         signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
+            raise
         if pid != 0:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
         if pid == 0:  # the worker

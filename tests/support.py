@@ -356,6 +356,8 @@ async def backdate_bodies(dsn: str, days: int = 10) -> None:
                 if not await partitions.ensure(conn, past):
                     raise RuntimeError("the days to backdate into could not be made")
                 past += timedelta(days=partitions.BODY_DAYS_AHEAD)
+            # ensure's short lock wait outlives its savepoint: the updates wait for a gateway's rows.
+            await conn.execute("set local lock_timeout = '10s'")
             await conn.execute("update effect_bodies set stored_at = stored_at - $1 * interval '1 day'", days)
             # The attempt that stored an answer moves with it: the answer stays its attempt's own
             # (stored since its claim), as when time really passes.

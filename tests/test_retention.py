@@ -15,7 +15,7 @@ import asyncpg
 import pytest
 
 from gateway import partitions
-from gateway.decision import settle, take_over
+from gateway.decision import Policy, settle, take_over, too_soon
 from gateway.outcome import Answered
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State
@@ -213,3 +213,46 @@ async def test_a_retry_that_completes_while_the_retention_runs_keeps_its_own_ans
         await watcher.close()
     replayed = await store.reread(record)
     assert (replayed.state, replayed.response) == (State.COMPLETED, placed)
+
+
+async def test_a_retry_taken_over_while_the_retention_runs_gets_no_earlier_answer_as_its_own(
+    dsn: str, store: Store
+) -> None:
+    """An answer the retention read as the latest is not carried as such once a take-over committed.
+
+    The order is forced with a row lock: the take-over waits on it first, the retention second. The
+    retention then finds the record claimed again since its answer: the answer is the earlier attempt's,
+    and a probe's lag counts from the new attempt's lease.
+    """
+    record, _ = await store.claim(effect("k"), timedelta(0))
+    assert record is not None
+    failed = settle(Answered(500, (), b"busy"), earlier_doubt=False)
+    answered = await store.settle(
+        record, failed, response=StoredResponse(500, (), b"busy"), recovered_by=None
+    )
+    assert answered is not None
+    await backdate_bodies(dsn, 10)
+    answered = await store.reread(answered)
+    lock, watcher = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    try:
+        holding = lock.transaction()
+        await holding.start()
+        await lock.execute("select 1 from effects where id = $1 for update", record.id)
+        taking = asyncio.create_task(store.reclaim(answered, take_over(answered), LEASE, "probe", sends=True))
+        await _until_waiting(watcher, 1)
+        maintaining = asyncio.create_task(store.maintain(RETENTION))
+        await _until_waiting(watcher, 2)
+        await holding.rollback()
+        taken = await taking
+        await maintaining
+    finally:
+        await lock.close()
+        await watcher.close()
+    assert taken is not None
+    assert taken.last_sent_at is not None
+    now = await store.reread(taken)
+    assert now.response is None
+    lagged = Policy(lease=LEASE, has_probe=True, probe_lag=timedelta(seconds=5))
+    early = too_soon(now, taken.last_sent_at, lagged)
+    assert early is not None
+    assert early.retry_after == LEASE + timedelta(seconds=5)
