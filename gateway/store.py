@@ -740,14 +740,16 @@ class Store:
         key); above that, Postgres's estimate from its statistics stands in. Completed effects would
         take a read of the whole audit to count: partitions small enough to read in a few milliseconds
         are counted, larger ones give Postgres's row estimate, less the open effects. With a tenant,
-        only the open states are counted.
+        only the open states are counted, each up to EXACT_OPEN_COUNT and no further.
         """
 
         async def op(conn: Conn) -> dict[str, int]:
             rows = await conn.fetch(_OPEN_COUNTS, [s.value for s in OPEN_STATES], tenant, EXACT_OPEN_COUNT)
             counts = {state.value: 0 for state in State}
             for row in rows:
-                many = row["n"] >= EXACT_OPEN_COUNT
+                # A tenant's count stops at the bound (meaning that many or more): the estimate, the state's
+                # share times the tenant's, would move with other tenants' volume and show them a little.
+                many = row["n"] >= EXACT_OPEN_COUNT and tenant is None
                 counts[row["state"]] = max(row["n"], row["estimate"]) if many else row["n"]
             if tenant is not None:
                 del counts[State.COMPLETED.value]
