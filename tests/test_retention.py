@@ -8,8 +8,9 @@ table. These tests leave the database in those states for real and check that th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from datetime import UTC, datetime, timedelta
+from typing import TypeVar
 
 import asyncpg
 import pytest
@@ -176,6 +177,46 @@ async def _until_waiting(conn: asyncpg.Connection, count: int) -> None:
     raise AssertionError(f"{count} statements never came to wait on the lock")
 
 
+T = TypeVar("T")
+
+
+async def first_then_retention(dsn: str, store: Store, effect_id: int, first: Awaitable[T]) -> T:
+    """Run ``first`` and then the retention, both waiting on the effect's row, ``first`` let go first.
+
+    A third session holds the row lock until both wait on it: the retention has read the effect (its
+    statement's snapshot) before ``first`` commits, and updates it after.
+    """
+    lock, watcher = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    try:
+        holding = lock.transaction()
+        await holding.start()
+        await lock.execute("select 1 from effects where id = $1 for update", effect_id)
+        going = asyncio.ensure_future(first)
+        await _until_waiting(watcher, 1)
+        maintaining = asyncio.create_task(store.maintain(RETENTION))
+        await _until_waiting(watcher, 2)
+        await holding.rollback()
+        done = await going
+        await maintaining
+        return done
+    finally:
+        await lock.close()
+        await watcher.close()
+
+
+async def answered_days_ago(dsn: str, store: Store, status: int, body: bytes) -> EffectRecord:
+    """An effect whose first attempt was answered ``status`` ten days ago (past the retention)."""
+    record, _ = await store.claim(effect("k"), timedelta(0))
+    assert record is not None
+    outcome = settle(Answered(status, (), body), earlier_doubt=False)
+    answered = await store.settle(
+        record, outcome, response=StoredResponse(status, (), body), recovered_by=None
+    )
+    assert answered is not None
+    await backdate_bodies(dsn, 10)
+    return await store.reread(answered)
+
+
 async def test_a_retry_that_completes_while_the_retention_runs_keeps_its_own_answer(
     dsn: str, store: Store
 ) -> None:
@@ -184,33 +225,14 @@ async def test_a_retry_that_completes_while_the_retention_runs_keeps_its_own_ans
     The order is forced with a row lock: the retry's settle waits on it first, the retention (which has
     read the effect as still open) second; the settle goes first and completes the effect.
     """
-    record, _ = await store.claim(effect("k"), timedelta(0))
-    assert record is not None
-    busy = settle(Answered(429, (), b'{"error":"slow down"}'), earlier_doubt=False)
-    refused = await store.settle(
-        record, busy, response=StoredResponse(429, (), b'{"error":"slow down"}'), recovered_by=None
-    )
-    assert refused is not None
+    refused = await answered_days_ago(dsn, store, 429, b'{"error":"slow down"}')
     assert refused.state is State.RETRYABLE
-    await backdate_bodies(dsn, 10)
-    retry = await store.reclaim(await store.reread(refused), take_over(refused), LEASE, "retry", sends=True)
+    record = refused
+    retry = await store.reclaim(refused, take_over(refused), LEASE, "retry", sends=True)
     assert retry is not None
     placed = StoredResponse(201, (), b'{"order":"P-2"}')
-    lock, watcher = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
-    try:
-        holding = lock.transaction()
-        await holding.start()
-        await lock.execute("select 1 from effects where id = $1 for update", record.id)
-        settling = asyncio.create_task(store.settle(retry, DONE, response=placed, recovered_by=None))
-        await _until_waiting(watcher, 1)
-        maintaining = asyncio.create_task(store.maintain(RETENTION))
-        await _until_waiting(watcher, 2)
-        await holding.rollback()
-        assert await settling is not None
-        await maintaining
-    finally:
-        await lock.close()
-        await watcher.close()
+    settled = store.settle(retry, DONE, response=placed, recovered_by=None)
+    assert await first_then_retention(dsn, store, record.id, settled) is not None
     replayed = await store.reread(record)
     assert (replayed.state, replayed.response) == (State.COMPLETED, placed)
 
@@ -224,30 +246,10 @@ async def test_a_retry_taken_over_while_the_retention_runs_gets_no_earlier_answe
     retention then finds the record claimed again since its answer: the answer is the earlier attempt's,
     and a probe's lag counts from the new attempt's lease.
     """
-    record, _ = await store.claim(effect("k"), timedelta(0))
-    assert record is not None
-    failed = settle(Answered(500, (), b"busy"), earlier_doubt=False)
-    answered = await store.settle(
-        record, failed, response=StoredResponse(500, (), b"busy"), recovered_by=None
-    )
-    assert answered is not None
-    await backdate_bodies(dsn, 10)
-    answered = await store.reread(answered)
-    lock, watcher = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
-    try:
-        holding = lock.transaction()
-        await holding.start()
-        await lock.execute("select 1 from effects where id = $1 for update", record.id)
-        taking = asyncio.create_task(store.reclaim(answered, take_over(answered), LEASE, "probe", sends=True))
-        await _until_waiting(watcher, 1)
-        maintaining = asyncio.create_task(store.maintain(RETENTION))
-        await _until_waiting(watcher, 2)
-        await holding.rollback()
-        taken = await taking
-        await maintaining
-    finally:
-        await lock.close()
-        await watcher.close()
+    answered = await answered_days_ago(dsn, store, 500, b"busy")
+    record = answered
+    taking = store.reclaim(answered, take_over(answered), LEASE, "probe", sends=True)
+    taken = await first_then_retention(dsn, store, record.id, taking)
     assert taken is not None
     assert taken.last_sent_at is not None
     now = await store.reread(taken)
