@@ -302,6 +302,8 @@ def test_the_systemd_unit_stops_on_a_configuration_error() -> None:
     assert service["WorkingDirectory"] == f"/var/lib/{service['StateDirectory']}"
 
 
+# systemd's own verdict needs systemd's tools; a machine without systemd (a container, macOS) has nothing
+# to ask, and the unit's settings are still checked by the test above. CI's machine has them.
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_accepts_the_unit(tmp_path: Path) -> None:
     """systemd-analyze verify finds no unknown setting (the binary is this test's own effect-gateway)."""
@@ -382,6 +384,9 @@ async def compose_database(postgres_dsn: str) -> Any:
         await admin.close()
 
 
+# The services listen on compose's fixed ports, so they run in a network namespace of their own, never
+# beside whatever else uses those ports on the machine; where namespaces are not allowed (an unprivileged
+# container), the static compose checks above still run. CI's machine allows them.
 @pytest.mark.skipif(not _namespaces_work(), reason="unshare cannot make a user and network namespace here")
 async def test_compose_comes_up_as_processes(compose_database: str, tmp_path: Path) -> None:
     """compose's commands, as processes: the upstreams pass their healthchecks, then the gateway passes
