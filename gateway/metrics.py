@@ -330,7 +330,8 @@ def shared_by_workers() -> Iterator[str]:
     # Held until this process and the workers it forks have all exited: while held, no sweep removes it.
     lock = open(os.path.join(making, LOCK_FILE), "wb")  # noqa: SIM115 - held for the whole with
     fcntl.flock(lock, fcntl.LOCK_EX)
-    directory = os.path.join(os.path.dirname(making), f"{DIR_PREFIX}{os.getpid()}-{making[-8:]}")
+    unique = os.path.basename(making).removeprefix(f".{DIR_PREFIX}")
+    directory = os.path.join(os.path.dirname(making), f"{DIR_PREFIX}{os.getpid()}-{unique}")
     os.rename(making, directory)
     before = os.environ.get(SHARED_DIR)
     os.environ[SHARED_DIR] = directory

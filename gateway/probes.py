@@ -63,9 +63,8 @@ def dig(doc: Any, path: str) -> Any | None:
     missing, null, an object where the list should be: an error document, a changed API) raises
     :class:`NotASearchAnswer`, since taking it for "not found" would send the effect again.
     """
-    walked = []
-    for part in path.split(".") if path else ():
-        walked.append(part)
+    parts = path.split(".") if path else []
+    for depth, part in enumerate(parts, 1):
         if isinstance(doc, list) and part.isascii() and part.isdigit():
             index = int(part)
             if index >= len(doc):
@@ -74,7 +73,7 @@ def dig(doc: Any, path: str) -> Any | None:
         elif isinstance(doc, dict) and doc.get(part) is not None:
             doc = doc[part]
         else:
-            raise NotASearchAnswer(f"nothing at {'.'.join(walked)!r} ({type(doc).__name__} there)")
+            raise NotASearchAnswer(f"nothing at {'.'.join(parts[:depth])!r} ({type(doc).__name__} there)")
     return doc
 
 

@@ -177,15 +177,12 @@ class Supervisor:
         signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
         try:
             pid = os.fork()
-        except BaseException:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
-            raise
-        if pid != 0:
+            if pid == 0:  # the worker stops on them, from now on
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+        finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
         if pid == 0:  # the worker
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
             code = 0
             try:
                 self._work()

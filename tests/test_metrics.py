@@ -345,7 +345,7 @@ def test_a_killed_gateways_metrics_directory_is_removed_by_the_next(
     )
     temp = tmp_path / "tmp"
     temp.mkdir()
-    someone_elses = temp / "effect-gateway-metrics-notapid-x"  # not a gateway's name: left alone
+    someone_elses = temp / "effect-gateway-metrics-notapid-x"  # no lock file in it: not a gateway's
     someone_elses.mkdir()
     killed = start_gateway_process(config, {"TMPDIR": str(temp)})
     workers = children(killed.proc.pid)
