@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest fuzz spin model-check chromium simulate serve demo bench bench-load bench-growth clean
+.PHONY: test lint typecheck pytest fuzz spin model-check chromium simulate serve demo bench bench-load bench-growth bench-memory clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -96,6 +96,12 @@ bench-load: $(STAMP)
 ROWS ?= 1000000
 bench-growth: $(STAMP)
 	$(BIN)/python -m bench.growth --rows $(ROWS)
+
+# Each worker's resident memory as new effects pile up: `make bench-memory EFFECTS=1000000` (about 20
+# minutes at 1M on 2 cores).
+EFFECTS ?= 1000000
+bench-memory: $(STAMP)
+	$(BIN)/python -m bench.worker_memory --effects $(EFFECTS)
 
 clean:
 	rm -rf $(VENV) .effect-gateway examples/.effect-gateway .journal .pytest_cache .mypy_cache .ruff_cache

@@ -109,7 +109,12 @@ def parse_workers(text: str) -> list[int]:
 
 
 def write_config(
-    path: Path, upstream: str, data_dir: Path, database_url: str | None, workers: int | None
+    path: Path,
+    upstream: str,
+    data_dir: Path,
+    database_url: str | None,
+    workers: int | None,
+    extra: tuple[str, ...] = (),
 ) -> None:
     lines = [
         'listen = "127.0.0.1:0"',
@@ -122,6 +127,7 @@ def write_config(
     if workers is not None:
         lines.append(f"workers = {workers}")
     lines += [
+        *extra,
         "[upstreams.shop]",
         f'base_url = "{upstream}"',
         'timeout = "30s"',
@@ -150,11 +156,17 @@ def post(url: str, key: str | None, timeout: float = 30.0) -> int:
 
 
 def start_gateway(
-    workers: int, mode: str | None, upstream: str, work: Path, database_url: str | None
+    workers: int,
+    mode: str | None,
+    upstream: str,
+    work: Path,
+    database_url: str | None,
+    extra: tuple[str, ...] = (),
 ) -> Gateway:
+    """``extra``: top-level settings lines for its config."""
     data_dir = work / f"gateway-w{workers}"
     config = work / f"gateway-w{workers}.toml"
-    write_config(config, upstream, data_dir, database_url, workers if mode == "setting" else None)
+    write_config(config, upstream, data_dir, database_url, workers if mode == "setting" else None, extra)
     argv = [*gateway_command(), "serve", "--config", str(config)]
     if mode == "flag":
         argv += ["--workers", str(workers)]
