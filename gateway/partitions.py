@@ -123,6 +123,37 @@ async def row_count(conn: Any, table: str, estimate: int, heap_bytes: int, where
     return estimate if estimate >= 0 else heap_bytes // ROW_BYTES_GUESS
 
 
+def month_of(at: datetime) -> tuple[datetime, datetime]:
+    """The bounds of the audit's partition that holds a row created at ``at`` (a UTC month)."""
+    lower = at.astimezone(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    upper = (
+        lower.replace(year=lower.year + 1, month=1)
+        if lower.month == 12
+        else lower.replace(month=lower.month + 1)
+    )
+    return lower, upper
+
+
+def day_of(at: datetime) -> tuple[datetime, datetime]:
+    """The bounds of the bodies' partition that holds a body stored at ``at`` (a UTC day)."""
+    lower = at.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    return lower, lower + timedelta(days=1)
+
+
+def within(column: str, bounds: tuple[datetime, datetime]) -> str:
+    """SQL keeping ``column`` within ``bounds``, as constants: the plan then names one partition.
+
+    A statement that finds its row by a parameter leaves the partition to be picked when it runs, and a
+    generic plan (the store's pools use them) must then open and lock every partition of the table and
+    each of their indexes, on every execution: a hundred and more locks per statement after a few months,
+    past the few a backend keeps cheaply. With the row's own partition bounds written in as constants,
+    Postgres prunes the others when it plans. The text differs per month or day, so each bound gets a
+    prepared statement of its own; detaching a partition makes Postgres plan them again.
+    """
+    lower, upper = bounds
+    return f"{column} >= '{lower.isoformat()}' and {column} < '{upper.isoformat()}'"
+
+
 def _bounds(bound: str) -> tuple[datetime, datetime]:
     # "FOR VALUES FROM ('2026-12-02 00:00:00+00') TO ('2026-12-03 00:00:00+00')"
     lower, upper = (part.split("'")[1] for part in bound.split(" TO "))

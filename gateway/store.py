@@ -43,15 +43,28 @@ _COLUMNS = """
     e.replays, e.keyless, clock_timestamp() as read_at
 """
 # The response on record, for a replay: found in effect_bodies at the time it was stored. The hot path
-# reads it with a statement of its own (_STORED_RESPONSE): a join cannot know which day's partition
+# reads it with a statement of its own (_stored_response): a join cannot know which day's partition
 # holds it, so Postgres would open and lock every partition of effect_bodies on each execution.
 _RESPONSE = """
     left join effect_bodies r on r.effect_id = e.id and r.kind = 'response' and r.stored_at = e.response_at
 """
 _WITH_RESPONSE = f"{_COLUMNS}, r.headers as r_headers, r.body as r_body"
-_STORED_RESPONSE = """
-    select headers, body from effect_bodies where effect_id = $1 and kind = 'response' and stored_at = $2
-"""
+
+
+def _stored_response(stored_at: datetime) -> str:
+    """The statement reading a response stored at ``stored_at``, from that day's partition only."""
+    return f"""
+        select headers, body from effect_bodies
+        where effect_id = $1 and kind = 'response' and stored_at = $2
+          and {partitions.within("stored_at", partitions.day_of(stored_at))}
+    """
+
+
+def _in_month(record: EffectRecord) -> str:
+    """SQL keeping ``e`` (the audit) to the month's partition that holds ``record``."""
+    return partitions.within("e.created_at", partitions.month_of(record.created_at))
+
+
 # No response on record (none stored, or its day dropped by the retention).
 _NO_BODY: Mapping[str, Any] = {"headers": None, "body": None}
 
@@ -60,7 +73,7 @@ async def _read_with_response(conn: Conn, row: asyncpg.Record) -> EffectRecord:
     """The record of ``row`` (read without the bodies) with the response on record, if there is one."""
     if row["response_status"] is None or row["response_at"] is None:
         return _record(row, response=True, body=_NO_BODY)
-    body = await conn.fetchrow(_STORED_RESPONSE, row["id"], row["response_at"])
+    body = await conn.fetchrow(_stored_response(row["response_at"]), row["id"], row["response_at"])
     return _record(row, response=True, body=body or _NO_BODY)
 
 
@@ -262,6 +275,9 @@ class Store:
                 max_size=max_size,
                 init=_init_connection,
                 reset=_keep_session,
+                # A statement per month of the audit and per day of bodies (partitions.within), each
+                # prepared once per connection: room for a retention of months beside the rest.
+                statement_cache_size=512,
                 server_settings=session,
             )
         except (OSError, asyncpg.PostgresError) as exc:
@@ -336,9 +352,10 @@ class Store:
         """
 
         async def op(conn: Conn) -> tuple[EffectRecord | None, bool]:
-            # One round trip in the common cases: a new key inserts, a known key is read by the same
-            # statement. The read shares the statement's snapshot, so a twin that committed its row
-            # after that snapshot is not seen; then, and only then, a second read follows.
+            # A new key: one round trip. A known one is read by statements of their own, which find its
+            # partitions first: a read joined into this statement would lock every partition of the
+            # audit on each claim (see partitions.within). They also run after this statement, so they
+            # see a twin's row that committed while this one waited for it on the key.
             row = await conn.fetchrow(
                 f"""
                 with k as (
@@ -361,14 +378,7 @@ class Store:
                     insert into open_effects (state, id, created_at, tenant)
                     select 'pending', effect_id, created_at, $1 from k
                 )
-                select {_COLUMNS}, null::bytea as r_headers, null::bytea as r_body, true as created
-                from e
-                union all
-                select {_COLUMNS}, null::bytea as r_headers, null::bytea as r_body, false as created
-                from effect_keys k2
-                join effects e on e.id = k2.effect_id and e.created_at = k2.created_at
-                where k2.digest = effect_key_digest($3) and k2.tenant = $1 and k2.upstream = $2
-                  and not exists (select from k)
+                select {_COLUMNS}, null::bytea as r_headers, null::bytea as r_body from e
                 """,
                 new.tenant,
                 new.upstream,
@@ -386,25 +396,32 @@ class Store:
                 new.keyless,
                 _event("claimed", attempt=1),
             )
+            if row is not None:
+                return _record(row, response=True), True
+            known = await conn.fetchrow(
+                """
+                select effect_id, created_at from effect_keys
+                where digest = effect_key_digest($3) and tenant = $1 and upstream = $2
+                """,
+                new.tenant,
+                new.upstream,
+                new.key,
+            )
+            if known is None:
+                # The insert found the key taken, and keys are never deleted.
+                raise StoreRejected(f"the key {new.key!r} was taken but is not on record")
+            month = partitions.within("e.created_at", partitions.month_of(known["created_at"]))
+            row = await conn.fetchrow(
+                f"select {_COLUMNS} from effects e where e.id = $1 and e.created_at = $2 and {month}",
+                known["effect_id"],
+                known["created_at"],
+            )
             if row is None:
-                row = await conn.fetchrow(
-                    f"""
-                    select {_COLUMNS}, false as created
-                    from effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at
-                    where k.digest = effect_key_digest($3) and k.tenant = $1 and k.upstream = $2
-                    """,
-                    new.tenant,
-                    new.upstream,
-                    new.key,
-                )
-                if row is None:
-                    return None, False
+                return None, False  # its month of the audit was archived (detached)
             if row["key"] != new.key:
                 # Two keys with one digest: never by chance (see migration 005), so refuse rather than
                 # answer for another effect.
                 raise StoreRejected(f"the key {new.key!r} shares its digest with the key {row['key']!r}")
-            if row["created"]:
-                return _record(row, response=True), True
             return await _read_with_response(conn, row), False
 
         return await self._run("claim", op)
@@ -438,7 +455,7 @@ class Store:
                     last_sent_at = case when $6 then now() else last_sent_at end,
                     first_sent_at = coalesce(first_sent_at, now()),
                     history = history || {_stamped(7)}
-                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4 and {_in_month(record)}
                 returning {_COLUMNS}
             ), {_open_moved("$4", "'pending'")}
             select * from e
@@ -477,7 +494,7 @@ class Store:
                     recovered_by = coalesce($11, recovered_by),
                     completed_at = case when $5 = 'completed' then now() else completed_at end,
                     history = history || {_stamped(12)}
-                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4 and {_in_month(record)}
                 returning {_COLUMNS}
             ), stored as (
                 insert into effect_bodies (effect_id, stored_at, kind, headers, body)
@@ -510,7 +527,8 @@ class Store:
         """A fenced-out holder adds what it saw to the history, and changes nothing else."""
         await self._execute(
             "note_fenced",
-            f"update effects set history = history || {_stamped(3)} where id = $1 and created_at = $2",
+            f"update effects e set history = history || {_stamped(3)} "
+            f"where id = $1 and created_at = $2 and {_in_month(record)}",
             record.id,
             record.created_at,
             _event("fenced", attempt=record.attempt, saw=saw),
@@ -527,7 +545,7 @@ class Store:
                 update effects e set state = 'needs_review', attempt = attempt + 1,
                     lease_expires_at = least(lease_expires_at, now()),
                     history = history || {_stamped(5)}
-                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4 and {_in_month(record)}
                 returning {_COLUMNS}
             ), {_open_moved("$4", "'needs_review'")}
             select * from e
@@ -564,7 +582,7 @@ class Store:
             with e as (
                 update effects e set response_status = $5, response_at = now(),
                     history = history || {_stamped(8)}
-                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4 and {_in_month(record)}
                   and not exists (select from effect_bodies r where r.effect_id = e.id and r.kind = 'response'
                                   and r.stored_at = e.response_at)
                 returning id
@@ -605,7 +623,7 @@ class Store:
                     attempt = attempt + 1,
                     completed_at = case when $6 then now() end,
                     history = history || {_stamped(10)}
-                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4 and {_in_month(record)}
                   and (lease_expires_at is null or lease_expires_at <= now())
                 returning {_COLUMNS}
             ), stored as (
@@ -665,7 +683,8 @@ class Store:
 
         async def op(conn: Conn) -> EffectRecord:
             row = await conn.fetchrow(
-                f"select {_COLUMNS} from effects e where e.id = $1 and e.created_at = $2",
+                f"select {_COLUMNS} from effects e "
+                f"where e.id = $1 and e.created_at = $2 and {_in_month(record)}",
                 record.id,
                 record.created_at,
             )
@@ -820,7 +839,7 @@ def _record(
     body: asyncpg.Record | Mapping[str, Any] | None = None,
 ) -> EffectRecord:
     """The record of ``row``, with the response on record when ``response``: from ``body`` (a row of
-    _STORED_RESPONSE) when given, else from the row's own r_headers and r_body."""
+    _stored_response) when given, else from the row's own r_headers and r_body."""
     stored = None
     if response and body is not None:
         stored = _stored(row["response_status"], body["headers"], body["body"])
