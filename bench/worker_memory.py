@@ -46,6 +46,13 @@ def run(args: argparse.Namespace) -> None:
     if workers_support() != "setting":
         sys.exit("this build has no workers setting")
     work = Path(tempfile.mkdtemp(prefix="effect-gateway-memory-"))
+    try:
+        measure(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, work: Path) -> None:
     start_line = at_start(str(work))
     (workers,) = parse_workers(args.workers)
     with running([]) as started:
@@ -92,7 +99,6 @@ def run(args: argparse.Namespace) -> None:
                 )
             ).result()  # fmt: skip
             row(done, new.rate, replay.rate, pids)
-    shutil.rmtree(work, ignore_errors=True)
 
 
 def row(done: int, new: float | None, replay: float | None, pids: list[int]) -> None:
