@@ -162,15 +162,19 @@ def start_gateway(
     work: Path,
     database_url: str | None,
     extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    name: str | None = None,
 ) -> Gateway:
-    """``extra``: top-level settings lines for its config."""
-    data_dir = work / f"gateway-w{workers}"
-    config = work / f"gateway-w{workers}.toml"
+    """``extra``: top-level settings lines for its config; ``env``: its environment (default: ours);
+    ``name``: of its files in ``work`` (default: by its workers)."""
+    name = name or f"gateway-w{workers}"
+    data_dir = work / name
+    config = work / f"{name}.toml"
     write_config(config, upstream, data_dir, database_url, workers if mode == "setting" else None, extra)
     argv = [*gateway_command(), "serve", "--config", str(config)]
     if mode == "flag":
         argv += ["--workers", str(workers)]
-    server = start_server(f"gateway (workers {workers})", argv, work / f"gateway-w{workers}.log")
+    server = start_server(f"gateway (workers {workers})", argv, work / f"{name}.log", env=env)
     dsn = database_url or os.environ.get("EFFECT_GATEWAY_DATABASE_URL") or EmbeddedPostgres(data_dir).start()
     return Gateway(workers, server, data_dir, dsn, tag=f"{time.time_ns():x}.w{workers}")
 

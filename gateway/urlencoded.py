@@ -8,6 +8,7 @@ builds arrays of objects from ``items[][a]=1&items[][b]=2`` reads another docume
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from urllib.parse import quote, quote_from_bytes, unquote_to_bytes
@@ -62,10 +63,13 @@ def sets_name(raw: bytes, name: str, *, nested: bool = False) -> bool:
     the name, so that any body is searched in one pass: this is asked of opaque bodies of any size too.
     ``nested``: a pair named ``name[...]`` counts too, which Rack and PHP read as a part of ``name``.
     """
-    return re.search(_spellings(name, nested), raw) is not None
+    return _spellings(name, nested).search(raw) is not None
 
 
-def _spellings(name: str, nested: bool = False) -> bytes:
+# Names are the stamps' of the configured upstreams (a handful), asked of every request: each pattern is
+# built and compiled once. The bound only keeps memory bounded for callers that ask of many names.
+@functools.lru_cache(maxsize=256)
+def _spellings(name: str, nested: bool = False) -> re.Pattern[bytes]:
     """A pattern for ``name`` at the start of a pair, however it may be percent-encoded."""
     parts = []
     for byte in name.encode():
@@ -80,7 +84,7 @@ def _spellings(name: str, nested: bool = False) -> bytes:
         else:
             parts.append(b"(?:" + re.escape(bytes([byte])) + b"|" + escaped + b")")
     end = b"=|[&;]|\\Z" + (b"|\\[|%5[Bb]" if nested else b"")
-    return b"(?:^|(?<=[&;]))" + b"".join(parts) + b"(?=" + end + b")"
+    return re.compile(b"(?:^|(?<=[&;]))" + b"".join(parts) + b"(?=" + end + b")")
 
 
 def append(raw: bytes, name: str, value: str) -> bytes:

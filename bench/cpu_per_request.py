@@ -1,0 +1,218 @@
+"""Gateway and Postgres CPU milliseconds per request, for a new effect and for a replay.
+
+Run: `python -m bench.cpu_per_request` (`--requests 4000 --concurrency 8 --repeat 3`; under a minute),
+or `python -m bench.cpu_per_request --against DIR --repeat 5` to compare this tree's gateway with the
+one in DIR (another checkout, e.g. `git worktree add /tmp/base main`). The trivial upstream
+(bench.upstream) and the gateway as users start it (`effect-gateway serve`, one worker, its own embedded
+Postgres, or the one given) run in processes of their own; wrk (or bench.loadgen) sends the requests
+from another. Each run sends about ``--requests`` new effects (a fresh key each), then as many replays
+(1,000 keys completed beforehand, round and round), and reads the user + system CPU time the gateway's
+processes and its Postgres's spent meanwhile from /proc.
+
+CPU time per request, unlike req/s, hardly moves when other work shares the machine, but it does some
+(other processes evict the caches a request would find warm): the table gives the median of
+``--repeat`` runs and how far the runs were apart. With ``--against`` the two gateways take turns in
+every run (ABBA), and ``change`` is the median of the runs' ratios, which a busy moment moves little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from bench import profiling
+from bench.gateway_load import BODY, HEADERS, REPLAY_KEYS, Gateway, post, prepare, start_gateway
+from bench.harness import at_start, conditions, cpu_seconds, machine_now, running, start_server
+from bench.load import Load, LoadSpec, generator_description
+
+# Below this a run's CPU time is a handful of the kernel's 10 ms ticks: too coarse to compare.
+MIN_REQUESTS = 1000
+KINDS = ("new", "replay")
+
+
+@dataclass(frozen=True)
+class Sample:
+    gateway_ms: float
+    postgres_ms: float
+    rate: float
+
+
+@dataclass
+class Subject:
+    """A gateway under measurement: its label, loads, and what each run of them cost."""
+
+    label: str
+    gw: Gateway
+    loads: dict[str, LoadSpec]
+    rates: dict[str, float] = field(default_factory=dict)
+    samples: dict[str, list[Sample]] = field(default_factory=lambda: {k: [] for k in KINDS})
+
+
+def sample(gw: Gateway, spec: LoadSpec, requests: int) -> Sample:
+    """One load of about ``requests`` requests; CPU per request of the gateway and of its Postgres."""
+    ours, pg = gw.pids(), gw.pg_pids()
+    before_gw, before_pg = cpu_seconds(ours), cpu_seconds(pg)
+    result = Load(spec).result()
+    # Only the processes there at the start: a Postgres backend that ended meanwhile is not counted,
+    # which the pool (connections held for the gateway's life) makes rare.
+    after_gw, after_pg = cpu_seconds(ours), cpu_seconds(pg)
+    if result.not_2xx or result.failed:
+        raise RuntimeError(f"{result.not_2xx} answers not 2xx, {result.failed} failed ({spec.url})")
+    if result.requests < requests / 4:
+        raise RuntimeError(f"only {result.requests} of about {requests} requests were sent")
+    n = result.requests
+    return Sample(1000 * (after_gw - before_gw) / n, 1000 * (after_pg - before_pg) / n, result.rate)
+
+
+def duration_for(rate: float, requests: int) -> float:
+    """Seconds of load that send about ``requests`` at ``rate`` (wrk runs for whole seconds)."""
+    return float(max(1, round(requests / rate))) if rate else 2.0
+
+
+def loads(gw: Gateway, concurrency: int) -> dict[str, LoadSpec]:
+    common = LoadSpec(f"{gw.server.url}/shop/orders", concurrency, 2.0, body=BODY, headers=HEADERS)
+    return {
+        "new": replace(common, mode="new", tag=f"{gw.tag}.new"),
+        "replay": replace(common, mode="cycle", tag=gw.tag, keys=REPLAY_KEYS),
+    }
+
+
+def measure(subject: Subject, rep: int, requests: int) -> None:
+    for kind in KINDS:
+        spec = subject.loads[kind]
+        seconds = duration_for(subject.rates[kind], requests)
+        tag = f"{spec.tag}.{rep}" if kind == "new" else spec.tag
+        got = sample(subject.gw, replace(spec, duration=seconds, tag=tag), requests)
+        subject.samples[kind].append(got)
+        subject.rates[kind] = got.rate
+
+
+def run(args: argparse.Namespace) -> None:
+    warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
+    work = Path(tempfile.mkdtemp(prefix="effect-gateway-cpu-"))
+    start_line = at_start(str(work))
+    trees = [("this tree", None)]
+    if args.against:
+        other = str(Path(args.against).resolve())
+        if not Path(other, "gateway", "__init__.py").exists():
+            sys.exit(f"--against {args.against}: no gateway/ package there")
+        # The other tree's packages come first on its gateway's path; bench code stays this tree's.
+        trees.append((args.against, {**os.environ, "PYTHONPATH": other}))
+    subjects: list[Subject] = []
+    with running([]) as started:
+        upstream = start_server("upstream", [sys.executable, "-m", "bench.upstream"], work / "upstream.log")
+        started.append(upstream)
+        try:
+            for i, (label, env) in enumerate(trees):
+                gw = start_gateway(
+                    1, "setting", upstream.url, work, args.database_url, env=env, name=f"gw{i}"
+                )
+                started.append(gw.server)
+                prepare(gw)
+                subjects.append(Subject(label, gw, loads(gw, args.concurrency)))
+            print(
+                conditions(
+                    {
+                        "load": generator_description(),
+                        "run": f"about {args.requests:,} requests per kind and run, concurrency "
+                        f"{args.concurrency}, {args.repeat} runs (medians), workers 1"
+                        + (f"; against {args.against}, in turns" if args.against else ""),
+                    },
+                    start_line,
+                ),
+                flush=True,
+            )
+            for subject in subjects:  # warm up, and learn the rates that make a run ``requests`` long
+                for kind, spec in subject.loads.items():
+                    tag = f"{spec.tag}.warm" if kind == "new" else spec.tag
+                    subject.rates[kind] = Load(replace(spec, tag=tag)).result().rate
+            for rep in range(args.repeat):
+                for subject in subjects if rep % 2 == 0 else subjects[::-1]:
+                    measure(subject, rep, args.requests)
+                print(f"run {rep + 1}/{args.repeat} done", flush=True)
+            if args.profile:
+                for kind, spec in subjects[0].loads.items():
+                    tag = f"{spec.tag}.profile" if kind == "new" else spec.tag
+                    seconds = args.profile_seconds
+                    profile(subjects[0].gw, replace(spec, duration=seconds + 2, tag=tag), Path(args.profile))
+        finally:
+            post(f"{upstream.url}/release", None)  # the requests prepare() holds: the gateways may stop
+            for subject in subjects:
+                if subject.gw.twin is not None:
+                    subject.gw.twin.join(30)
+    print()
+    print(table(subjects))
+    print(f"\nat the end: {machine_now(str(work))}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def profile(gw: Gateway, spec: LoadSpec, out_dir: Path) -> None:
+    """py-spy on the gateway during ``spec`` (not counted in the table)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    raw = out_dir / f"{spec.mode}-c{spec.concurrency}.txt"
+    seconds = spec.duration - 2
+    load = Load(spec)
+    time.sleep(1)  # past the connections' start
+    spy = profiling.record(gw.server.pid, seconds, raw, subprocesses=True)
+    _, err = spy.communicate()
+    load.result()
+    print(f"\npy-spy, {spec.mode} at c={spec.concurrency} ({raw}):")
+    print(profiling.summary(raw, seconds) if raw.exists() else f"  py-spy failed: {err.decode().strip()}")
+
+
+def _median_spread(values: list[float]) -> tuple[str, str]:
+    mid = statistics.median(values)
+    return f"{mid:.3f}", f"{100 * (max(values) - min(values)) / mid:.0f}%" if mid else "-"
+
+
+def table(subjects: list[Subject]) -> str:
+    out = [
+        "| gateway | path | gateway CPU ms/req | spread | change | Postgres CPU ms/req | spread | req/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    first = subjects[0]
+    for subject in subjects:
+        for kind in KINDS:
+            runs = subject.samples[kind]
+            cpu, cpu_spread = _median_spread([s.gateway_ms for s in runs])
+            pg, pg_spread = _median_spread([s.postgres_ms for s in runs])
+            change = ""
+            if subject is not first:  # this tree's against this one, run by run
+                ratios = [a.gateway_ms / b.gateway_ms for a, b in zip(first.samples[kind], runs, strict=True)]
+                change = f"{100 * (statistics.median(ratios) - 1):+.1f}%"
+            rate = statistics.median(s.rate for s in runs)
+            path = "new effect" if kind == "new" else "replay"
+            cells = (subject.label, path, cpu, cpu_spread, change, pg, pg_spread, f"{rate:,.0f}")
+            out.append("| " + " | ".join(cells) + " |")
+    out.append(
+        "medians over the runs; spread: (max - min) / median; CPU: user + system, from /proc; change: "
+        "this tree's gateway CPU against that row's, the median of the runs' ratios"
+    )
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=4000, help="about this many per kind and run")
+    parser.add_argument("--concurrency", type=int, default=8, help="connections held by the load")
+    parser.add_argument("--repeat", type=int, default=3, help="runs; the table shows medians")
+    parser.add_argument("--against", metavar="DIR", help="a checkout whose gateway to compare, in turns")
+    parser.add_argument("--database-url", help="an external Postgres instead of the embedded one")
+    parser.add_argument("--profile", metavar="DIR", help="then py-spy this tree's gateway under each load")
+    parser.add_argument("--profile-seconds", type=float, default=8.0, help="seconds per py-spy recording")
+    args = parser.parse_args()
+    if args.requests < MIN_REQUESTS:
+        parser.error(f"--requests: at least {MIN_REQUESTS}, or the kernel's CPU ticks are too coarse")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
