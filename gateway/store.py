@@ -60,9 +60,9 @@ def _stored_response(stored_at: datetime) -> str:
     """
 
 
-def _in_month(record: EffectRecord) -> str:
-    """SQL keeping ``e`` (the audit) to the month's partition that holds ``record``."""
-    return partitions.within("e.created_at", partitions.month_of(record.created_at))
+def _in_month(created_at: datetime) -> str:
+    """SQL keeping ``e`` (the audit) to the month's partition that holds a row created at ``created_at``."""
+    return partitions.within("e.created_at", partitions.month_of(created_at))
 
 
 # No response on record (none stored, or its day dropped by the retention).
@@ -410,9 +410,9 @@ class Store:
             if known is None:
                 # The insert found the key taken, and keys are never deleted.
                 raise StoreRejected(f"the key {new.key!r} was taken but is not on record")
-            month = partitions.within("e.created_at", partitions.month_of(known["created_at"]))
             row = await conn.fetchrow(
-                f"select {_COLUMNS} from effects e where e.id = $1 and e.created_at = $2 and {month}",
+                f"select {_COLUMNS} from effects e "
+                f"where e.id = $1 and e.created_at = $2 and {_in_month(known['created_at'])}",
                 known["effect_id"],
                 known["created_at"],
             )
@@ -455,7 +455,8 @@ class Store:
                     last_sent_at = case when $6 then now() else last_sent_at end,
                     first_sent_at = coalesce(first_sent_at, now()),
                     history = history || {_stamped(7)}
-                where id = $1 and created_at = $2 and attempt = $3 and state = $4 and {_in_month(record)}
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                  and {_in_month(record.created_at)}
                 returning {_COLUMNS}
             ), {_open_moved("$4", "'pending'")}
             select * from e
@@ -494,7 +495,8 @@ class Store:
                     recovered_by = coalesce($11, recovered_by),
                     completed_at = case when $5 = 'completed' then now() else completed_at end,
                     history = history || {_stamped(12)}
-                where id = $1 and created_at = $2 and attempt = $3 and state = $4 and {_in_month(record)}
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                  and {_in_month(record.created_at)}
                 returning {_COLUMNS}
             ), stored as (
                 insert into effect_bodies (effect_id, stored_at, kind, headers, body)
@@ -528,7 +530,7 @@ class Store:
         await self._execute(
             "note_fenced",
             f"update effects e set history = history || {_stamped(3)} "
-            f"where id = $1 and created_at = $2 and {_in_month(record)}",
+            f"where id = $1 and created_at = $2 and {_in_month(record.created_at)}",
             record.id,
             record.created_at,
             _event("fenced", attempt=record.attempt, saw=saw),
@@ -545,7 +547,8 @@ class Store:
                 update effects e set state = 'needs_review', attempt = attempt + 1,
                     lease_expires_at = least(lease_expires_at, now()),
                     history = history || {_stamped(5)}
-                where id = $1 and created_at = $2 and attempt = $3 and state = $4 and {_in_month(record)}
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                  and {_in_month(record.created_at)}
                 returning {_COLUMNS}
             ), {_open_moved("$4", "'needs_review'")}
             select * from e
@@ -582,7 +585,8 @@ class Store:
             with e as (
                 update effects e set response_status = $5, response_at = now(),
                     history = history || {_stamped(8)}
-                where id = $1 and created_at = $2 and attempt = $3 and state = $4 and {_in_month(record)}
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                  and {_in_month(record.created_at)}
                   and not exists (select from effect_bodies r where r.effect_id = e.id and r.kind = 'response'
                                   and r.stored_at = e.response_at)
                 returning id
@@ -623,7 +627,8 @@ class Store:
                     attempt = attempt + 1,
                     completed_at = case when $6 then now() end,
                     history = history || {_stamped(10)}
-                where id = $1 and created_at = $2 and attempt = $3 and state = $4 and {_in_month(record)}
+                where id = $1 and created_at = $2 and attempt = $3 and state = $4
+                  and {_in_month(record.created_at)}
                   and (lease_expires_at is null or lease_expires_at <= now())
                 returning {_COLUMNS}
             ), stored as (
@@ -684,7 +689,7 @@ class Store:
         async def op(conn: Conn) -> EffectRecord:
             row = await conn.fetchrow(
                 f"select {_COLUMNS} from effects e "
-                f"where e.id = $1 and e.created_at = $2 and {_in_month(record)}",
+                f"where e.id = $1 and e.created_at = $2 and {_in_month(record.created_at)}",
                 record.id,
                 record.created_at,
             )
