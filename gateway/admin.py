@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway import jsonbody, operators, problems
 from gateway.decision import NotAwaitingOperator
+from gateway.errors import CursorUnknown, StoreUnavailable
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.metrics import states_exposition
 from gateway.record import EffectRecord, StoredResponse
@@ -67,7 +68,8 @@ async def health(request: web.Request) -> web.Response:
 
     Up means this worker serves and Postgres answers; the effect tables are not read for it, so a
     readiness probe costs the same at a billion effects as at none. The counts (open states exact up to
-    1,000 each, completed estimated; a tenant sees its own open ones) need a token.
+    1,000 each, completed estimated; a tenant sees its own open ones) need a token, and are the ones the
+    metrics show: read at most every few seconds for each viewer, however many ask.
     """
     runtime = _runtime(request)
     await runtime.store.ping()  # down (503) when the store is
@@ -75,7 +77,9 @@ async def health(request: web.Request) -> web.Response:
         viewer = _viewer(request, runtime)
     except problems.Problem:
         return _json({"status": "ok"})
-    counts = await runtime.store.state_counts(viewer)
+    counts = await runtime.state_counts.get(viewer)
+    if counts is None:
+        raise StoreUnavailable("the effects by state could not be read")
     return _json(
         {
             "status": "ok",
@@ -210,10 +214,18 @@ def parse_filter(query: dict[str, str], tenant: str | None) -> EffectFilter:
     )
 
 
+async def find_page(runtime: Runtime, where: EffectFilter) -> list[EffectRecord]:
+    """A page of the audit; a ``before`` that names no effect of a span read by time is a bad request."""
+    try:
+        return await runtime.store.find(where)
+    except CursorUnknown as exc:
+        raise problems.BadRequest(f"{exc}: page on with the answer's next link") from None
+
+
 async def list_effects(request: web.Request) -> web.Response:
     runtime = _runtime(request)
     where = parse_filter(dict(request.query), _viewer(request, runtime))
-    records = await runtime.store.find(where)
+    records = await find_page(runtime, where)
     page: dict[str, Any] = {"effects": [effect_json(r, full=False) for r in records], "next": None}
     if len(records) == where.limit:
         nxt = request.rel_url.update_query(before=str(records[-1].id))

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from aiohttp import web
 
 from gateway import audit_page, effect_page, operators, problems
-from gateway.admin import MAX_ID, parse_filter, parse_resolution, verdict_given, whole_number
+from gateway.admin import MAX_ID, find_page, parse_filter, parse_resolution, verdict_given, whole_number
 from gateway.audit_page import BASE, Chrome, Listing
 from gateway.decision import NotAwaitingOperator, resolution
 from gateway.effect_page import ResolveForm, Verdict
@@ -222,7 +222,7 @@ async def list_effects(request: web.Request) -> web.StreamResponse:
     error = None
     try:
         where = parse_filter(query, viewer.tenant)
-        records = await runtime.store.find(where)
+        records = await find_page(runtime, where)
         next_before = records[-1].id if len(records) == where.limit else None
     except problems.BadRequest as exc:
         error, records, next_before = exc.detail, [], None

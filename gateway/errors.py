@@ -19,3 +19,7 @@ class StoreRejected(GatewayError):
 
 class ProbeFailed(GatewayError):
     """A probe could not say whether the effect exists (timeout, bad status, garbage answer)."""
+
+
+class CursorUnknown(GatewayError):
+    """A page of the audit read by time was asked to go on from an effect that is not in its span."""

@@ -26,7 +26,7 @@ import asyncpg.pool
 
 from gateway import partitions
 from gateway.decision import Settlement
-from gateway.errors import StoreRejected, StoreUnavailable
+from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State, Transition
 from gateway.telemetry import Telemetry
@@ -205,27 +205,48 @@ OPEN_STATES = tuple(state for state in State if state is not State.COMPLETED)
 # An open state is counted exactly up to this many effects (a range of open_effects' key, well under a
 # millisecond to read); beyond, nobody needs the exact figure and Postgres's estimate stands in.
 EXACT_OPEN_COUNT = 1000
-# Per open state: the exact count up to the bound, and the estimate from the statistics of
-# open_effects (its row count times the state's share, and the tenant's when one is given).
+# Per open state: the exact count up to the bound (a range of open_effects' key, (state, id)), and the
+# estimate from the statistics of open_effects (its row count times the state's share). Each count is
+# ordered by the index it reads so that the generic plan reads a range of it: with the limit alone,
+# Postgres may guess that a scan of the table reaches the bound sooner, and a state with few effects
+# then reads the whole table (119 ms at 1M open effects).
 _OPEN_COUNTS = """
-    with shares as (
-        select st.attname, f.val, f.freq
-        from pg_stats st
-        cross join unnest(st.most_common_vals::text::text[], st.most_common_freqs) as f(val, freq)
-        where st.tablename = 'open_effects' and st.attname in ('state', 'tenant')
-          and st.schemaname = (select n.nspname from pg_class c join pg_namespace n on n.oid = c.relnamespace
-                               where c.oid = 'open_effects'::regclass)
-    )
     select s.state,
-        (select count(*) from (select from open_effects o
-                               where o.state = s.state and ($2::text is null or o.tenant = $2)
-                               limit $3) as c) as n,
+        (select count(*) from (select from open_effects o where o.state = s.state
+                               order by o.state, o.id limit $2) as c) as n,
         coalesce((select greatest(c.reltuples, 0) from pg_class c where c.oid = 'open_effects'::regclass)
-                 * (select freq from shares where attname = 'state' and val = s.state)
-                 * case when $2::text is null then 1
-                        else (select freq from shares where attname = 'tenant' and val = $2) end,
+                 * (select f.freq
+                    from pg_stats st
+                    cross join unnest(st.most_common_vals::text::text[], st.most_common_freqs) as f(val, freq)
+                    where st.tablename = 'open_effects' and st.attname = 'state' and f.val = s.state
+                      and st.schemaname = (select n.nspname from pg_class c
+                                           join pg_namespace n on n.oid = c.relnamespace
+                                           where c.oid = 'open_effects'::regclass)),
                  0)::bigint as estimate
     from unnest($1::text[]) as s(state)
+"""
+# A tenant's: the exact count up to the bound, a range of open_effects_by_tenant (migration 007) that
+# reads none of the other tenants' rows. A statement of its own rather than "tenant = $2 or $2 is null",
+# for which the pool's generic plan read every open effect (174 ms at 1M). The range is spelt as one
+# on the index's leading columns, which only that index can read: as "tenant = $2 and state = ..."
+# Postgres could also read the state's range of the key and filter on the tenant, and does when one
+# tenant holds nearly every open effect (its statistics then see one tenant): the others' counts then
+# read that tenant's rows.
+TENANT_OPEN = "(o.tenant, o.state) >= ({tenant}, {state}) and (o.tenant, o.state) <= ({tenant}, {state})"
+_TENANT_OPEN_COUNTS = f"""
+    select s.state,
+        (select count(*) from (select from open_effects o
+                               where {TENANT_OPEN.format(tenant="$2", state="s.state")}
+                               order by o.tenant, o.state, o.id limit $3) as c) as n
+    from unnest($1::text[]) as s(state)
+"""
+# Whether the effect a page read by time goes on from is one of its span's (and the viewer's): asked
+# only when the page is empty. One probe of the primary key in each partition of the span.
+_CURSOR = """
+    select exists (select from effects c
+                   where c.id = $1 and c.created_at >= coalesce($2::timestamptz, '-infinity')
+                     and c.created_at < coalesce($3::timestamptz, 'infinity')
+                     and ($4::text is null or c.tenant = $4))
 """
 _PARTITION_SIZES = """
     select c.oid::regclass::text as part, c.reltuples::bigint as rows, pg_relation_size(c.oid) as bytes
@@ -235,6 +256,108 @@ _PARTITION_SIZES = """
 # Held (per session) by the one gateway maintaining partitions; any constant no other application uses.
 MAINTENANCE_LOCK = 0x6566666563747301
 _RETRYABLE_SQLSTATES = (asyncpg.exceptions.SerializationError, asyncpg.exceptions.DeadlockDetectedError)
+
+
+def count_statement(tenant: str | None) -> tuple[str, list[Any]]:
+    """The statement counting the open states (every effect's, or ``tenant``'s), and its arguments."""
+    states = [s.value for s in OPEN_STATES]
+    if tenant is None:
+        return _OPEN_COUNTS, [states, EXACT_OPEN_COUNT]
+    return _TENANT_OPEN_COUNTS, [states, tenant, EXACT_OPEN_COUNT]
+
+
+def by_time(where: EffectFilter) -> bool:
+    """Whether the audit's page for ``where`` is read by time: the newest by creation time first.
+
+    A span of time (since, until or both) is read down the index on (created_at, id) from its end, so a
+    page costs its own rows however wide the span. A run, a key and an open state have indexes of their
+    own, read in id order.
+    """
+    listed = where.state is not None and where.state is not State.COMPLETED
+    timed = where.since is not None or where.until is not None
+    return timed and where.run_id is None and where.key is None and not listed
+
+
+def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
+    """A page of the audit, newest first; only the filters given reach the SQL (so indexes apply).
+
+    A key is found through effect_keys (its digest leads that table's index); an open state is listed
+    from open_effects (its key is (state, id): the page is a range of it; a tenant's, a range of
+    open_effects_by_tenant); either is joined to the audit rows. A span of time is read by time (see
+    :func:`by_time`): ``before`` is then the last effect of the page before, and the page goes on from
+    its (created_at, id), which the ids alone do not give: ids are taken at claim time and created_at
+    is the claim's transaction's start, so two claims at once can have them in opposite orders. Any
+    other filter reads the audit in id order.
+    """
+    listed = where.state is not None and where.state is not State.COMPLETED and where.key is None
+    timed = by_time(where)
+    # open_effects holds the tenant, id and creation time of an open effect: filtering there
+    # leaves the audit to be read only for the rows of the page.
+    holder = "o" if listed else "e"
+    clauses: list[str] = []
+    args: list[Any] = []
+
+    def arg(value: Any) -> str:
+        args.append(value)
+        return f"${len(args)}"
+
+    order = f"{holder}.id desc"
+    if listed and where.tenant is not None and where.state is not None:
+        clauses.append(TENANT_OPEN.format(tenant=arg(where.tenant), state=arg(where.state.value)))
+        order = "o.tenant desc, o.state desc, o.id desc"  # the index's order: by id within the range
+    else:
+        if where.tenant is not None:
+            tenant = arg(where.tenant)
+            clauses.append(f"{holder}.tenant = {tenant}")
+        if where.state is not None:
+            clauses.append(f"{holder}.state = {arg(where.state.value)}")
+    for column, value in (("e.upstream", where.upstream), ("e.run_id", where.run_id), ("e.key", where.key)):
+        if value is not None:
+            clauses.append(f"{column} = {arg(value)}")
+    if where.key is not None:
+        clauses.append(f"k.digest = effect_key_digest(${len(args)})")
+    span: list[str] = []
+    if where.since is not None:
+        span.append(f"created_at >= {arg(where.since)}")
+    if where.until is not None:
+        span.append(f"created_at < {arg(where.until)}")
+    clauses += [f"{holder}.{clause}" for clause in span]
+    if where.before_id is not None and timed:
+        # Where the page before ended: its last effect, looked up in the span (and among the tenant's
+        # own). None when there is no such effect: the page is then empty (see Store.find).
+        before = arg(where.before_id)
+        within = "".join(f" and c.{clause}" for clause in span)
+        if where.tenant is not None:
+            within += f" and c.tenant = {tenant}"
+        ended = f"(select c.created_at from effects c where c.id = {before}{within})"
+        clauses.append(f"(e.created_at, e.id) < ({ended}, {before})")
+    elif where.before_id is not None:
+        clauses.append(f"{holder}.id < {arg(where.before_id)}")
+    if timed:
+        order = "e.created_at desc, e.id desc"
+    limit = arg(where.limit)
+    where_sql = " where " + " and ".join(clauses) if clauses else ""
+    if where.key is not None:
+        source = "effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at"
+    elif listed:
+        source = "open_effects o join effects e on e.id = o.id and e.created_at = o.created_at"
+    else:
+        source = "effects e"
+    sql = f"select {_COLUMNS} from {source}{where_sql} order by {order} limit {limit}"
+    return sql, args
+
+
+def session_settings(limits: StoreLimits) -> dict[str, str]:
+    """The settings of every pooled connection's session (the plans its statements get depend on them)."""
+    return {
+        "statement_timeout": str(int(limits.statement.total_seconds() * 1000)),
+        "lock_timeout": str(int(limits.lock.total_seconds() * 1000)),
+        # The hot path's statements find their rows by key, so one plan per statement serves every
+        # value. Left to choose, Postgres re-plans a statement on the partitioned tables at each
+        # execution (a plan for the given values prunes partitions, so it looks cheaper): a third
+        # of the CPU Postgres spent on a new effect went to planning its settle.
+        "plan_cache_mode": "force_generic_plan",
+    }
 
 
 class Store:
@@ -259,15 +382,6 @@ class Store:
         telemetry: Telemetry | None = None,
     ) -> Store:
         limits = limits or StoreLimits()
-        session = {
-            "statement_timeout": str(int(limits.statement.total_seconds() * 1000)),
-            "lock_timeout": str(int(limits.lock.total_seconds() * 1000)),
-            # The hot path's statements find their rows by key, so one plan per statement serves every
-            # value. Left to choose, Postgres re-plans a statement on the partitioned tables at each
-            # execution (a plan for the given values prunes partitions, so it looks cheaper): a third
-            # of the CPU Postgres spent on a new effect went to planning its settle.
-            "plan_cache_mode": "force_generic_plan",
-        }
         try:
             pool = await asyncpg.create_pool(
                 dsn,
@@ -278,7 +392,7 @@ class Store:
                 # A statement per month of the audit and per day of bodies (partitions.within), each
                 # prepared once per connection: room for a retention of months beside the rest.
                 statement_cache_size=512,
-                server_settings=session,
+                server_settings=session_settings(limits),
             )
         except (OSError, asyncpg.PostgresError) as exc:
             raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
@@ -699,61 +813,20 @@ class Store:
         return await self._run("reread", op)
 
     async def find(self, where: EffectFilter) -> list[EffectRecord]:
-        """A page of the audit, newest first; only the filters given reach the SQL (so indexes apply).
+        """A page of the audit, newest first, as :func:`find_statement` reads it.
 
-        A key is found through effect_keys (its digest leads that table's index); an open state is listed
-        from open_effects (its key is (state, id): the page is a range of it); either is joined to the
-        audit rows. Any other filter reads the audit in id order.
+        Raises CursorUnknown when a page read by time names as ``before`` no effect of its span that
+        the viewer sees: there is no place to go on from.
         """
-        listed = where.state is not None and where.state is not State.COMPLETED and where.key is None
-        # open_effects holds the tenant, id and creation time of an open effect: filtering there
-        # leaves the audit to be read only for the rows of the page.
-        holder = "o" if listed else "e"
-        clauses: list[str] = []
-        args: list[Any] = []
-        for column, value in (
-            (f"{holder}.tenant", where.tenant),
-            (f"{holder}.state", where.state.value if where.state else None),
-            ("e.upstream", where.upstream),
-            ("e.run_id", where.run_id),
-            ("e.key", where.key),
-        ):
-            if value is not None:
-                args.append(value)
-                clauses.append(f"{column} = ${len(args)}")
-        if where.key is not None:
-            clauses.append(f"k.digest = effect_key_digest(${len(args)})")
-        if where.since is not None:
-            args.append(where.since)
-            clauses.append(f"{holder}.created_at >= ${len(args)}")
-        if where.until is not None:
-            args.append(where.until)
-            clauses.append(f"{holder}.created_at < ${len(args)}")
-        if where.before_id is not None:
-            args.append(where.before_id)
-            clauses.append(f"{holder}.id < ${len(args)}")
-        args.append(where.limit)
-        where_sql = " where " + " and ".join(clauses) if clauses else ""
-        if where.key is not None:
-            source = "effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at"
-        elif listed:
-            source = "open_effects o join effects e on e.id = o.id and e.created_at = o.created_at"
-        elif where.since is not None and where.until is not None and where.run_id is None:
-            # A span of time: the ids of all its effects first (offset 0 keeps the limit out, so that
-            # Postgres reads the span from effects_created instead of stepping down the primary key
-            # from the newest effect), the page's newest of them, then their rows. A run is found
-            # faster by its own index.
-            source = f"""(select s.id, s.created_at
-                          from (select e.id, e.created_at from effects e{where_sql} offset 0) as s
-                          order by s.id desc limit ${len(args)}) as p
-                         join effects e on e.id = p.id and e.created_at = p.created_at"""
-            where_sql = ""
-        else:
-            source = "effects e"
-        sql = f"select {_COLUMNS} from {source}{where_sql} order by {holder}.id desc limit ${len(args)}"
+        sql, args = find_statement(where)
 
         async def op(conn: Conn) -> list[EffectRecord]:
-            return [_record(row) for row in await conn.fetch(sql, *args)]
+            rows = await conn.fetch(sql, *args)
+            if not rows and where.before_id is not None and by_time(where):
+                found = await conn.fetchval(_CURSOR, where.before_id, where.since, where.until, where.tenant)
+                if not found:
+                    raise CursorUnknown(f"before={where.before_id} is no effect of this span")
+            return [_record(row) for row in rows]
 
         return await self._run("find", op)
 
@@ -768,7 +841,8 @@ class Store:
         """
 
         async def op(conn: Conn) -> dict[str, int]:
-            rows = await conn.fetch(_OPEN_COUNTS, [s.value for s in OPEN_STATES], tenant, EXACT_OPEN_COUNT)
+            sql, args = count_statement(tenant)
+            rows = await conn.fetch(sql, *args)
             counts = {state.value: 0 for state in State}
             for row in rows:
                 # A tenant's count stops at the bound (meaning that many or more): the estimate, the state's

@@ -25,10 +25,10 @@ from typing import Any, Literal, Protocol, TypeVar, cast
 
 from gateway import partitions
 from gateway.decision import Settlement
-from gateway.errors import StoreRejected, StoreUnavailable
+from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State, Transition
-from gateway.store import EffectFilter, NewEffect, head_bytes, head_pairs
+from gateway.store import EffectFilter, NewEffect, by_time, head_bytes, head_pairs
 from sim.loop import OWNER, REQUEST
 
 T = TypeVar("T")
@@ -415,10 +415,28 @@ class SimDatabase:
             and (where.key is None or row.key == where.key)
             and (where.since is None or row.created_at >= where.since)
             and (where.until is None or row.created_at < where.until)
-            and (where.before_id is None or row.id < where.before_id)
         ]
-        found.sort(key=lambda row: row.id, reverse=True)
+        if not by_time(where):
+            found = [row for row in found if where.before_id is None or row.id < where.before_id]
+            found.sort(key=lambda row: row.id, reverse=True)
+            return [self.record(row, now) for row in found[: where.limit]]
+        # As gateway.store's: newest by creation time, going on from the page before's last effect.
+        if where.before_id is not None:
+            ended = self.rows.get(where.before_id)
+            if ended is None or not self._in_span(ended, where):
+                raise CursorUnknown(f"before={where.before_id} is no effect of this span")
+            found = [row for row in found if (row.created_at, row.id) < (ended.created_at, ended.id)]
+        found.sort(key=lambda row: (row.created_at, row.id), reverse=True)
         return [self.record(row, now) for row in found[: where.limit]]
+
+    @staticmethod
+    def _in_span(row: Row, where: EffectFilter) -> bool:
+        """Whether ``row`` is in the span of ``where`` and the viewer's (whatever its other filters)."""
+        return (
+            (where.tenant is None or row.tenant == where.tenant)
+            and (where.since is None or row.created_at >= where.since)
+            and (where.until is None or row.created_at < where.until)
+        )
 
     def state_counts(self, tenant: str | None = None) -> dict[str, int]:
         self.now()
@@ -562,7 +580,7 @@ class SimStore:
                 try:
                     self.db.caller, self.db.request = caller, request
                     result = apply()
-                except (StoreRejected, StoreUnavailable) as exc:
+                except (StoreRejected, StoreUnavailable, CursorUnknown) as exc:
                     error = exc
                 if trip.fault == "lost" and error is None:
                     error = StoreUnavailable("Postgres is unavailable: ConnectionResetError (answer lost)")

@@ -7,7 +7,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -18,6 +18,7 @@ from aiohttp import web
 from agent_example.processes import Service, start_service
 from gateway.app import PROXY_ROUTE, make_app
 from gateway.settings import load_settings
+from gateway.store import StoreLimits, session_settings
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Rows of the crash matrix, filled by tests/test_crash.py and printed at the end of the run.
@@ -394,3 +395,76 @@ def one_insertion(before: bytes, after: bytes) -> bytes | None:
     while same < len(before) and before[same] == after[same]:
         same += 1
     return after[same : same + added] if after[same + added :] == before[same:] else None
+
+
+def _literal(value: Any) -> str:
+    """``value`` as SQL text, for an EXECUTE of a prepared statement (Postgres coerces it to the type)."""
+    if isinstance(value, list):
+        return "array[" + ", ".join(_literal(v) for v in value) + "]"
+    if value is None:
+        return "null"
+    if isinstance(value, bool | int):
+        return str(value).lower()
+    text = value.isoformat() if isinstance(value, datetime) else str(value)
+    return "'" + text.replace("'", "''") + "'"
+
+
+async def plan_run(dsn: str, sql: str, args: list[Any]) -> dict[str, Any]:
+    """The plan of ``sql`` as the store's connections run it (their session settings, so the generic
+    plan), executed with ``args``: EXPLAIN (ANALYZE, BUFFERS)'s top node."""
+    conn = await asyncpg.connect(dsn, server_settings=session_settings(StoreLimits()))
+    try:
+        await conn.execute(f"prepare measured as {sql}")
+        literals = ", ".join(_literal(arg) for arg in args)
+        doc = await conn.fetchval(f"explain (analyze, buffers, format json) execute measured({literals})")
+    finally:
+        await conn.close()
+    plan: dict[str, Any] = json.loads(doc)[0]["Plan"]
+    return plan
+
+
+def rows_read(plan: dict[str, Any], relation: str) -> int:
+    """Rows (or index entries) the plan's scans of ``relation`` (a table or its partitions) looked at:
+    those they returned and those their filters threw away."""
+    read = 0
+    name = plan.get("Relation Name", "")
+    if "Scan" in plan["Node Type"] and (name == relation or name.startswith(relation + "_")):
+        per_loop = plan["Actual Rows"] + plan.get("Rows Removed by Filter", 0)
+        read += round(per_loop * plan["Actual Loops"])
+    return read + sum(rows_read(child, relation) for child in plan.get("Plans", ()))
+
+
+async def fill_effects(
+    dsn: str, tenant: str, first_id: int, count: int, state: str = "completed", audit: bool = True
+) -> None:
+    """``count`` effects of ``tenant`` written straight in SQL (a few seconds for 100,000s), ids from
+    ``first_id``, made a millisecond apart from now; the open ones listed in open_effects too, and only
+    there unless ``audit``."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        async with conn.transaction():
+            if audit:
+                await conn.execute(
+                    """insert into effects (id, created_at, tenant, upstream, key, derived_key, method, path,
+                                            fingerprint, state)
+                       select $1 + n, now() + n * interval '1 millisecond', $2, 'shop', 'fill-' || ($1 + n),
+                              'eg_fill', 'POST', '/orders', 'fp', $4
+                       from generate_series(0, $3 - 1) as n""",
+                    first_id,
+                    tenant,
+                    count,
+                    state,
+                )
+            if state != "completed":
+                await conn.execute(
+                    """insert into open_effects (state, id, created_at, tenant)
+                       select $4, $1 + n, now() + n * interval '1 millisecond', $2
+                       from generate_series(0, $3 - 1) as n""",
+                    first_id,
+                    tenant,
+                    count,
+                    state,
+                )
+        await conn.execute("analyze effects, open_effects")
+    finally:
+        await conn.close()

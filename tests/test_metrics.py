@@ -262,6 +262,37 @@ async def test_a_scrape_storm_reads_the_states_from_the_store_once(
     assert value(after, "effect_gateway_requests_total", upstream="shop", outcome="sent", problem="") == 2
 
 
+async def test_a_storm_of_health_requests_with_tokens_reads_the_states_once_per_viewer(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twenty health requests at once with the admin's token and twenty with a tenant's: the counts by
+    state are read from Postgres once for each of the two, and the scrape after them reads none."""
+    monkeypatch.setenv("ADMIN", "adm-1")
+    monkeypatch.setenv("TA", "tok-a")
+    async with gateway_server(
+        dsn,
+        upstreams={"shop": {"base_url": upstream.url}},
+        tenants={"a": {"token": "env:TA"}},
+        admin={"token": "env:ADMIN"},
+    ) as gw:
+        assert await post(http, f"{gw.url}/shop/orders", "h1", token="tok-a") == 201
+
+        async def health(**headers: str) -> dict[str, int]:
+            async with http.get(f"{gw.url}/_gateway/health", headers=headers) as resp:
+                assert resp.status == 200, await resp.text()
+                counts: dict[str, int] = (await resp.json())["effects"]
+                return counts
+
+        storm = await asyncio.gather(
+            *(health(Authorization="Bearer adm-1") for _ in range(20)),
+            *(health(**{"Effect-Gateway-Token": "tok-a"}) for _ in range(20)),
+        )
+        after = await scrape(http, gw.url, Authorization="Bearer adm-1")
+    assert value(after, "effect_gateway_store_duration_seconds_count", statement="state_counts") == 2
+    assert [counts.get("completed") for counts in storm] == [1] * 20 + [None] * 20  # a tenant's: open only
+    assert value(after, "effect_gateway_effects", state="completed") == 1
+
+
 async def test_metrics_need_the_admin_token_when_one_is_set(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:

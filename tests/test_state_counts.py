@@ -7,13 +7,39 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from gateway.store import Store, opened
+from gateway.store import (
+    EXACT_OPEN_COUNT,
+    OPEN_STATES,
+    Store,
+    count_statement,
+    opened,
+)
+from tests.support import fill_effects, plan_run, rows_read
 
 
 @pytest.fixture
 async def store(dsn: str) -> AsyncIterator[Store]:
     async with opened(dsn) as store:
         yield store
+
+
+async def test_a_tenants_counts_read_only_its_own_open_effects(dsn: str, store: Store) -> None:
+    """A tenant with 10 open effects beside another's 300,000 is counted from its own 10 index entries.
+
+    The count, one statement for every viewer, read "tenant = $2 or $2 is null" in the plan the pool's
+    generic plans give it: it stepped through the other tenant's 300,000 pending effects to find 10
+    (174 ms at 1M), on every health request with a token.
+    """
+    await fill_effects(dsn, "busy", 1, 300_000, "pending", audit=False)
+    await fill_effects(dsn, "quiet", 1_000_000, 10, "pending", audit=False)
+    plan = await plan_run(dsn, *count_statement("quiet"))
+    assert rows_read(plan, "open_effects") <= 10
+    assert (await store.state_counts("quiet"))["pending"] == 10
+    # The admin's and the busy tenant's counts stop at the bound: they read no more than it per state.
+    for viewer in (None, "busy"):
+        plan = await plan_run(dsn, *count_statement(viewer))
+        assert rows_read(plan, "open_effects") <= EXACT_OPEN_COUNT * len(OPEN_STATES)
+    assert (await store.state_counts("busy"))["pending"] == EXACT_OPEN_COUNT
 
 
 async def test_a_tenants_count_of_many_open_effects_is_a_floor_that_other_tenants_do_not_move(

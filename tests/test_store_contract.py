@@ -16,12 +16,12 @@ import asyncpg
 import pytest
 
 from gateway.decision import Policy, Send, Settlement, review, settle, settle_probe, take_over, too_soon
-from gateway.errors import StoreRejected
+from gateway.errors import CursorUnknown, StoreRejected
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State, Transition
 from gateway.store import EffectFilter, NewEffect, Store, opened
-from sim.store import SimDatabase, SimStore
+from sim.store import Row, SimDatabase, SimStore
 from tests.support import backdate_bodies, empty_effects
 
 LEASE = timedelta(seconds=30)
@@ -62,6 +62,8 @@ class Subject:
     backdate: Callable[[int], Awaitable[None]]
     # The database's own clock, read apart from any statement of the store.
     clock: Callable[[], Awaitable[datetime]]
+    # Writes audit rows as given (id, created_at, tenant), as claims that raced could have left them.
+    rows: Callable[[list[tuple[int, datetime, str]]], Awaitable[None]]
 
 
 @pytest.fixture(params=["postgres", "simulated"])
@@ -84,7 +86,31 @@ async def subject(which: tuple[str, str | None]) -> AsyncIterator[Subject]:
         async def sim_clock() -> datetime:
             return db.now()
 
-        yield Subject(cast(Store, SimStore(db)), sim_backdate, sim_clock)
+        async def sim_rows(rows: list[tuple[int, datetime, str]]) -> None:
+            for id_, created_at, tenant in rows:
+                db.rows[id_] = Row(
+                    id=id_,
+                    created_at=created_at,
+                    tenant=tenant,
+                    upstream="shop",
+                    key=f"raced-{id_}",
+                    derived_key="eg_raced",
+                    method="POST",
+                    path="/orders",
+                    query="",
+                    fingerprint="fp",
+                    state=State.COMPLETED,
+                    attempt=1,
+                    may_have_sent=True,
+                    lease_expires_at=None,
+                    first_sent_at=None,
+                    last_sent_at=None,
+                    run_id=None,
+                    step=None,
+                    keyless=False,
+                )
+
+        yield Subject(cast(Store, SimStore(db)), sim_backdate, sim_clock, sim_rows)
         return
     await empty_effects(dsn)
 
@@ -99,8 +125,21 @@ async def subject(which: tuple[str, str | None]) -> AsyncIterator[Subject]:
         finally:
             await conn.close()
 
+    async def pg_rows(rows: list[tuple[int, datetime, str]]) -> None:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.executemany(
+                """insert into effects (id, created_at, tenant, upstream, key, derived_key, method, path,
+                                        fingerprint, state, may_have_sent)
+                   values ($1::bigint, $2, $3, 'shop', 'raced-' || $1::bigint, 'eg_raced', 'POST',
+                           '/orders', 'fp', 'completed', true)""",
+                rows,
+            )
+        finally:
+            await conn.close()
+
     async with opened(dsn) as store:
-        yield Subject(store, pg_backdate, pg_clock)
+        yield Subject(store, pg_backdate, pg_clock, pg_rows)
 
 
 async def claimed(store: Store, key: str = "k", lease: timedelta = LEASE, **kw: str) -> EffectRecord:
@@ -697,6 +736,49 @@ async def test_find_filters_and_pages_newest_first(subject: Subject) -> None:
     page = await store.find(EffectFilter(limit=2))
     assert [r.id for r in page] == [c.id, b.id]
     assert not page[0].response_read
+
+
+async def test_pages_of_a_span_show_each_effect_once_newest_first_when_ids_and_times_disagree(
+    subject: Subject,
+) -> None:
+    """Paging through a span of time with each answer's last id as ``before`` shows every effect in it
+    exactly once, newest by creation time first, though claims that raced took ids out of the order of
+    their times (and some at one instant); a tenant pages through its own alike."""
+    base = await subject.clock() + timedelta(seconds=1)
+    rows = []
+    for i in range(1, 41):
+        at = base + timedelta(milliseconds=10 * i)
+        if i % 3 == 0:  # claimed just before the one before it, its id taken after
+            at -= timedelta(milliseconds=15)
+        if i % 7 == 0:  # the same instant as the one before it
+            at = rows[-1][1]
+        rows.append((i, at, "other" if i % 4 == 0 else "default"))
+    await subject.rows(rows)
+    newest_first = sorted(rows, key=lambda row: (row[1], row[0]), reverse=True)
+    end = base + timedelta(hours=1)
+    for since, until in ((base, end), (base, None), (None, end)):
+        for tenant in (None, "default"):
+            seen: list[int] = []
+            before = None
+            for _ in range(len(rows)):  # more pages than effects: it went round in circles
+                page = await subject.store.find(
+                    EffectFilter(tenant=tenant, since=since, until=until, before_id=before, limit=3)
+                )
+                seen += [r.id for r in page]
+                if len(page) < 3:
+                    break
+                before = page[-1].id
+            assert seen == [id_ for id_, _, who in newest_first if tenant in (None, who)], (
+                since,
+                until,
+                tenant,
+            )
+    with pytest.raises(CursorUnknown):  # no such effect
+        await subject.store.find(EffectFilter(since=base, before_id=1000))
+    with pytest.raises(CursorUnknown):  # another tenant's
+        await subject.store.find(EffectFilter(tenant="default", since=base, before_id=4))
+    with pytest.raises(CursorUnknown):  # outside the span
+        await subject.store.find(EffectFilter(since=rows[20][1], before_id=1))
 
 
 async def test_state_counts_count_every_state(subject: Subject) -> None:
