@@ -269,13 +269,13 @@ def count_statement(tenant: str | None) -> tuple[str, list[Any]]:
 def by_time(where: EffectFilter) -> bool:
     """Whether the audit's page for ``where`` is read by time: the newest by creation time first.
 
-    A span of time (since, until or both) is read down the index on (created_at, id) from its end, so a
-    page costs its own rows however wide the span. A run, a key and an open state have indexes of their
-    own, read in id order.
+    Every page but a run's, a key's and an open state's, which have indexes of their own read in id
+    order. A tenant's or an upstream's is read down its index on (tenant or upstream, created_at, id),
+    any other from the index on (created_at, id): from the end of the span if one is given, so a page
+    costs its own rows however wide the span and however many effects others have in it.
     """
     listed = where.state is not None and where.state is not State.COMPLETED
-    timed = where.since is not None or where.until is not None
-    return timed and where.run_id is None and where.key is None and not listed
+    return where.run_id is None and where.key is None and not listed
 
 
 def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
@@ -283,14 +283,12 @@ def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
 
     A key is found through effect_keys (its digest leads that table's index); an open state is listed
     from open_effects (its key is (state, id): the page is a range of it; a tenant's, a range of
-    open_effects_by_tenant); either is joined to the audit rows. A span of time is read by time (see
-    :func:`by_time`): ``before`` is then the last effect of the page before, and the page goes on from
-    its (created_at, id), which the ids alone do not give: ids are taken at claim time and created_at
-    is the claim's transaction's start, so two claims at once can have them in opposite orders. Any
-    other filter reads the audit in id order.
+    open_effects_by_tenant); either is joined to the audit rows and read in id order. Any other page
+    is read by time (see :func:`by_time` and :func:`_time_statement`).
     """
+    if by_time(where):
+        return _time_statement(where)
     listed = where.state is not None and where.state is not State.COMPLETED and where.key is None
-    timed = by_time(where)
     # open_effects holds the tenant, id and creation time of an open effect: filtering there
     # leaves the audit to be read only for the rows of the page.
     holder = "o" if listed else "e"
@@ -307,8 +305,7 @@ def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
         order = "o.tenant desc, o.state desc, o.id desc"  # the index's order: by id within the range
     else:
         if where.tenant is not None:
-            tenant = arg(where.tenant)
-            clauses.append(f"{holder}.tenant = {tenant}")
+            clauses.append(f"{holder}.tenant = {arg(where.tenant)}")
         if where.state is not None:
             clauses.append(f"{holder}.state = {arg(where.state.value)}")
     for column, value in (("e.upstream", where.upstream), ("e.run_id", where.run_id), ("e.key", where.key)):
@@ -316,26 +313,12 @@ def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
             clauses.append(f"{column} = {arg(value)}")
     if where.key is not None:
         clauses.append(f"k.digest = effect_key_digest(${len(args)})")
-    span: list[str] = []
     if where.since is not None:
-        span.append(f"created_at >= {arg(where.since)}")
+        clauses.append(f"{holder}.created_at >= {arg(where.since)}")
     if where.until is not None:
-        span.append(f"created_at < {arg(where.until)}")
-    clauses += [f"{holder}.{clause}" for clause in span]
-    if where.before_id is not None and timed:
-        # Where the page before ended: its last effect, looked up in the span (and among the tenant's
-        # own). None when there is no such effect: the page is then empty (see Store.find).
-        before = arg(where.before_id)
-        within = "".join(f" and c.{clause}" for clause in span)
-        if where.tenant is not None:
-            within += f" and c.tenant = {tenant}"
-        ended = f"(select c.created_at from effects c where c.id = {before}{within})"
-        clauses.append(f"(e.created_at, e.id) < ({ended}, {before})")
-    elif where.before_id is not None:
+        clauses.append(f"{holder}.created_at < {arg(where.until)}")
+    if where.before_id is not None:
         clauses.append(f"{holder}.id < {arg(where.before_id)}")
-    if timed:
-        order = "e.created_at desc, e.id desc"
-    limit = arg(where.limit)
     where_sql = " where " + " and ".join(clauses) if clauses else ""
     if where.key is not None:
         source = "effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at"
@@ -343,7 +326,73 @@ def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
         source = "open_effects o join effects e on e.id = o.id and e.created_at = o.created_at"
     else:
         source = "effects e"
-    sql = f"select {_COLUMNS} from {source}{where_sql} order by {order} limit {limit}"
+    sql = f"select {_COLUMNS} from {source}{where_sql} order by {order} limit {arg(where.limit)}"
+    return sql, args
+
+
+# The ends of a page read by time when no span is given (constants in the SQL, so the plan is generic).
+_BEGINNING, _ENDLESS = "'-infinity'::timestamptz", "'infinity'::timestamptz"
+
+
+def _time_statement(where: EffectFilter) -> tuple[str, list[Any]]:
+    """A page read by time: a range of the index on (tenant, created_at, id) for a tenant's, on
+    (upstream, created_at, id) for an upstream's, and on (created_at, id) for any other.
+
+    The range is spelt as row comparisons on the index's leading columns, which only that index can
+    read: spelt "tenant = $1 and created_at >= $2", the pool's generic plan guesses a share of the rows
+    for any tenant and may read the span down (created_at, id) instead, throwing away every other
+    tenant's effects in it. ``before`` is the last effect of the page before: the page goes on from its
+    (created_at, id), which the ids alone do not give (ids are taken at claim time and created_at is
+    the claim's transaction's start, so two claims at once can have them in opposite orders). It lies
+    inside the span, so it replaces the span's end as the range's upper bound.
+    """
+    args: list[Any] = []
+
+    def arg(value: Any) -> str:
+        args.append(value)
+        return f"${len(args)}"
+
+    lead: list[tuple[str, str]] = []  # the index's leading column and its value
+    clauses: list[str] = []
+    if where.tenant is not None:
+        lead.append(("e.tenant", arg(where.tenant)))
+    if where.upstream is not None:
+        upstream = arg(where.upstream)
+        if lead:
+            clauses.append(f"e.upstream = {upstream}")
+        else:
+            lead.append(("e.upstream", upstream))
+    if where.state is not None:  # only completed: an open state is listed from open_effects
+        clauses.append(f"e.state = {arg(where.state.value)}")
+    since = arg(where.since) if where.since is not None else _BEGINNING
+    until = arg(where.until) if where.until is not None else None
+
+    def row(*values: str) -> str:
+        return "(" + ", ".join(values) + ")"
+
+    columns = [column for column, _ in lead]
+    values = [value for _, value in lead]
+    clauses.append(f"{row(*columns, 'e.created_at')} >= {row(*values, since)}")
+    if where.before_id is not None:
+        # Looked up in the span and among the tenant's own; when there is no such effect the bound is
+        # null and the page empty (see Store.find).
+        before = arg(where.before_id)
+        within = f" and c.created_at >= {since}"
+        if until is not None:
+            within += f" and c.created_at < {until}"
+        if where.tenant is not None:
+            within += f" and c.tenant = {values[0]}"
+        ended = f"(select c.created_at from effects c where c.id = {before}{within})"
+        clauses.append(f"{row(*columns, 'e.created_at', 'e.id')} < {row(*values, ended, before)}")
+    elif until is not None:
+        clauses.append(f"{row(*columns, 'e.created_at')} < {row(*values, until)}")
+    else:
+        clauses.append(f"{row(*columns, 'e.created_at')} <= {row(*values, _ENDLESS)}")
+    order = ", ".join(f"{column} desc" for column in [*columns, "e.created_at", "e.id"])
+    sql = (
+        f"select {_COLUMNS} from effects e where {' and '.join(clauses)} "
+        f"order by {order} limit {arg(where.limit)}"
+    )
     return sql, args
 
 

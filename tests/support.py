@@ -435,7 +435,13 @@ def rows_read(plan: dict[str, Any], relation: str) -> int:
 
 
 async def fill_effects(
-    dsn: str, tenant: str, first_id: int, count: int, state: str = "completed", audit: bool = True
+    dsn: str,
+    tenant: str,
+    first_id: int,
+    count: int,
+    state: str = "completed",
+    audit: bool = True,
+    upstream: str = "shop",
 ) -> None:
     """``count`` effects of ``tenant`` written straight in SQL (a few seconds for 100,000s), ids from
     ``first_id``, made a millisecond apart from now; the open ones listed in open_effects too, and only
@@ -447,13 +453,14 @@ async def fill_effects(
                 await conn.execute(
                     """insert into effects (id, created_at, tenant, upstream, key, derived_key, method, path,
                                             fingerprint, state)
-                       select $1 + n, now() + n * interval '1 millisecond', $2, 'shop', 'fill-' || ($1 + n),
+                       select $1 + n, now() + n * interval '1 millisecond', $2, $5, 'fill-' || ($1 + n),
                               'eg_fill', 'POST', '/orders', 'fp', $4
                        from generate_series(0, $3 - 1) as n""",
                     first_id,
                     tenant,
                     count,
                     state,
+                    upstream,
                 )
             if state != "completed":
                 await conn.execute(

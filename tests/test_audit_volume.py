@@ -39,3 +39,26 @@ async def test_a_tenants_list_of_an_open_state_reads_only_its_own_open_effects(d
     await fill_effects(dsn, "quiet", 1_000_000, 10, "pending")
     plan = await plan_run(dsn, *find_statement(EffectFilter(tenant="quiet", state=State.PENDING)))
     assert rows_read(plan, "open_effects") <= 10
+
+
+async def test_a_quiet_tenants_pages_read_only_its_own_effects(dsn: str) -> None:
+    """A tenant with 10 effects beside another's 300,000: its first page, with or without a span, and the
+    page after a cursor read its own rows, and so does a quiet upstream's page of a span.
+
+    A span was read down the index on (created_at, id) and every other tenant's rows in it thrown away.
+    """
+    await fill_effects(dsn, "busy", 1, 300_000)
+    await fill_effects(dsn, "quiet", 1_000_000, 10, upstream="mail")
+    pages = [
+        EffectFilter(tenant="quiet", **EVER),
+        EffectFilter(tenant="quiet"),
+        EffectFilter(tenant="quiet", before_id=1_000_005),
+        EffectFilter(upstream="mail", **EVER),
+        EffectFilter(tenant="quiet", upstream="mail", since=EVER["since"]),
+    ]
+    for where in pages:
+        plan = await plan_run(dsn, *find_statement(where))
+        assert rows_read(plan, "effects") <= 20, (where, rows_read(plan, "effects"))
+    async with opened(dsn) as store:
+        assert [r.id for r in await store.find(pages[0])] == list(range(1_000_009, 999_999, -1))
+        assert [r.id for r in await store.find(pages[2])] == list(range(1_000_004, 999_999, -1))

@@ -711,7 +711,7 @@ async def test_get_returns_the_whole_effect_and_hides_other_tenants(subject: Sub
 
 
 async def test_find_filters_and_pages_newest_first(subject: Subject) -> None:
-    """find applies each filter given and pages by id, newest first."""
+    """find applies each filter given and pages newest first."""
     store = subject.store
     a = await completed(store, "a")
     b = await claimed(store, "b", run_id="run-1")
@@ -741,9 +741,9 @@ async def test_find_filters_and_pages_newest_first(subject: Subject) -> None:
 async def test_pages_of_a_span_show_each_effect_once_newest_first_when_ids_and_times_disagree(
     subject: Subject,
 ) -> None:
-    """Paging through a span of time with each answer's last id as ``before`` shows every effect in it
-    exactly once, newest by creation time first, though claims that raced took ids out of the order of
-    their times (and some at one instant); a tenant pages through its own alike."""
+    """Paging through a span of time, or the whole audit, with each answer's last id as ``before`` shows
+    every effect in it exactly once, newest by creation time first, though claims that raced took ids out
+    of the order of their times (and some at one instant); a tenant pages through its own alike."""
     base = await subject.clock() + timedelta(seconds=1)
     rows = []
     for i in range(1, 41):
@@ -756,7 +756,7 @@ async def test_pages_of_a_span_show_each_effect_once_newest_first_when_ids_and_t
     await subject.rows(rows)
     newest_first = sorted(rows, key=lambda row: (row[1], row[0]), reverse=True)
     end = base + timedelta(hours=1)
-    for since, until in ((base, end), (base, None), (None, end)):
+    for since, until in ((base, end), (base, None), (None, end), (None, None)):
         for tenant in (None, "default"):
             seen: list[int] = []
             before = None
@@ -779,6 +779,8 @@ async def test_pages_of_a_span_show_each_effect_once_newest_first_when_ids_and_t
         await subject.store.find(EffectFilter(tenant="default", since=base, before_id=4))
     with pytest.raises(CursorUnknown):  # outside the span
         await subject.store.find(EffectFilter(since=rows[20][1], before_id=1))
+    with pytest.raises(CursorUnknown):  # another tenant's, on a tenant's page of the whole audit
+        await subject.store.find(EffectFilter(tenant="default", before_id=4))
 
 
 async def test_state_counts_count_every_state(subject: Subject) -> None:
