@@ -22,4 +22,4 @@ class ProbeFailed(GatewayError):
 
 
 class CursorUnknown(GatewayError):
-    """A page of the audit read by time was asked to go on from an effect that is not in its span."""
+    """A page of the audit read by time was asked to go on from an effect its viewer cannot see."""

@@ -243,10 +243,7 @@ _TENANT_OPEN_COUNTS = f"""
 # Whether the effect a page read by time goes on from is one of its span's (and the viewer's): asked
 # only when the page is empty. One probe of the primary key in each partition of the span.
 _CURSOR = """
-    select exists (select from effects c
-                   where c.id = $1 and c.created_at >= coalesce($2::timestamptz, '-infinity')
-                     and c.created_at < coalesce($3::timestamptz, 'infinity')
-                     and ($4::text is null or c.tenant = $4))
+    select exists (select from effects c where c.id = $1 and ($2::text is null or c.tenant = $2))
 """
 _PARTITION_SIZES = """
     select c.oid::regclass::text as part, c.reltuples::bigint as rows, pg_relation_size(c.oid) as bytes
@@ -343,8 +340,11 @@ def _time_statement(where: EffectFilter) -> tuple[str, list[Any]]:
     for any tenant and may read the span down (created_at, id) instead, throwing away every other
     tenant's effects in it. ``before`` is the last effect of the page before: the page goes on from its
     (created_at, id), which the ids alone do not give (ids are taken at claim time and created_at is
-    the claim's transaction's start, so two claims at once can have them in opposite orders). It lies
-    inside the span, so it replaces the span's end as the range's upper bound.
+    the claim's transaction's start, so two claims at once can have them in opposite orders). It is
+    looked up among all the viewer's effects, not the span's: a ``next`` link repeats a span such as
+    since=1h, which starts later by the time it is followed, and its cursor may then lie before the
+    span (the page is empty) but must not be refused. It replaces the span's end as the range's upper
+    bound: a cursor after the span's end gives the span's first page.
     """
     args: list[Any] = []
 
@@ -365,7 +365,6 @@ def _time_statement(where: EffectFilter) -> tuple[str, list[Any]]:
     if where.state is not None:  # only completed: an open state is listed from open_effects
         clauses.append(f"e.state = {arg(where.state.value)}")
     since = arg(where.since) if where.since is not None else _BEGINNING
-    until = arg(where.until) if where.until is not None else None
 
     def row(*values: str) -> str:
         return "(" + ", ".join(values) + ")"
@@ -374,18 +373,14 @@ def _time_statement(where: EffectFilter) -> tuple[str, list[Any]]:
     values = [value for _, value in lead]
     clauses.append(f"{row(*columns, 'e.created_at')} >= {row(*values, since)}")
     if where.before_id is not None:
-        # Looked up in the span and among the tenant's own; when there is no such effect the bound is
-        # null and the page empty (see Store.find).
+        # Looked up among the tenant's own; when there is no such effect the bound is null and the
+        # page empty (see Store.find).
         before = arg(where.before_id)
-        within = f" and c.created_at >= {since}"
-        if until is not None:
-            within += f" and c.created_at < {until}"
-        if where.tenant is not None:
-            within += f" and c.tenant = {values[0]}"
+        within = f" and c.tenant = {values[0]}" if where.tenant is not None else ""
         ended = f"(select c.created_at from effects c where c.id = {before}{within})"
         clauses.append(f"{row(*columns, 'e.created_at', 'e.id')} < {row(*values, ended, before)}")
-    elif until is not None:
-        clauses.append(f"{row(*columns, 'e.created_at')} < {row(*values, until)}")
+    elif where.until is not None:
+        clauses.append(f"{row(*columns, 'e.created_at')} < {row(*values, arg(where.until))}")
     else:
         clauses.append(f"{row(*columns, 'e.created_at')} <= {row(*values, _ENDLESS)}")
     order = ", ".join(f"{column} desc" for column in [*columns, "e.created_at", "e.id"])
@@ -864,7 +859,7 @@ class Store:
     async def find(self, where: EffectFilter) -> list[EffectRecord]:
         """A page of the audit, newest first, as :func:`find_statement` reads it.
 
-        Raises CursorUnknown when a page read by time names as ``before`` no effect of its span that
+        Raises CursorUnknown when a page read by time names as ``before`` no effect that
         the viewer sees: there is no place to go on from.
         """
         sql, args = find_statement(where)
@@ -872,9 +867,9 @@ class Store:
         async def op(conn: Conn) -> list[EffectRecord]:
             rows = await conn.fetch(sql, *args)
             if not rows and where.before_id is not None and by_time(where):
-                found = await conn.fetchval(_CURSOR, where.before_id, where.since, where.until, where.tenant)
+                found = await conn.fetchval(_CURSOR, where.before_id, where.tenant)
                 if not found:
-                    raise CursorUnknown(f"before={where.before_id} is no effect of this span")
+                    raise CursorUnknown(f"before={where.before_id} is no effect you can see")
             return [_record(row) for row in rows]
 
         return await self._run("find", op)

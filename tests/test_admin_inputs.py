@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -173,3 +174,23 @@ def test_an_operator_cannot_give_a_body_that_is_not_text() -> None:
     """A lone surrogate in a resolution's body is a 400; it was a 500."""
     with pytest.raises(problems.BadRequest):
         parse_resolution({"happened": True, "response": {"status": 200, "body": "\ud800"}})
+
+
+async def test_a_next_link_of_a_span_from_now_still_pages_once_the_span_moved_on(
+    gateway: Gateway, http: aiohttp.ClientSession
+) -> None:
+    """The next link of since=2s followed three seconds later, when its cursor lies before the span
+    that since=2s now means, answers 200 with an empty page; a cursor of no effect at all is a 400."""
+    for key in ("s1", "s2", "s3"):
+        await _order(http, gateway, key)
+    status, page = await get(http, f"{gateway.url}/_gateway/effects?since=2s&limit=2")
+    assert status == 200
+    assert len(page["effects"]) == 2
+    await asyncio.sleep(3)
+    status, later = await get(http, f"{gateway.url}{page['next']}")
+    assert status == 200, later
+    assert later["effects"] == []
+    async with http.get(f"{gateway.url}/_gateway/effects?since=1h&before=999999", headers=ADMIN) as resp:
+        assert resp.status == 400
+        assert resp.content_type == "application/problem+json"
+        assert "before=999999" in (await resp.json())["detail"]

@@ -12,4 +12,15 @@
 -- millions, build it beforehand with "create index concurrently open_effects_by_tenant on open_effects
 -- (tenant, state, id)" outside a transaction, and this migration then finds it there.
 
+-- A concurrent build that failed or was cancelled leaves an invalid index of that name, which the
+-- planner never uses and "if not exists" would take for done: it is built again.
+do $$
+begin
+    if exists (select from pg_index i join pg_class c on c.oid = i.indexrelid
+               where c.relname = 'open_effects_by_tenant' and not i.indisvalid
+                 and c.relnamespace = (select relnamespace from pg_class where oid = 'open_effects'::regclass)) then
+        drop index open_effects_by_tenant;
+    end if;
+end $$;
+
 create index if not exists open_effects_by_tenant on open_effects (tenant, state, id);
