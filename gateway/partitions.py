@@ -148,7 +148,9 @@ def within(column: str, bounds: tuple[datetime, datetime]) -> str:
     each of their indexes, on every execution: a hundred and more locks per statement after a few months,
     past the few a backend keeps cheaply. With the row's own partition bounds written in as constants,
     Postgres prunes the others when it plans. The text differs per month or day, so each bound gets a
-    prepared statement of its own; detaching a partition makes Postgres plan them again.
+    prepared statement of its own; detaching a partition makes Postgres plan them again. The bounds are
+    the only values the store writes into SQL: datetimes from month_of or day_of, whose isoformat has
+    no quote in it.
     """
     lower, upper = bounds
     return f"{column} >= '{lower.isoformat()}' and {column} < '{upper.isoformat()}'"

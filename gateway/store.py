@@ -434,7 +434,9 @@ class Store:
                 init=_init_connection,
                 reset=_keep_session,
                 # A statement per month of the audit and per day of bodies (partitions.within), each
-                # prepared once per connection: room for a retention of months beside the rest.
+                # prepared once per connection: about nine per month still written, one per day of
+                # bodies kept (a week by default, months for some), and fifty others. Each holds its
+                # plan in that connection's backend, a few KB.
                 statement_cache_size=512,
                 server_settings=session_settings(limits),
             )

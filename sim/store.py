@@ -28,7 +28,7 @@ from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State, Transition
-from gateway.store import EffectFilter, NewEffect, by_time, head_bytes, head_pairs
+from gateway.store import EXACT_OPEN_COUNT, EffectFilter, NewEffect, by_time, head_bytes, head_pairs
 from sim.loop import OWNER, REQUEST
 
 T = TypeVar("T")
@@ -435,8 +435,9 @@ class SimDatabase:
         for row in self.rows.values():
             if row.state is State.COMPLETED or tenant is None or row.tenant == tenant:
                 counts[row.state.value] += 1
-        if tenant is not None:
+        if tenant is not None:  # as gateway.store's: a tenant's open states counted up to the bound only
             del counts[State.COMPLETED.value]
+            counts = {state: min(n, EXACT_OPEN_COUNT) for state, n in counts.items()}
         return counts
 
     # --- retention (gateway.partitions.drop_expired_bodies) ------------------------------------------

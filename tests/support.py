@@ -338,6 +338,7 @@ RETAINED: dict[str, Any] = {"retention": "7d", "purge_interval": "50ms", "replay
 async def backdate_bodies(dsn: str, days: int = 10) -> None:
     """Time passes for the stored bodies: they move ``days`` back, into a day the retention will drop."""
     from gateway import partitions
+    from gateway.store import MAINTENANCE_LOCK
 
     conn = await asyncpg.connect(dsn)
     try:
@@ -345,8 +346,13 @@ async def backdate_bodies(dsn: str, days: int = 10) -> None:
         past = await conn.fetchval(
             "select coalesce(min(stored_at), now()) - $1 * interval '1 day' from effect_bodies", days
         )
-        # A day a gateway left half detached takes no rows: finish it as the next retention would.
-        await partitions.finish_interrupted(conn)
+        # A day a gateway left half detached takes no rows: finish it as the next retention would,
+        # as the maintainer (a running gateway's round may be finishing the same day).
+        await conn.execute("select pg_advisory_lock($1)", MAINTENANCE_LOCK)
+        try:
+            await partitions.finish_interrupted(conn)
+        finally:
+            await conn.execute("select pg_advisory_unlock($1)", MAINTENANCE_LOCK)
         latest = await conn.fetchval("select now() - $1 * interval '1 day'", days)
         async with conn.transaction():
             # No detach (of a running gateway's retention) between making the days and filling them:
