@@ -222,13 +222,22 @@ async def find_page(runtime: Runtime, where: EffectFilter) -> list[EffectRecord]
         raise problems.BadRequest(f"{exc}: page on with the answer's next link") from None
 
 
+def next_query(where: EffectFilter, last: EffectRecord) -> dict[str, str]:
+    """What the query of the page after one ending at ``last`` changes: ``before``, and a span's ends as
+    the times this page read. Given as a duration (since=1h), an end would mean a later span by then,
+    which may no longer hold ``last``: the next page would be refused, or skip what aged out meanwhile.
+    """
+    ends = (("since", where.since), ("until", where.until))
+    return {**{name: at.isoformat() for name, at in ends if at is not None}, "before": str(last.id)}
+
+
 async def list_effects(request: web.Request) -> web.Response:
     runtime = _runtime(request)
     where = parse_filter(dict(request.query), _viewer(request, runtime))
     records = await find_page(runtime, where)
     page: dict[str, Any] = {"effects": [effect_json(r, full=False) for r in records], "next": None}
     if len(records) == where.limit:
-        nxt = request.rel_url.update_query(before=str(records[-1].id))
+        nxt = request.rel_url.update_query(next_query(where, records[-1]))
         page["next"] = str(nxt)
     return _json(page)
 

@@ -204,7 +204,8 @@ class Listing:
     counts: dict[str, int]
     # The filters as given (empty fields left out, without the page cursor ``before``).
     query: dict[str, str]
-    next_before: int | None
+    # What the next page's query changes (gateway.admin.next_query); None on the last page.
+    older: dict[str, str] | None
     upstreams: Iterable[str]
     may_resolve: bool
     # Whether this page starts further back than the newest (a ``before`` cursor was given).
@@ -301,10 +302,8 @@ def listing(page: Listing, chrome: Chrome | None) -> str:
     links = []
     if page.paged:
         links.append(f'<a href="{href(page.query)}">← Newest</a>')
-    if page.next_before is not None:
-        links.append(
-            f'<a rel="next" href="{href({**page.query, "before": str(page.next_before)})}">Older →</a>'
-        )
+    if page.older is not None:
+        links.append(f'<a rel="next" href="{href({**page.query, **page.older})}">Older →</a>')
     body = f"""<h1>{escape(title)}</h1>
 {_counts(page.counts, current)}
 {_banner(page.counts, current, page.may_resolve)}

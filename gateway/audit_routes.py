@@ -19,7 +19,15 @@ from datetime import UTC, datetime
 from aiohttp import web
 
 from gateway import audit_page, effect_page, operators, problems
-from gateway.admin import MAX_ID, find_page, parse_filter, parse_resolution, verdict_given, whole_number
+from gateway.admin import (
+    MAX_ID,
+    find_page,
+    next_query,
+    parse_filter,
+    parse_resolution,
+    verdict_given,
+    whole_number,
+)
 from gateway.audit_page import BASE, Chrome, Listing
 from gateway.decision import NotAwaitingOperator, resolution
 from gateway.effect_page import ResolveForm, Verdict
@@ -223,14 +231,14 @@ async def list_effects(request: web.Request) -> web.StreamResponse:
     try:
         where = parse_filter(query, viewer.tenant)
         records = await find_page(runtime, where)
-        next_before = records[-1].id if len(records) == where.limit else None
+        older = next_query(where, records[-1]) if len(records) == where.limit else None
     except problems.BadRequest as exc:
-        error, records, next_before = exc.detail, [], None
+        error, records, older = exc.detail, [], None
     page = Listing(
         records=records,
         counts=await runtime.store.state_counts(viewer.tenant),
         query={k: v for k, v in query.items() if k != "before"},
-        next_before=next_before,
+        older=older,
         upstreams=sorted(runtime.policies),
         may_resolve=viewer.may_resolve,
         paged="before" in query,

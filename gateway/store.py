@@ -341,9 +341,10 @@ def _time_statement(where: EffectFilter) -> tuple[str, list[Any]]:
     tenant's effects in it. ``before`` is the last effect of the page before: the page goes on from its
     (created_at, id), which the ids alone do not give (ids are taken at claim time and created_at is
     the claim's transaction's start, so two claims at once can have them in opposite orders). It is
-    looked up among all the viewer's effects, not the span's: a ``next`` link repeats a span such as
-    since=1h, which starts later by the time it is followed, and its cursor may then lie before the
-    span (the page is empty) but must not be refused. It replaces the span's end as the range's upper
+    looked up among all the viewer's effects, not the span's: a link kept from before the ``next``
+    links named their span's times (gateway.admin.next_query) repeats a span such as since=1h, which
+    starts later by the time it is followed, and its cursor may then lie before the span (the page is
+    empty) but must not be refused. It replaces the span's end as the range's upper
     bound: a cursor after the span's end gives the span's first page.
     """
     args: list[Any] = []

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import html
+import re
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -131,3 +133,20 @@ async def test_with_tenants_the_audit_needs_a_token_and_shows_only_the_tenants_o
             headers={"Effect-Gateway-Token": "tok-a"},
         ) as resp:
             assert resp.status == 401
+
+
+async def test_the_audit_pages_older_link_of_a_span_from_now_goes_on_through_that_span(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """The audit page's Older link of since=2s, followed once the page's last effect is more than 2 s
+    old, shows the effect before it in the span the first page read."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
+        for key in ("a", "b", "c"):
+            assert await _order(http, gw.url, key) == 201
+        async with http.get(f"{gw.url}/_gateway/audit?since=2s&limit=2") as resp:
+            older = re.search(r'<a rel="next" href="([^"]+)"', await resp.text())
+        assert older is not None
+        await asyncio.sleep(2.5)
+        async with http.get(gw.url + html.unescape(older[1])) as resp:
+            assert resp.status == 200
+            assert '<td class="key">a</td>' in await resp.text()
