@@ -240,8 +240,8 @@ _TENANT_OPEN_COUNTS = f"""
                                order by o.tenant, o.state, o.id limit $3) as c) as n
     from unnest($1::text[]) as s(state)
 """
-# Whether the effect a page read by time goes on from is one of its span's (and the viewer's): asked
-# only when the page is empty. One probe of the primary key in each partition of the span.
+# Whether the effect a page read by time goes on from is one the viewer sees: asked only when the page
+# is empty. One probe of the primary key in each partition of the audit.
 _CURSOR = """
     select exists (select from effects c where c.id = $1 and ($2::text is null or c.tenant = $2))
 """
@@ -271,8 +271,12 @@ def by_time(where: EffectFilter) -> bool:
     any other from the index on (created_at, id): from the end of the span if one is given, so a page
     costs its own rows however wide the span and however many effects others have in it.
     """
-    listed = where.state is not None and where.state is not State.COMPLETED
-    return where.run_id is None and where.key is None and not listed
+    return where.run_id is None and where.key is None and not _listed(where)
+
+
+def _listed(where: EffectFilter) -> bool:
+    """Whether the page for ``where`` is a list of an open state, read from open_effects."""
+    return where.state is not None and where.state is not State.COMPLETED and where.key is None
 
 
 def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
@@ -285,7 +289,7 @@ def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
     """
     if by_time(where):
         return _time_statement(where)
-    listed = where.state is not None and where.state is not State.COMPLETED and where.key is None
+    listed = _listed(where)
     # open_effects holds the tenant, id and creation time of an open effect: filtering there
     # leaves the audit to be read only for the rows of the page.
     holder = "o" if listed else "e"
@@ -344,8 +348,8 @@ def _time_statement(where: EffectFilter) -> tuple[str, list[Any]]:
     looked up among all the viewer's effects, not the span's: a link kept from before the ``next``
     links named their span's times (gateway.admin.next_query) repeats a span such as since=1h, which
     starts later by the time it is followed, and its cursor may then lie before the span (the page is
-    empty) but must not be refused. It replaces the span's end as the range's upper
-    bound: a cursor after the span's end gives the span's first page.
+    empty) but must not be refused. It replaces the span's end as the range's upper bound: a cursor
+    after the span's end gives the span's first page.
     """
     args: list[Any] = []
 
