@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.metrics import Metrics, sweep_left_behind
 from tests.support import (
     ROOT,
+    Gateway,
     Upstream,
     children,
     decisions,
@@ -262,19 +264,26 @@ async def test_a_scrape_storm_reads_the_states_from_the_store_once(
     assert value(after, "effect_gateway_requests_total", upstream="shop", outcome="sent", problem="") == 2
 
 
+def _with_tokens(
+    dsn: str, upstream: Upstream, monkeypatch: pytest.MonkeyPatch
+) -> contextlib.AbstractAsyncContextManager[Gateway]:
+    """A gateway with an admin token (adm-1) and tenant a's (tok-a), sending to ``upstream`` as shop."""
+    monkeypatch.setenv("ADMIN", "adm-1")
+    monkeypatch.setenv("TA", "tok-a")
+    return gateway_server(
+        dsn,
+        upstreams={"shop": {"base_url": upstream.url}},
+        tenants={"a": {"token": "env:TA"}},
+        admin={"token": "env:ADMIN"},
+    )
+
+
 async def test_a_storm_of_health_requests_with_tokens_reads_the_states_once_per_viewer(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Twenty health requests at once with the admin's token and twenty with a tenant's: the counts by
     state are read from Postgres once for each of the two, and the scrape after them reads none."""
-    monkeypatch.setenv("ADMIN", "adm-1")
-    monkeypatch.setenv("TA", "tok-a")
-    async with gateway_server(
-        dsn,
-        upstreams={"shop": {"base_url": upstream.url}},
-        tenants={"a": {"token": "env:TA"}},
-        admin={"token": "env:ADMIN"},
-    ) as gw:
+    async with _with_tokens(dsn, upstream, monkeypatch) as gw:
         assert await post(http, f"{gw.url}/shop/orders", "h1", token="tok-a") == 201
 
         async def health(**headers: str) -> dict[str, int]:
@@ -297,14 +306,7 @@ async def test_metrics_need_the_admin_token_when_one_is_set(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without a token a scrape gets 401; a tenant's gets its own effects only; the admin's, everything."""
-    monkeypatch.setenv("ADMIN", "adm-1")
-    monkeypatch.setenv("TA", "tok-a")
-    async with gateway_server(
-        dsn,
-        upstreams={"shop": {"base_url": upstream.url}},
-        tenants={"a": {"token": "env:TA"}},
-        admin={"token": "env:ADMIN"},
-    ) as gw:
+    async with _with_tokens(dsn, upstream, monkeypatch) as gw:
         async with http.get(f"{gw.url}/_gateway/metrics") as resp:
             refused = (resp.status, resp.content_type, await resp.text())
         assert await post(http, f"{gw.url}/shop/orders", "t1", token="tok-a") == 201
