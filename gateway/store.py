@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, Self, TypeAlias, TypeVar
 
 import asyncpg
 import asyncpg.pool
@@ -429,7 +429,7 @@ class Store:
         max_size: int = 20,
         limits: StoreLimits | None = None,
         telemetry: Telemetry | None = None,
-    ) -> Store:
+    ) -> Self:
         limits = limits or StoreLimits()
         try:
             pool = await asyncpg.create_pool(
