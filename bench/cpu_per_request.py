@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -30,7 +28,7 @@ from pathlib import Path
 
 from bench import profiling
 from bench.gateway_load import BODY, HEADERS, REPLAY_KEYS, Gateway, post, prepare, start_gateway
-from bench.harness import at_start, conditions, cpu_seconds, machine_now, running, start_server
+from bench.harness import at_start, conditions, cpu_seconds, machine_now, running, start_server, work_dir
 from bench.load import Load, LoadSpec, generator_description
 
 # Below this a run's CPU time is a handful of the kernel's 10 ms ticks: too coarse to compare.
@@ -97,7 +95,11 @@ def measure(subject: Subject, rep: int, requests: int) -> None:
 
 def run(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
-    work = Path(tempfile.mkdtemp(prefix="effect-gateway-cpu-"))
+    with work_dir("effect-gateway-cpu-") as work:
+        measure_all(args, work)
+
+
+def measure_all(args: argparse.Namespace, work: Path) -> None:
     start_line = at_start(str(work))
     trees = [("this tree", None)]
     if args.against:
@@ -151,7 +153,6 @@ def run(args: argparse.Namespace) -> None:
     print()
     print(table(subjects))
     print(f"\nat the end: {machine_now(str(work))}")
-    shutil.rmtree(work, ignore_errors=True)
 
 
 def profile(gw: Gateway, spec: LoadSpec, out_dir: Path) -> None:

@@ -22,11 +22,9 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -51,6 +49,7 @@ from bench.harness import (
     running,
     start_server,
     tree,
+    work_dir,
 )
 from bench.load import Load, LoadResult, LoadSpec, generator_description
 from gateway.embedded import EmbeddedPostgres
@@ -333,8 +332,11 @@ def profile(rows: list[Row], servers: dict[str, Server], c: int, seconds: float,
 
 def run(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")  # the embedded server's wheel, attaching
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="effect-gateway-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
+    with work_dir("effect-gateway-bench-", args.work_dir) as work:
+        measure(args, work)
+
+
+def measure(args: argparse.Namespace, work: Path) -> None:
     start_line = at_start(str(work))
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     wanted = parse_workers(args.workers)
@@ -429,8 +431,6 @@ def run(args: argparse.Namespace) -> None:
                 post(f"{servers['upstream'].url}/release", None)
                 if gw.twin is not None:
                     gw.twin.join(30)
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> None:

@@ -26,11 +26,9 @@ import asyncio
 import os
 import re
 import secrets
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -55,6 +53,7 @@ from bench.harness import (
     running,
     start_server,
     tree,
+    work_dir,
 )
 from bench.load import Load, LoadResult, LoadSpec, generator_description
 from gateway.embedded import EmbeddedPostgres
@@ -554,8 +553,11 @@ def print_table(columns: list[Column]) -> None:
 
 def run(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")  # the embedded server's wheel, attaching
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="effect-gateway-growth-"))
-    work.mkdir(parents=True, exist_ok=True)
+    with work_dir("effect-gateway-growth-", args.work_dir, keep=args.keep) as work:
+        measure(args, work)
+
+
+def measure(args: argparse.Namespace, work: Path) -> None:
     start_line = at_start(str(work))
     servers, setup = start(work, args.database_url)
     with running(servers):
@@ -626,8 +628,6 @@ def run(args: argparse.Namespace) -> None:
         print()
         print_table([empty, size])
         print(f"\nat the end: {machine_now(str(work))}")
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> None:

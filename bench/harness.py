@@ -87,6 +87,21 @@ def running(servers: list[Server]) -> Iterator[list[Server]]:
             server.stop()
 
 
+@contextlib.contextmanager
+def work_dir(prefix: str, given: str | None = None, *, keep: bool = False) -> Iterator[Path]:
+    """The folder of a run's servers, their logs and data: removed after a run that succeeds (unless
+    ``given`` or ``keep``), kept after one that fails, whose logs say why, and its path printed."""
+    work = Path(given) if given else Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        yield work
+    except BaseException:
+        print(f"the servers' logs and data are kept in {work}", file=sys.stderr)
+        raise
+    if not given and not keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def gateway_command() -> list[str]:
     """``effect-gateway`` as installed beside this Python (the venv), the way users run it."""
     script = Path(sys.executable).parent / "effect-gateway"

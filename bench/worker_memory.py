@@ -15,15 +15,13 @@ effect that it should not; a flat line after the first rounds is what a bounded 
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
 from bench.gateway_load import BODY, HEADERS, parse_workers, start_gateway, workers_support
-from bench.harness import at_start, conditions, running, start_server
+from bench.harness import at_start, conditions, running, start_server, work_dir
 from bench.load import Load, LoadSpec, generator_description
 
 CONCURRENCY = 64
@@ -45,11 +43,8 @@ def run(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
     if workers_support() != "setting":
         sys.exit("this build has no workers setting")
-    work = Path(tempfile.mkdtemp(prefix="effect-gateway-memory-"))
-    try:
+    with work_dir("effect-gateway-memory-") as work:
         measure(args, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def measure(args: argparse.Namespace, work: Path) -> None:
