@@ -18,6 +18,7 @@ import argparse
 import sys
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 from bench.gateway_load import BODY, HEADERS, parse_workers, start_gateway, workers_support
@@ -70,9 +71,8 @@ def measure(args: argparse.Namespace, work: Path) -> None:
             ),
             flush=True,
         )
-        print("\n| new effects | req/s new | req/s 10k keys | " + " | ".join(
-            f"worker {i + 1} RSS / peak MB" for i in range(len(pids))
-        ) + " |")  # fmt: skip
+        workers_cells = " | ".join(f"worker {i + 1} RSS / peak MB" for i in range(len(pids)))
+        print(f"\n| new effects | req/s new | req/s 10k keys | {workers_cells} |")
         print("|---|---|---|" + "---|" * len(pids))
         row(0, None, None, pids)
         done = 0
@@ -87,12 +87,10 @@ def measure(args: argparse.Namespace, work: Path) -> None:
             if new.not_2xx or new.failed:
                 print(f"(!) round {seq}: {new.not_2xx} answers not 2xx, {new.failed} failed", flush=True)
             # The same REPLAY_KEYS keys round and round: new effects in the first round, replays after.
-            replay = Load(
-                LoadSpec(
-                    url, CONCURRENCY, args.round / 4, mode="cycle", tag=f"{gw.tag}.replay", keys=REPLAY_KEYS,
-                    body=BODY, headers=HEADERS,
-                )
-            ).result()  # fmt: skip
+            replays = replace(
+                spec, duration=args.round / 4, mode="cycle", tag=f"{gw.tag}.replay", keys=REPLAY_KEYS
+            )
+            replay = Load(replays).result()
             row(done, new.rate, replay.rate, pids)
 
 
