@@ -784,6 +784,33 @@ async def test_pages_of_a_span_show_each_effect_once_newest_first_when_ids_and_t
         await subject.store.find(EffectFilter(tenant="default", before_id=4))
 
 
+async def test_a_tenants_page_of_an_open_state_pages_on_past_an_effect_that_left_it(subject: Subject) -> None:
+    """A tenant's list of its pending effects pages newest first with the last one's id as ``before``,
+    each shown once, though an operator settled that last one (it left the list) before the next page was
+    asked for; another tenant's effect is never listed."""
+    store = subject.store
+    mine = [await claimed(store, f"open-{i}") for i in range(7)]
+    theirs = await claimed(store, "theirs", tenant="other")
+    await completed(store, "done")
+    first = await store.find(EffectFilter(tenant="default", state=State.PENDING, limit=3))
+    assert [r.id for r in first] == [r.id for r in mine[6:3:-1]]
+    assert await store.settle(first[-1], DONE, response=OK, recovered_by=None) is not None
+    seen = [r.id for r in first]
+    before = first[-1].id
+    for _ in range(len(mine)):  # more pages than effects: it went round in circles
+        wanted = EffectFilter(tenant="default", state=State.PENDING, before_id=before, limit=3)
+        page = await store.find(wanted)
+        seen += [r.id for r in page]
+        if len(page) < 3:
+            break
+        before = page[-1].id
+    assert seen == [r.id for r in reversed(mine)]
+    # Newest by id, the page needs of its cursor only the number: another tenant's shows nothing of theirs.
+    past_theirs = await store.find(EffectFilter(tenant="default", state=State.PENDING, before_id=theirs.id))
+    assert [r.id for r in past_theirs] == [r.id for r in reversed(mine) if r.id != first[-1].id]
+    assert [r.id for r in await store.find(EffectFilter(tenant="other", state=State.PENDING))] == [theirs.id]
+
+
 async def test_state_counts_count_every_state(subject: Subject) -> None:
     """state_counts has every state; a tenant's counts leave completed out."""
     store = subject.store
