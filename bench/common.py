@@ -5,11 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import statistics
-import tempfile
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
-from bench.harness import conditions
+from bench.harness import conditions, work_dir
 from gateway.embedded import EmbeddedPostgres
 
 
@@ -23,8 +21,8 @@ def on_postgres(bench: Callable[[str], Awaitable[None]]) -> None:
     if dsn:
         asyncio.run(bench(dsn))
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        embedded = EmbeddedPostgres(Path(tmp))
+    with work_dir("effect-gateway-bench-") as tmp:
+        embedded = EmbeddedPostgres(tmp)
         try:
             asyncio.run(bench(embedded.start()))
         finally:

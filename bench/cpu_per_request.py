@@ -83,7 +83,7 @@ def loads(gw: Gateway, concurrency: int) -> dict[str, LoadSpec]:
     }
 
 
-def measure(subject: Subject, rep: int, requests: int) -> None:
+def measure_subject(subject: Subject, rep: int, requests: int) -> None:
     for kind in KINDS:
         spec = subject.loads[kind]
         seconds = duration_for(subject.rates[kind], requests)
@@ -93,21 +93,24 @@ def measure(subject: Subject, rep: int, requests: int) -> None:
         subject.rates[kind] = got.rate
 
 
+Tree = tuple[str, dict[str, str] | None]  # a label, and the environment its gateway runs in
+
+
 def run(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
-    with work_dir("effect-gateway-cpu-") as work:
-        measure_all(args, work)
-
-
-def measure_all(args: argparse.Namespace, work: Path) -> None:
-    start_line = at_start(str(work))
-    trees = [("this tree", None)]
+    trees: list[Tree] = [("this tree", None)]
     if args.against:
         other = str(Path(args.against).resolve())
         if not Path(other, "gateway", "__init__.py").exists():
             sys.exit(f"--against {args.against}: no gateway/ package there")
         # The other tree's packages come first on its gateway's path; bench code stays this tree's.
         trees.append((args.against, {**os.environ, "PYTHONPATH": other}))
+    with work_dir("effect-gateway-cpu-") as work:
+        measure(args, trees, work)
+
+
+def measure(args: argparse.Namespace, trees: list[Tree], work: Path) -> None:
+    start_line = at_start(str(work))
     subjects: list[Subject] = []
     with running([]) as started:
         upstream = start_server("upstream", [sys.executable, "-m", "bench.upstream"], work / "upstream.log")
@@ -138,7 +141,7 @@ def measure_all(args: argparse.Namespace, work: Path) -> None:
                     subject.rates[kind] = Load(replace(spec, tag=tag)).result().rate
             for rep in range(args.repeat):
                 for subject in subjects if rep % 2 == 0 else subjects[::-1]:
-                    measure(subject, rep, args.requests)
+                    measure_subject(subject, rep, args.requests)
                 print(f"run {rep + 1}/{args.repeat} done", flush=True)
             if args.profile:
                 for kind, spec in subjects[0].loads.items():

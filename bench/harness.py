@@ -1,4 +1,5 @@
-"""What the benchmarks that load from outside share: server processes, CPU accounting, the conditions.
+"""What the benchmarks that load from outside share: a work folder, server processes, CPU accounting,
+the conditions.
 
 Every server (upstream, proxy, gateway) runs in a process of its own, started here and stopped by its pid.
 CPU time is read from /proc per process tree, so each row can say who used the cores while it ran: a
@@ -89,15 +90,23 @@ def running(servers: list[Server]) -> Iterator[list[Server]]:
 
 @contextlib.contextmanager
 def work_dir(prefix: str, given: str | None = None, *, keep: bool = False) -> Iterator[Path]:
-    """The folder of a run's servers, their logs and data: removed after a run that succeeds (unless
-    ``given`` or ``keep``), kept after one that fails, whose logs say why, and its path printed."""
+    """The folder of a run's servers, their logs and data: removed after a run that succeeds or that
+    the user stopped (Ctrl-C), unless ``given`` or ``keep``; kept after one that failed, whose logs say
+    why, and its path printed."""
     work = Path(given) if given else Path(tempfile.mkdtemp(prefix=prefix))
     work.mkdir(parents=True, exist_ok=True)
     try:
         yield work
-    except BaseException:
+    except KeyboardInterrupt:
+        _remove(work, given, keep)
+        raise
+    except BaseException:  # SystemExit too: a benchmark exits so when what it found stops the run
         print(f"the servers' logs and data are kept in {work}", file=sys.stderr)
         raise
+    _remove(work, given, keep)
+
+
+def _remove(work: Path, given: str | None, keep: bool) -> None:
     if not given and not keep:
         shutil.rmtree(work, ignore_errors=True)
 

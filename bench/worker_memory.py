@@ -72,7 +72,7 @@ def measure(args: argparse.Namespace, work: Path) -> None:
             flush=True,
         )
         workers_cells = " | ".join(f"worker {i + 1} RSS / peak MB" for i in range(len(pids)))
-        print(f"\n| new effects | req/s new | req/s 10k keys | {workers_cells} |")
+        print(f"\n| new effects | req/s new | req/s {REPLAY_KEYS:,} keys | {workers_cells} |")
         print("|---|---|---|" + "---|" * len(pids))
         row(0, None, None, pids)
         done = 0
@@ -87,10 +87,10 @@ def measure(args: argparse.Namespace, work: Path) -> None:
             if new.not_2xx or new.failed:
                 print(f"(!) round {seq}: {new.not_2xx} answers not 2xx, {new.failed} failed", flush=True)
             # The same REPLAY_KEYS keys round and round: new effects in the first round, replays after.
-            replays = replace(
+            replay_spec = replace(
                 spec, duration=args.round / 4, mode="cycle", tag=f"{gw.tag}.replay", keys=REPLAY_KEYS
             )
-            replay = Load(replays).result()
+            replay = Load(replay_spec).result()
             row(done, new.rate, replay.rate, pids)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import re
 from dataclasses import dataclass
@@ -62,6 +63,14 @@ def check_headers(request: web.Request) -> None:
 _HOST = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]]+))(?::[0-9]{1,5})?")
 
 
+# Every request asks it of the same one or two Host values; a client sending a new one each time only
+# cycles the cache.
+@functools.lru_cache(maxsize=64)
+def _names_loopback(host: str) -> bool:
+    found = _HOST.fullmatch(host)
+    return found is not None and is_loopback((found["v6"] or found["name"]).lower())
+
+
 def check_host(request: web.Request, settings: Settings) -> None:
     """Without tenants, answer only requests addressed to a loopback name: the gateway trusts its caller.
 
@@ -73,8 +82,7 @@ def check_host(request: web.Request, settings: Settings) -> None:
     host = request.headers.get("Host")
     if settings.tenants or host is None:
         return
-    found = _HOST.fullmatch(host)
-    if found is None or not is_loopback((found["v6"] or found["name"]).lower()):
+    if not _names_loopback(host):
         raise problems.BadRequest(
             f"Host {host!r} is not a loopback name: a gateway without tenants answers only requests to "
             "localhost, 127.0.0.1 or [::1] (configure [tenants] to reach it by another name)"

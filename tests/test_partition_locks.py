@@ -94,7 +94,8 @@ async def _locks_of_an_effect(store: LockCounting) -> dict[str, int]:
 
 
 async def test_a_new_effect_and_its_replay_lock_no_more_with_more_partitions(database: str) -> None:
-    """Adding fourteen months of audit and seventy days of bodies leaves each phase's lock count as it was."""
+    """Adding fourteen months of audit and seventy days of bodies leaves each phase's locks on its cached
+    plan as they were, and its locks while planning within one of what they were."""
     # One connection: the first effect of each round plans every phase, the second reuses the plans.
     store = await LockCounting.connect(database, min_size=1, max_size=1)
     try:

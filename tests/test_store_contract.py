@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import cast
 
@@ -758,16 +758,7 @@ async def test_pages_of_a_span_show_each_effect_once_newest_first_when_ids_and_t
     end = base + timedelta(hours=1)
     for since, until in ((base, end), (base, None), (None, end), (None, None)):
         for tenant in (None, "default"):
-            seen: list[int] = []
-            before = None
-            for _ in range(len(rows)):  # more pages than effects: it went round in circles
-                page = await subject.store.find(
-                    EffectFilter(tenant=tenant, since=since, until=until, before_id=before, limit=3)
-                )
-                seen += [r.id for r in page]
-                if len(page) < 3:
-                    break
-                before = page[-1].id
+            seen = await paged(subject.store, EffectFilter(tenant=tenant, since=since, until=until, limit=3))
             assert seen == [id_ for id_, _, who in newest_first if tenant in (None, who)], (
                 since,
                 until,
@@ -787,28 +778,34 @@ async def test_pages_of_a_span_show_each_effect_once_newest_first_when_ids_and_t
 async def test_a_tenants_page_of_an_open_state_pages_on_past_an_effect_that_left_it(subject: Subject) -> None:
     """A tenant's list of its pending effects pages newest first with the last one's id as ``before``,
     each shown once, though an operator settled that last one (it left the list) before the next page was
-    asked for; another tenant's effect is never listed."""
+    asked for; any id serves as ``before`` there, another tenant's too, and lists none of theirs."""
     store = subject.store
+    older = await claimed(store, "theirs-older", tenant="other")
     mine = [await claimed(store, f"open-{i}") for i in range(7)]
     theirs = await claimed(store, "theirs", tenant="other")
     await completed(store, "done")
-    first = await store.find(EffectFilter(tenant="default", state=State.PENDING, limit=3))
+    pending = EffectFilter(tenant="default", state=State.PENDING, limit=3)
+    first = await store.find(pending)
     assert [r.id for r in first] == [r.id for r in mine[6:3:-1]]
     assert await store.settle(first[-1], DONE, response=OK, recovered_by=None) is not None
-    seen = [r.id for r in first]
-    before = first[-1].id
-    for _ in range(len(mine)):  # more pages than effects: it went round in circles
-        wanted = EffectFilter(tenant="default", state=State.PENDING, before_id=before, limit=3)
-        page = await store.find(wanted)
+    rest = await paged(store, replace(pending, before_id=first[-1].id))
+    assert [r.id for r in first] + rest == [r.id for r in reversed(mine)]
+    # Read by id, the list needs of its cursor only the number (a page by time refuses another tenant's).
+    past_theirs = await paged(store, replace(pending, before_id=theirs.id))
+    assert past_theirs == [r.id for r in reversed(mine) if r.id != first[-1].id]
+    assert [r.id for r in await store.find(replace(pending, tenant="other"))] == [theirs.id, older.id]
+
+
+async def paged(store: Store, where: EffectFilter) -> list[int]:
+    """The ids of every page from ``where`` on, each next page before the last one's last effect."""
+    seen: list[int] = []
+    for _ in range(1000):  # more pages than any test has effects: it went round in circles
+        page = await store.find(where)
         seen += [r.id for r in page]
-        if len(page) < 3:
-            break
-        before = page[-1].id
-    assert seen == [r.id for r in reversed(mine)]
-    # Newest by id, the page needs of its cursor only the number: another tenant's shows nothing of theirs.
-    past_theirs = await store.find(EffectFilter(tenant="default", state=State.PENDING, before_id=theirs.id))
-    assert [r.id for r in past_theirs] == [r.id for r in reversed(mine) if r.id != first[-1].id]
-    assert [r.id for r in await store.find(EffectFilter(tenant="other", state=State.PENDING))] == [theirs.id]
+        if len(page) < where.limit:
+            return seen
+        where = replace(where, before_id=page[-1].id)
+    raise AssertionError(f"still paging after 1000 pages: {seen[:20]}...")
 
 
 async def test_state_counts_count_every_state(subject: Subject) -> None:
