@@ -14,6 +14,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway import jsonbody, operators, problems
+from gateway.audit_query import EffectFilter
 from gateway.decision import NotAwaitingOperator
 from gateway.errors import CursorUnknown, StoreUnavailable
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
@@ -22,7 +23,6 @@ from gateway.record import EffectRecord, StoredResponse
 from gateway.runtime import RUNTIME, Runtime, is_admin, read_request_body, tenant_of
 from gateway.settings import parse_duration
 from gateway.states import State
-from gateway.store import EffectFilter
 from gateway.wire import HeaderRefused, header_line
 
 log = logging.getLogger("effect_gateway")

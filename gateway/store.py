@@ -25,6 +25,15 @@ import asyncpg
 import asyncpg.pool
 
 from gateway import partitions
+from gateway.audit_query import (
+    EXACT_OPEN_COUNT,
+    OPEN_STATES,
+    RECORD_COLUMNS,
+    EffectFilter,
+    by_time,
+    count_statement,
+    find_statement,
+)
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, StoredResponse
@@ -35,20 +44,13 @@ log = logging.getLogger("effect_gateway")
 T = TypeVar("T")
 Conn: TypeAlias = "asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
 
-# The columns every phase reads: what the decision and the driver need, and the database's clock.
-_COLUMNS = """
-    e.id, e.created_at, e.tenant, e.upstream, e.key, e.derived_key, e.method, e.path, e.query,
-    e.fingerprint, e.state, e.attempt, e.may_have_sent, e.lease_expires_at, e.response_status,
-    e.response_at, e.recovered_by, e.run_id, e.step, e.first_sent_at, e.last_sent_at, e.completed_at,
-    e.replays, e.keyless, clock_timestamp() as read_at
-"""
 # The response on record, for a replay: found in effect_bodies at the time it was stored. The hot path
 # reads it with a statement of its own (_stored_response): a join cannot know which day's partition
 # holds it, so Postgres would open and lock every partition of effect_bodies on each execution.
 _RESPONSE = """
     left join effect_bodies r on r.effect_id = e.id and r.kind = 'response' and r.stored_at = e.response_at
 """
-_WITH_RESPONSE = f"{_COLUMNS}, r.headers as r_headers, r.body as r_body"
+_WITH_RESPONSE = f"{RECORD_COLUMNS}, r.headers as r_headers, r.body as r_body"
 
 
 def _stored_response(stored_at: datetime) -> str:
@@ -93,19 +95,6 @@ class NewEffect:
     step: str | None
     # Sent without a key under the upstream's "audit" policy: the key is made up and never looked up.
     keyless: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class EffectFilter:
-    tenant: str | None = None
-    state: State | None = None
-    upstream: str | None = None
-    run_id: str | None = None
-    key: str | None = None
-    since: datetime | None = None
-    until: datetime | None = None
-    before_id: int | None = None
-    limit: int = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,45 +190,6 @@ _OUTAGE = (
     # what asyncpg raises when the server cuts a session in the middle of a message exchange
     asyncpg.exceptions.InternalClientError,
 )
-OPEN_STATES = tuple(state for state in State if state is not State.COMPLETED)
-# An open state is counted exactly up to this many effects (a range of open_effects' key, well under a
-# millisecond to read); beyond, nobody needs the exact figure and Postgres's estimate stands in.
-EXACT_OPEN_COUNT = 1000
-# Per open state: the exact count up to the bound (a range of open_effects' key, (state, id)), and the
-# estimate from the statistics of open_effects (its row count times the state's share). Each count is
-# ordered by the index it reads so that the generic plan reads a range of it: with the limit alone,
-# Postgres may guess that a scan of the table reaches the bound sooner, and a state with few effects
-# then reads the whole table (119 ms at 1M open effects).
-_OPEN_COUNTS = """
-    select s.state,
-        (select count(*) from (select from open_effects o where o.state = s.state
-                               order by o.state, o.id limit $2) as c) as n,
-        coalesce((select greatest(c.reltuples, 0) from pg_class c where c.oid = 'open_effects'::regclass)
-                 * (select f.freq
-                    from pg_stats st
-                    cross join unnest(st.most_common_vals::text::text[], st.most_common_freqs) as f(val, freq)
-                    where st.tablename = 'open_effects' and st.attname = 'state' and f.val = s.state
-                      and st.schemaname = (select n.nspname from pg_class c
-                                           join pg_namespace n on n.oid = c.relnamespace
-                                           where c.oid = 'open_effects'::regclass)),
-                 0)::bigint as estimate
-    from unnest($1::text[]) as s(state)
-"""
-# A tenant's: the exact count up to the bound, a range of open_effects_by_tenant (migration 007) that
-# reads none of the other tenants' rows. A statement of its own rather than "tenant = $2 or $2 is null",
-# for which the pool's generic plan read every open effect (174 ms at 1M). The range is spelt as one
-# on the index's leading columns, which only that index can read: as "tenant = $2 and state = ..."
-# Postgres could also read the state's range of the key and filter on the tenant, and does when one
-# tenant holds nearly every open effect (its statistics then see one tenant): the others' counts then
-# read that tenant's rows.
-TENANT_OPEN = "(o.tenant, o.state) >= ({tenant}, {state}) and (o.tenant, o.state) <= ({tenant}, {state})"
-_TENANT_OPEN_COUNTS = f"""
-    select s.state,
-        (select count(*) from (select from open_effects o
-                               where {TENANT_OPEN.format(tenant="$2", state="s.state")}
-                               order by o.tenant, o.state, o.id limit $3) as c) as n
-    from unnest($1::text[]) as s(state)
-"""
 # Whether the effect a page read by time goes on from is one the viewer sees: asked only when the page
 # is empty. One probe of the primary key in each partition of the audit.
 _CURSOR = """
@@ -253,147 +203,6 @@ _PARTITION_SIZES = """
 # Held (per session) by the one gateway maintaining partitions; any constant no other application uses.
 MAINTENANCE_LOCK = 0x6566666563747301
 _RETRYABLE_SQLSTATES = (asyncpg.exceptions.SerializationError, asyncpg.exceptions.DeadlockDetectedError)
-
-
-def count_statement(tenant: str | None) -> tuple[str, list[Any]]:
-    """The statement counting the open states (every effect's, or ``tenant``'s), and its arguments."""
-    states = [s.value for s in OPEN_STATES]
-    if tenant is None:
-        return _OPEN_COUNTS, [states, EXACT_OPEN_COUNT]
-    return _TENANT_OPEN_COUNTS, [states, tenant, EXACT_OPEN_COUNT]
-
-
-def by_time(where: EffectFilter) -> bool:
-    """Whether the audit's page for ``where`` is read by time: the newest by creation time first.
-
-    Every page but a run's, a key's and an open state's, which have indexes of their own read in id
-    order. A tenant's or an upstream's is read down its index on (tenant or upstream, created_at, id),
-    any other from the index on (created_at, id): from the end of the span if one is given, so a page
-    costs its own rows however wide the span and however many effects others have in it.
-    """
-    return where.run_id is None and where.key is None and not _listed(where)
-
-
-def _listed(where: EffectFilter) -> bool:
-    """Whether the page for ``where`` is a list of an open state, read from open_effects."""
-    return where.state is not None and where.state is not State.COMPLETED and where.key is None
-
-
-def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
-    """A page of the audit, newest first; only the filters given reach the SQL (so indexes apply).
-
-    A key is found through effect_keys (its digest leads that table's index); an open state is listed
-    from open_effects (its key is (state, id): the page is a range of it; a tenant's, a range of
-    open_effects_by_tenant); either is joined to the audit rows and read in id order. Any other page
-    is read by time (see :func:`by_time` and :func:`_time_statement`).
-    """
-    if by_time(where):
-        return _time_statement(where)
-    listed = _listed(where)
-    # open_effects holds the tenant, id and creation time of an open effect: filtering there
-    # leaves the audit to be read only for the rows of the page.
-    holder = "o" if listed else "e"
-    clauses: list[str] = []
-    args: list[Any] = []
-
-    def arg(value: Any) -> str:
-        args.append(value)
-        return f"${len(args)}"
-
-    order = f"{holder}.id desc"
-    if listed and where.tenant is not None and where.state is not None:
-        clauses.append(TENANT_OPEN.format(tenant=arg(where.tenant), state=arg(where.state.value)))
-        order = "o.tenant desc, o.state desc, o.id desc"  # the index's order: by id within the range
-    else:
-        if where.tenant is not None:
-            clauses.append(f"{holder}.tenant = {arg(where.tenant)}")
-        if where.state is not None:
-            clauses.append(f"{holder}.state = {arg(where.state.value)}")
-    for column, value in (("e.upstream", where.upstream), ("e.run_id", where.run_id), ("e.key", where.key)):
-        if value is not None:
-            clauses.append(f"{column} = {arg(value)}")
-    if where.key is not None:
-        clauses.append(f"k.digest = effect_key_digest(${len(args)})")
-    if where.since is not None:
-        clauses.append(f"{holder}.created_at >= {arg(where.since)}")
-    if where.until is not None:
-        clauses.append(f"{holder}.created_at < {arg(where.until)}")
-    if where.before_id is not None:
-        clauses.append(f"{holder}.id < {arg(where.before_id)}")
-    where_sql = " where " + " and ".join(clauses) if clauses else ""
-    if where.key is not None:
-        source = "effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at"
-    elif listed:
-        source = "open_effects o join effects e on e.id = o.id and e.created_at = o.created_at"
-    else:
-        source = "effects e"
-    sql = f"select {_COLUMNS} from {source}{where_sql} order by {order} limit {arg(where.limit)}"
-    return sql, args
-
-
-# The ends of a page read by time when no span is given (constants in the SQL, so the plan is generic).
-_BEGINNING, _ENDLESS = "'-infinity'::timestamptz", "'infinity'::timestamptz"
-
-
-def _time_statement(where: EffectFilter) -> tuple[str, list[Any]]:
-    """A page read by time: a range of the index on (tenant, created_at, id) for a tenant's, on
-    (upstream, created_at, id) for an upstream's, and on (created_at, id) for any other.
-
-    The range is spelt as row comparisons on the index's leading columns, which only that index can
-    read: spelt "tenant = $1 and created_at >= $2", the pool's generic plan guesses a share of the rows
-    for any tenant and may read the span down (created_at, id) instead, throwing away every other
-    tenant's effects in it. ``before`` is the last effect of the page before: the page goes on from its
-    (created_at, id), which the ids alone do not give (ids are taken at claim time and created_at is
-    the claim's transaction's start, so two claims at once can have them in opposite orders). It is
-    looked up among all the viewer's effects, not the span's: a link kept from before the ``next``
-    links named their span's times (gateway.admin.next_query) repeats a span such as since=1h, which
-    starts later by the time it is followed, and its cursor may then lie before the span (the page is
-    empty) but must not be refused. It replaces the span's end as the range's upper bound: a cursor
-    after the span's end gives the span's first page.
-    """
-    args: list[Any] = []
-
-    def arg(value: Any) -> str:
-        args.append(value)
-        return f"${len(args)}"
-
-    lead: list[tuple[str, str]] = []  # the index's leading column and its value
-    clauses: list[str] = []
-    if where.tenant is not None:
-        lead.append(("e.tenant", arg(where.tenant)))
-    if where.upstream is not None:
-        upstream = arg(where.upstream)
-        if lead:
-            clauses.append(f"e.upstream = {upstream}")
-        else:
-            lead.append(("e.upstream", upstream))
-    if where.state is not None:  # only completed: an open state is listed from open_effects
-        clauses.append(f"e.state = {arg(where.state.value)}")
-    since = arg(where.since) if where.since is not None else _BEGINNING
-
-    def row(*values: str) -> str:
-        return "(" + ", ".join(values) + ")"
-
-    columns = [column for column, _ in lead]
-    values = [value for _, value in lead]
-    clauses.append(f"{row(*columns, 'e.created_at')} >= {row(*values, since)}")
-    if where.before_id is not None:
-        # Looked up among the tenant's own; when there is no such effect the bound is null and the
-        # page empty (see Store.find).
-        before = arg(where.before_id)
-        within = f" and c.tenant = {values[0]}" if where.tenant is not None else ""
-        ended = f"(select c.created_at from effects c where c.id = {before}{within})"
-        clauses.append(f"{row(*columns, 'e.created_at', 'e.id')} < {row(*values, ended, before)}")
-    elif where.until is not None:
-        clauses.append(f"{row(*columns, 'e.created_at')} < {row(*values, arg(where.until))}")
-    else:
-        clauses.append(f"{row(*columns, 'e.created_at')} <= {row(*values, _ENDLESS)}")
-    order = ", ".join(f"{column} desc" for column in [*columns, "e.created_at", "e.id"])
-    sql = (
-        f"select {_COLUMNS} from effects e where {' and '.join(clauses)} "
-        f"order by {order} limit {arg(where.limit)}"
-    )
-    return sql, args
 
 
 def session_settings(limits: StoreLimits) -> dict[str, str]:
@@ -543,7 +352,7 @@ class Store:
                     insert into open_effects (state, id, created_at, tenant)
                     select 'pending', effect_id, created_at, $1 from k
                 )
-                select {_COLUMNS}, null::bytea as r_headers, null::bytea as r_body from e
+                select {RECORD_COLUMNS}, null::bytea as r_headers, null::bytea as r_body from e
                 """,
                 new.tenant,
                 new.upstream,
@@ -576,7 +385,7 @@ class Store:
                 # The insert found the key taken, and keys are never deleted.
                 raise StoreRejected(f"the key {new.key!r} was taken but is not on record")
             row = await conn.fetchrow(
-                f"select {_COLUMNS} from effects e "
+                f"select {RECORD_COLUMNS} from effects e "
                 f"where e.id = $1 and e.created_at = $2 and {_in_month(known['created_at'])}",
                 known["effect_id"],
                 known["created_at"],
@@ -622,7 +431,7 @@ class Store:
                     history = history || {_stamped(7)}
                 where id = $1 and created_at = $2 and attempt = $3 and state = $4
                   and {_in_month(record.created_at)}
-                returning {_COLUMNS}
+                returning {RECORD_COLUMNS}
             ), {_open_moved("$4", "'pending'")}
             select * from e
             """,
@@ -662,7 +471,7 @@ class Store:
                     history = history || {_stamped(12)}
                 where id = $1 and created_at = $2 and attempt = $3 and state = $4
                   and {_in_month(record.created_at)}
-                returning {_COLUMNS}
+                returning {RECORD_COLUMNS}
             ), stored as (
                 insert into effect_bodies (effect_id, stored_at, kind, headers, body)
                 select id, now(), 'response', $9, $10 from e where $9::bytea is not null
@@ -714,7 +523,7 @@ class Store:
                     history = history || {_stamped(5)}
                 where id = $1 and created_at = $2 and attempt = $3 and state = $4
                   and {_in_month(record.created_at)}
-                returning {_COLUMNS}
+                returning {RECORD_COLUMNS}
             ), {_open_moved("$4", "'needs_review'")}
             select * from e
             """,
@@ -795,7 +604,7 @@ class Store:
                 where id = $1 and created_at = $2 and attempt = $3 and state = $4
                   and {_in_month(record.created_at)}
                   and (lease_expires_at is null or lease_expires_at <= now())
-                returning {_COLUMNS}
+                returning {RECORD_COLUMNS}
             ), stored as (
                 insert into effect_bodies (effect_id, stored_at, kind, headers, body)
                 select id, now(), 'response', $8, $9 from e where $6
@@ -853,7 +662,7 @@ class Store:
 
         async def op(conn: Conn) -> EffectRecord:
             row = await conn.fetchrow(
-                f"select {_COLUMNS} from effects e "
+                f"select {RECORD_COLUMNS} from effects e "
                 f"where e.id = $1 and e.created_at = $2 and {_in_month(record.created_at)}",
                 record.id,
                 record.created_at,

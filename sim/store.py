@@ -24,11 +24,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, Protocol, TypeVar, cast
 
 from gateway import partitions
+from gateway.audit_query import EXACT_OPEN_COUNT, EffectFilter, by_time
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State, Transition
-from gateway.store import EXACT_OPEN_COUNT, EffectFilter, NewEffect, by_time, head_bytes, head_pairs
+from gateway.store import NewEffect, head_bytes, head_pairs
 from sim.loop import OWNER, REQUEST
 
 T = TypeVar("T")
@@ -420,7 +421,7 @@ class SimDatabase:
             found = [row for row in found if where.before_id is None or row.id < where.before_id]
             found.sort(key=lambda row: row.id, reverse=True)
             return [self.record(row, now) for row in found[: where.limit]]
-        # As gateway.store's: newest by creation time, going on from the page before's last effect.
+        # As gateway.audit_query's: newest by creation time, going on from the page before's last effect.
         if where.before_id is not None:
             ended = self.rows.get(where.before_id)
             if ended is None or (where.tenant is not None and ended.tenant != where.tenant):

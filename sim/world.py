@@ -25,6 +25,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 from gateway import operators, problems
+from gateway.audit_query import EffectFilter
 from gateway.body import read_body
 from gateway.decision import NotAwaitingOperator
 from gateway.errors import StoreRejected, StoreUnavailable
@@ -34,7 +35,7 @@ from gateway.record import StoredResponse
 from gateway.service import EffectService, Inbound, Reply
 from gateway.settings import NativeKeySettings, ProbeSettings, StampSettings, UpstreamSettings
 from gateway.states import State
-from gateway.store import EffectFilter, Store
+from gateway.store import Store
 from gateway.upstream import UpstreamClient
 from sim.choices import Choices, Stream
 from sim.invariants import Checks, Violation

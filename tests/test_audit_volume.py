@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from gateway.audit_query import EffectFilter, find_statement
 from gateway.states import State
-from gateway.store import EffectFilter, find_statement, opened
+from gateway.store import opened
 from tests.support import fill_effects, plan_run, rows_read
 
 EVER = {"since": datetime(1, 1, 1, tzinfo=UTC), "until": datetime(9999, 12, 31, tzinfo=UTC)}

@@ -9,11 +9,12 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 
 from gateway import partitions
+from gateway.audit_query import EffectFilter
 from gateway.decision import settle
 from gateway.outcome import Answered
 from gateway.schema import migrate, migration_files
 from gateway.states import State
-from gateway.store import EffectFilter, NewEffect, opened
+from gateway.store import NewEffect, opened
 from tests.support import effect_rows, other_database
 
 

@@ -7,13 +7,8 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from gateway.store import (
-    EXACT_OPEN_COUNT,
-    OPEN_STATES,
-    Store,
-    count_statement,
-    opened,
-)
+from gateway.audit_query import EXACT_OPEN_COUNT, OPEN_STATES, count_statement
+from gateway.store import Store, opened
 from tests.support import fill_effects, plan_run, rows_read
 
 
