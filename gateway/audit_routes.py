@@ -236,6 +236,9 @@ async def list_effects(request: web.Request) -> web.StreamResponse:
         error, records, older = exc.detail, [], None
     page = Listing(
         records=records,
+        # Read now, not from the metrics' cache: an operator who has just resolved an effect comes back
+        # to this page and must not see it still counted as needing review. The read is bounded (each
+        # open state's count stops at the store's EXACT_OPEN_COUNT) and a person asks it, not a probe.
         counts=await runtime.store.state_counts(viewer.tenant),
         query={k: v for k, v in query.items() if k != "before"},
         older=older,
