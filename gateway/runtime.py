@@ -67,6 +67,8 @@ _HOST = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]]+))(?::[0-9]
 # cycles the cache.
 @functools.lru_cache(maxsize=64)
 def _names_loopback(host: str) -> bool:
+    if is_loopback(host):  # an address as aiohttp gives a whole URL's host: IPv6 without brackets
+        return True
     found = _HOST.fullmatch(host)
     return found is not None and is_loopback((found["v6"] or found["name"]).lower())
 
@@ -79,9 +81,11 @@ def check_host(request: web.Request, settings: Settings) -> None:
     rebinding) is same-origin with the gateway, and could send effects through it with the injected
     credentials, read the audit and resolve effects. Such a page's requests carry its own name as Host.
     """
-    host = request.headers.get("Host")
-    if settings.tenants or host is None:
+    if settings.tenants:
         return
+    # aiohttp's host is the Host header's, except that a request line naming a whole URL names the host
+    # itself, whatever Host says (RFC 9112 3.2.2); without either, the loopback address it arrived on.
+    host = request.host
     if not _names_loopback(host):
         raise problems.BadRequest(
             f"Host {host!r} is not a loopback name: a gateway without tenants answers only requests to "

@@ -138,8 +138,14 @@ async def test_an_open_gateway_answers_only_requests_addressed_to_loopback(
             )
             for name in (b"127.0.0.1:1", b"localhost", b"LOCALHOST:8787", b"[::1]:8787", b"127.9.9.9")
         ]
+        # A request line naming a whole URL names its host, whatever Host says.
+        whole = await raw(gw, b"GET http://" + host + b"/_gateway/effects HTTP/1.1\r\nHost: localhost\r\n")
+        whole_local = await raw(gw, b"GET http://localhost/_gateway/effects HTTP/1.1\r\nHost: localhost\r\n")
     assert status_and_type(order) == (400, "bad-request")
     assert status_and_type(audit) == (400, "bad-request")
+    # http://[::1].example/ is not a URL aiohttp can parse: its parser's own 400, before any handler.
+    assert status_and_type(whole) == (400, None if host == b"[::1].example" else "bad-request")
+    assert status_and_type(whole_local)[0] == 200
     assert [status_and_type(answer)[0] for answer in served] == [201] * 5
     assert len(upstream.calls) == 5
 
