@@ -24,7 +24,7 @@ from typing import Any, Self, TypeAlias, TypeVar
 import asyncpg
 import asyncpg.pool
 
-from gateway import partitions
+from gateway import packing, partitions
 from gateway.audit_query import (
     EXACT_OPEN_COUNT,
     OPEN_STATES,
@@ -50,13 +50,13 @@ Conn: TypeAlias = "asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
 _RESPONSE = """
     left join effect_bodies r on r.effect_id = e.id and r.kind = 'response' and r.stored_at = e.response_at
 """
-_WITH_RESPONSE = f"{RECORD_COLUMNS}, r.headers as r_headers, r.body as r_body"
+_WITH_RESPONSE = f"{RECORD_COLUMNS}, r.headers as r_headers, r.body as r_body, r.coding as r_coding"
 
 
 def _stored_response(stored_at: datetime) -> str:
     """The statement reading a response stored at ``stored_at``, from that day's partition only."""
     return f"""
-        select headers, body from effect_bodies
+        select headers, body, coding from effect_bodies
         where effect_id = $1 and kind = 'response' and stored_at = $2
           and {partitions.within("stored_at", partitions.day_of(stored_at))}
     """
@@ -68,7 +68,7 @@ def _in_month(created_at: datetime) -> str:
 
 
 # No response on record (none stored, or its day dropped by the retention).
-_NO_BODY: Mapping[str, Any] = {"headers": None, "body": None}
+_NO_BODY: Mapping[str, Any] = {"headers": None, "body": None, "coding": None}
 
 
 async def _read_with_response(conn: Conn, row: asyncpg.Record) -> EffectRecord:
@@ -324,6 +324,7 @@ class Store:
         audit row was archived (its partition detached). The insert is committed before it returns: the
         claim is durable before the request leaves.
         """
+        request_coding, request_body = packing.pack(new.request_body)
 
         async def op(conn: Conn) -> tuple[EffectRecord | None, bool]:
             # A new key: one round trip. A known one is read by statements of their own, which find its
@@ -346,13 +347,14 @@ class Store:
                     from k
                     returning *
                 ), b as (
-                    insert into effect_bodies (effect_id, stored_at, kind, headers, body)
-                    select effect_id, created_at, 'request', $9, $10 from k
+                    insert into effect_bodies (effect_id, stored_at, kind, headers, coding, body)
+                    select effect_id, created_at, 'request', $9, $16, $10 from k
                 ), o as (
                     insert into open_effects (state, id, created_at, tenant)
                     select 'pending', effect_id, created_at, $1 from k
                 )
-                select {RECORD_COLUMNS}, null::bytea as r_headers, null::bytea as r_body from e
+                select {RECORD_COLUMNS}, null::bytea as r_headers, null::bytea as r_body, null as r_coding
+                from e
                 """,
                 new.tenant,
                 new.upstream,
@@ -363,12 +365,13 @@ class Store:
                 new.query,
                 new.fingerprint,
                 head_bytes(new.request_headers),
-                new.request_body,
+                request_body,
                 lease,
                 new.run_id,
                 new.step,
                 new.keyless,
                 _event("claimed", attempt=1),
+                request_coding,
             )
             if row is not None:
                 return _record(row, response=True), True
@@ -455,6 +458,7 @@ class Store:
         note: str | None = None,
     ) -> EffectRecord | None:
         """Write what the current attempt saw; None when a newer attempt fenced this one out."""
+        coding, body = packing.pack(response.body) if response else (None, None)
         return await self._one(
             "settle",
             f"""
@@ -473,8 +477,8 @@ class Store:
                   and {_in_month(record.created_at)}
                 returning {RECORD_COLUMNS}
             ), stored as (
-                insert into effect_bodies (effect_id, stored_at, kind, headers, body)
-                select id, now(), 'response', $9, $10 from e where $9::bytea is not null
+                insert into effect_bodies (effect_id, stored_at, kind, headers, coding, body)
+                select id, now(), 'response', $9, $13, $10 from e where $9::bytea is not null
             ), {_open_moved("$4", "$5")}
             select * from e
             """,
@@ -487,7 +491,7 @@ class Store:
             settlement.ends_lease,
             response.status if response else None,
             head_bytes(response.headers) if response else None,
-            response.body if response else None,
+            body,
             recovered_by,
             _event(
                 "settled",
@@ -497,6 +501,7 @@ class Store:
                 recovered_by=recovered_by,
                 note=note,
             ),
+            coding,
         )
 
     async def note_fenced(self, record: EffectRecord, saw: str) -> None:
@@ -553,6 +558,7 @@ class Store:
 
     async def restore(self, record: EffectRecord, move: Transition, response: StoredResponse) -> None:
         """Put back the response of a completed effect whose response was purged (a probe found it)."""
+        coding, body = packing.pack(response.body)
         await self._execute(
             "restore",
             f"""
@@ -565,8 +571,8 @@ class Store:
                                   and r.stored_at = e.response_at)
                 returning id
             )
-            insert into effect_bodies (effect_id, stored_at, kind, headers, body)
-            select id, now(), 'response', $6, $7 from e
+            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, body)
+            select id, now(), 'response', $6, $9, $7 from e
             """,
             record.id,
             record.created_at,
@@ -574,8 +580,9 @@ class Store:
             _source(record, move),
             response.status,
             head_bytes(response.headers),
-            response.body,
+            body,
             _event("restored", status=response.status, note="the probe found the effect"),
+            coding,
         )
 
     async def resolve(
@@ -586,6 +593,7 @@ class Store:
         Fenced on the state and attempt the operator saw, and refused while a lease still runs.
         """
         happened = move.target is State.COMPLETED
+        coding, body = packing.pack(response.body) if response else (packing.AS_SENT, b"")
         return await self._one(
             "resolve",
             f"""
@@ -606,8 +614,8 @@ class Store:
                   and (lease_expires_at is null or lease_expires_at <= now())
                 returning {RECORD_COLUMNS}
             ), stored as (
-                insert into effect_bodies (effect_id, stored_at, kind, headers, body)
-                select id, now(), 'response', $8, $9 from e where $6
+                insert into effect_bodies (effect_id, stored_at, kind, headers, coding, body)
+                select id, now(), 'response', $8, $11, $9 from e where $6
             ), {_open_moved("$4", "$5")}
             select * from e
             """,
@@ -619,8 +627,9 @@ class Store:
             happened,
             response.status if response else None,
             head_bytes(response.headers) if response else b"",
-            response.body if response else b"",
+            body,
             _event("resolved", happened=happened, by=by, was=record.state.value),
+            coding,
         )
 
     async def key_secret(self) -> bytes:
@@ -643,9 +652,10 @@ class Store:
         async def op(conn: Conn) -> EffectRecord | None:
             row = await conn.fetchrow(
                 f"""
-                select {_WITH_RESPONSE}, e.history, q.headers as q_headers, q.body as q_body
+                select {_WITH_RESPONSE}, e.history, q.headers as q_headers, q.body as q_body,
+                       q.coding as q_coding
                 from effects e {_RESPONSE}
-                left join lateral (select headers, body from effect_bodies q
+                left join lateral (select headers, body, coding from effect_bodies q
                                    where q.effect_id = e.id and q.kind = 'request'
                                    order by stored_at desc limit 1) q on true
                 where e.id = $1 and ($2::text is null or e.tenant = $2)
@@ -764,10 +774,14 @@ class Store:
             await conn.close()
 
 
-def _stored(status: int | None, headers: bytes | None, body: bytes | None) -> StoredResponse | None:
-    if status is None or headers is None or body is None:
+def _stored(
+    status: int | None, headers: bytes | None, coding: str | None, body: bytes | None
+) -> StoredResponse | None:
+    if status is None or headers is None or coding is None or body is None:
         return None
-    return StoredResponse(status=status, headers=head_pairs(bytes(headers)), body=bytes(body))
+    return StoredResponse(
+        status=status, headers=head_pairs(bytes(headers)), body=packing.unpack(coding, bytes(body))
+    )
 
 
 def _record(
@@ -781,9 +795,9 @@ def _record(
     _stored_response) when given, else from the row's own r_headers and r_body."""
     stored = None
     if response and body is not None:
-        stored = _stored(row["response_status"], body["headers"], body["body"])
+        stored = _stored(row["response_status"], body["headers"], body["coding"], body["body"])
     elif response:
-        stored = _stored(row["response_status"], row["r_headers"], row["r_body"])
+        stored = _stored(row["response_status"], row["r_headers"], row["r_coding"], row["r_body"])
     return EffectRecord(
         id=row["id"],
         tenant=row["tenant"],
@@ -811,7 +825,9 @@ def _record(
         run_id=row["run_id"],
         step=row["step"],
         request_headers=dict(head_pairs(bytes(row["q_headers"] or b""))) if full else {},
-        request_body=bytes(row["q_body"]) if full and row["q_body"] is not None else None,
+        request_body=packing.unpack(row["q_coding"], bytes(row["q_body"]))
+        if full and row["q_body"] is not None
+        else None,
         history=row["history"] if full else [],
         read_at=row["read_at"],
         keyless=row["keyless"],

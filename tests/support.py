@@ -16,6 +16,7 @@ import asyncpg
 from aiohttp import web
 
 from agent_example.processes import Service, start_service
+from gateway import packing
 from gateway.app import PROXY_ROUTE, make_app
 from gateway.settings import load_settings
 from gateway.store import StoreLimits, session_settings
@@ -235,6 +236,15 @@ async def failing_database(server_dsn: str, name: str) -> AsyncIterator[FailingD
         await admin.close()
 
 
+def _unpacked(row: dict[str, Any], *pairs: str) -> dict[str, Any]:
+    """``row`` with each body of the (coding column, body column) ``pairs`` as it was sent."""
+    for coding, body in zip(pairs[::2], pairs[1::2], strict=True):
+        stored_as = row.pop(coding, None)
+        if stored_as is not None and row[body] is not None:
+            row[body] = packing.unpack(stored_as, bytes(row[body]))
+    return row
+
+
 async def effect_rows(dsn: str) -> list[dict[str, Any]]:
     """Every effect's audit row, with the request and the response on record (None once purged)."""
     conn = await asyncpg.connect(dsn)
@@ -242,18 +252,19 @@ async def effect_rows(dsn: str) -> list[dict[str, Any]]:
         await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
         rows = await conn.fetch(
             """
-            select e.*, q.headers as request_headers, q.body as request_body,
-                   r.headers as response_headers, r.body as response_body
+            select e.*, q.headers as request_headers, q.coding as request_coding, q.body as request_body,
+                   r.headers as response_headers, r.coding as response_coding, r.body as response_body
             from effects e
             left join effect_bodies r
                 on r.effect_id = e.id and r.kind = 'response' and r.stored_at = e.response_at
-            left join lateral (select headers, body from effect_bodies q
+            left join lateral (select headers, coding, body from effect_bodies q
                                where q.effect_id = e.id and q.kind = 'request'
                                order by stored_at desc limit 1) q on true
             order by e.id
             """
         )
-        return [dict(row) for row in rows]
+        pairs = ("request_coding", "request_body", "response_coding", "response_body")
+        return [_unpacked(dict(row), *pairs) for row in rows]
     finally:
         await conn.close()
 
@@ -262,8 +273,9 @@ async def database_text(dsn: str) -> str:
     """Everything the effect tables hold (audit rows, keys, bodies), as one string to search for secrets."""
     conn = await asyncpg.connect(dsn)
     try:
+        # Bodies as they were sent: a secret in a deflated body would not show in its stored bytes.
         rows = [
-            dict(row)
+            _unpacked(dict(row), "coding", "body")
             for table in ("effects", "effect_keys", "effect_bodies", "open_effects")
             for row in await conn.fetch(f"select * from {table}")
         ]

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import zlib
 from collections.abc import AsyncIterator
 
 import aiohttp
+import asyncpg
 import pytest
+from aiohttp import web
 
 from tests.strategies import DIFFERENT_NUMBERS
 from tests.support import Gateway, Upstream, effect_rows, gateway_server
@@ -190,3 +193,52 @@ async def test_a_body_that_cannot_be_decoded_within_the_limit_is_refused(
     assert (got, problem(answer)) == (status, kind)
     assert upstream.calls == []
     assert await effect_rows(dsn) == []
+
+
+# --- as stored ----------------------------------------------------------------------------------------------
+
+
+async def stored_bodies(dsn: str) -> dict[str, tuple[str, int]]:
+    """kind -> (coding, stored length) of the one effect's bodies, as Postgres holds them."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("select kind, coding, octet_length(body) as n from effect_bodies")
+    finally:
+        await conn.close()
+    return {r["kind"]: (r["coding"], r["n"]) for r in rows}
+
+
+ORDER = json.dumps({"order": "O-1", "lines": [{"sku": f"sku-{n}", "qty": n} for n in range(60)]}).encode()
+
+
+@pytest.mark.parametrize(
+    ("answer", "kept"),
+    [(ORDER, "deflate"), (os.urandom(1500), "")],
+    ids=["json", "random"],
+)
+async def test_bodies_are_kept_deflated_when_that_pays_and_replayed_byte_for_byte(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, answer: bytes, kept: str
+) -> None:
+    """Everyday JSON takes a fraction of its size in Postgres; a retry that another gateway (with nothing
+    cached) answers from it gets the upstream's very bytes, and the audit shows what the agent sent."""
+    sent_body = json.dumps({"items": [f"atta {n} kg" for n in range(40)]}).encode()
+
+    async def order(_: web.Request) -> web.Response:
+        return web.Response(status=201, body=answer, content_type="application/octet-stream")
+
+    upstream.routes["/orders"] = order
+    shop = {"shop": {"base_url": upstream.url, "timeout": "2s"}}
+    async with gateway_server(dsn, upstreams=shop) as gw:
+        assert await send(http, f"{gw.url}/shop/orders", sent_body) == (201, answer)
+    stored = await stored_bodies(dsn)
+    assert stored["request"][0] == "deflate"
+    assert stored["request"][1] < len(sent_body) // 3
+    assert stored["response"][0] == kept
+    if kept:
+        assert stored["response"][1] < len(answer) // 3
+    async with gateway_server(dsn, upstreams=shop) as other:
+        assert await send(http, f"{other.url}/shop/orders", sent_body) == (201, answer)
+        async with http.get(f"{other.url}/_gateway/effects/1") as resp:
+            audit = await resp.json()
+    assert len(upstream.effects()) == 1
+    assert audit["request_body"] == sent_body.decode()

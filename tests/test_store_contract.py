@@ -27,8 +27,12 @@ from tests.support import backdate_bodies, empty_effects
 
 LEASE = timedelta(seconds=30)
 EXPIRED = timedelta(0)
-OK = StoredResponse(201, (("Content-Type", "application/json"),), b'{"order": 1}')
-LATER = StoredResponse(201, (("Content-Type", "application/json"),), b'{"order": 2}')
+# Bodies as long as an agent's everyday JSON: Postgres's store keeps them deflated (gateway.packing), so
+# each test reads back what that store had to unpack (the simulator's keeps them as they are).
+BASKET = b'{"items": [' + b", ".join(b'"atta %d kg"' % n for n in range(1, 31)) + b"]}"
+LINES = b'"lines": [' + b", ".join(b'{"sku": "atta-%d", "qty": 1}' % n for n in range(1, 11)) + b"]"
+OK = StoredResponse(201, (("Content-Type", "application/json"),), b'{"order": 1, ' + LINES + b"}")
+LATER = StoredResponse(201, (("Content-Type", "application/json"),), b'{"order": 2, ' + LINES + b"}")
 DONE = settle(Answered(OK.status, OK.headers, OK.body), earlier_doubt=False)
 TIMED_OUT = settle(NoAnswer("no answer within 1s", timed_out=True), earlier_doubt=False)
 RETENTION = timedelta(days=7)
@@ -50,7 +54,7 @@ def effect(
         query="a=1",
         fingerprint="fp",
         request_headers={"Content-Type": "application/json"},
-        request_body=b'{"items": ["atta"]}',
+        request_body=BASKET,
         run_id=run_id,
         step=None,
     )
@@ -629,18 +633,19 @@ async def test_the_retention_carries_the_bodies_of_open_effects_forward(subject:
     """An effect still open keeps its request (and the response it has) past the retention."""
     store = subject.store
     doubt = await claimed(store, "doubt")
-    failed = settle(Answered(500, (), b"oops"), earlier_doubt=False)
-    assert await store.settle(doubt, failed, response=StoredResponse(500, (), b"oops"), recovered_by=None)
+    oops = StoredResponse(500, (), b'{"error": "' + b"the shop is busy, " * 10 + b'"}')
+    failed = settle(Answered(oops.status, oops.headers, oops.body), earlier_doubt=False)
+    assert await store.settle(doubt, failed, response=oops, recovered_by=None)
     waiting = await claimed(store, "waiting")
     await subject.backdate(10)
     await store.maintain(RETENTION)
     for record in (doubt, waiting):
         full = await store.get(record.id)
         assert full is not None
-        assert full.request_body == b'{"items": ["atta"]}'
+        assert full.request_body == BASKET
         assert full.request_headers == {"Content-Type": "application/json"}
     kept = await store.reread(doubt)
-    assert kept.response == StoredResponse(500, (), b"oops")
+    assert kept.response == oops
 
 
 async def test_the_retention_never_passes_an_earlier_answer_off_as_the_attempt_under_ways(
@@ -672,7 +677,7 @@ async def test_the_retention_never_passes_an_earlier_answer_off_as_the_attempt_u
     assert early.retry_after == sending.last_sent_at + LEASE + timedelta(seconds=5) - probed_at
     full = await store.get(record.id)
     assert full is not None
-    assert full.request_body == b'{"items": ["atta"]}'  # what it asked for is carried
+    assert full.request_body == BASKET  # what it asked for is carried
 
 
 async def test_restore_puts_back_only_a_purged_response(subject: Subject) -> None:
@@ -701,7 +706,7 @@ async def test_get_returns_the_whole_effect_and_hides_other_tenants(subject: Sub
     record = await completed(store)
     full = await store.get(record.id)
     assert full is not None
-    assert full.request_body == b'{"items": ["atta"]}'
+    assert full.request_body == BASKET
     assert full.request_headers == {"Content-Type": "application/json"}
     assert full.response == OK
     assert full.history[0]["event"] == "claimed"
