@@ -111,7 +111,7 @@ BODY_COLUMNS: dict[str, str] = {
     "kind": "r.kind",
     "headers": "case when r.kind = 'request' then b.request_headers else b.response_headers end",
     "coding": "case when r.kind = 'request' then b.request_coding else b.response_coding end",
-    "body": "case when r.kind = 'request' then b.request_body else b.response_body end",
+    "content": "case when r.kind = 'request' then b.request_body else b.response_body end",
 }
 
 

@@ -21,6 +21,7 @@ from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.jsonbody import JsonRefused
 from gateway.keys import MAX_LABEL, KeySyntaxError, LogHash, looks_made_up, parse_key
 from gateway.metrics import CachedCounts, Metrics
+from gateway.packing import BodyUnreadable
 from gateway.policy import UpstreamPolicy, upstream_policies
 from gateway.probes import Prober
 from gateway.record import StoredResponse
@@ -253,6 +254,9 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
         # Raised before anything was sent: a failure after sending is answered by the service itself.
         log.error("store unavailable: %s", exc)
         return _render(request, problems.StoreDown(f"{exc}; nothing was sent", headers={"Retry-After": "1"}))
+    except BodyUnreadable as exc:
+        log.error("%s %s: %s", request.method, request.path, exc)
+        return _render(request, problems.Problem(f"{exc}; nothing was sent"))
     except StoreRejected as exc:
         log.error("store refused a request before anything was sent: %s", exc)
         return _render(

@@ -13,6 +13,10 @@ class StoreUnavailable(GatewayError):
     """Postgres could not be reached or answered with an error we cannot act on."""
 
 
+class SchemaNewer(GatewayError):
+    """The database was migrated by a newer version of the gateway, whose rows this one could misread."""
+
+
 class StoreRejected(GatewayError):
     """Postgres is up but refused a statement (data it cannot hold); retrying it cannot help."""
 

@@ -210,7 +210,7 @@ async def _drop(conn: Any, part: Partition, progress: Progress) -> None:
             select o.id, o.created_at from open_effects o
             where exists (select from "{part.name}" b where b.effect_id = o.id)
         ), day as (
-            select b.effect_id, b.stored_at, b.kind, b.headers, b.coding, b.body, o.created_at,
+            select b.effect_id, b.stored_at, b.kind, b.headers, b.coding, b.content, o.created_at,
                    b.kind = 'request'
                    or (b.stored_at = e.response_at and b.stored_at >= coalesce(e.last_sent_at, e.created_at))
                        as kept
@@ -218,8 +218,8 @@ async def _drop(conn: Any, part: Partition, progress: Progress) -> None:
             join open o on o.id = b.effect_id
             join effects e on e.id = o.id and e.created_at = o.created_at
         ), moved as (
-            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, body)
-            select effect_id, now(), kind, headers, coding, body from day where kept
+            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
+            select effect_id, now(), kind, headers, coding, content from day where kept
             on conflict do nothing
             returning effect_id
         ), pointed as (

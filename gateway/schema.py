@@ -8,7 +8,7 @@ from importlib import resources
 import asyncpg
 
 from gateway import partitions
-from gateway.errors import StoreUnavailable
+from gateway.errors import SchemaNewer, StoreUnavailable
 
 # Any constant will do, as long as no other application on the database uses it for another lock.
 MIGRATION_LOCK = 0x65666665637473  # "effects"
@@ -47,7 +47,15 @@ async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[st
                        applied_at timestamptz not null default now())"""
             )
             done = {r["version"] for r in await conn.fetch("select version from effect_gateway_migrations")}
-            for version, name, sql in migration_files():
+            known = migration_files()
+            if done and max(done) > known[-1][0]:
+                # A rollback past a migration: this version would read and write rows it does not know
+                # the form of (a deflated body as the bytes sent, say). Refusing to start is the safe answer.
+                raise SchemaNewer(
+                    f"the database's schema is at migration {max(done)}, newer than this gateway's last "
+                    f"({known[-1][1]}): run the version of the gateway that migrated it, or a newer one"
+                )
+            for version, name, sql in known:
                 if version in done:
                     continue
                 progress(f"applying {name}")

@@ -50,13 +50,13 @@ Conn: TypeAlias = "asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
 _RESPONSE = """
     left join effect_bodies r on r.effect_id = e.id and r.kind = 'response' and r.stored_at = e.response_at
 """
-_WITH_RESPONSE = f"{RECORD_COLUMNS}, r.headers as r_headers, r.body as r_body, r.coding as r_coding"
+_WITH_RESPONSE = f"{RECORD_COLUMNS}, r.headers as r_headers, r.content as r_content, r.coding as r_coding"
 
 
 def _stored_response(stored_at: datetime) -> str:
     """The statement reading a response stored at ``stored_at``, from that day's partition only."""
     return f"""
-        select headers, body, coding from effect_bodies
+        select headers, coding, content from effect_bodies
         where effect_id = $1 and kind = 'response' and stored_at = $2
           and {partitions.within("stored_at", partitions.day_of(stored_at))}
     """
@@ -68,7 +68,7 @@ def _in_month(created_at: datetime) -> str:
 
 
 # No response on record (none stored, or its day dropped by the retention).
-_NO_BODY: Mapping[str, Any] = {"headers": None, "body": None, "coding": None}
+_NO_BODY: Mapping[str, Any] = {"headers": None, "coding": None, "content": None}
 
 
 async def _read_with_response(conn: Conn, row: asyncpg.Record) -> EffectRecord:
@@ -347,13 +347,13 @@ class Store:
                     from k
                     returning *
                 ), b as (
-                    insert into effect_bodies (effect_id, stored_at, kind, headers, coding, body)
+                    insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
                     select effect_id, created_at, 'request', $9, $16, $10 from k
                 ), o as (
                     insert into open_effects (state, id, created_at, tenant)
                     select 'pending', effect_id, created_at, $1 from k
                 )
-                select {RECORD_COLUMNS}, null::bytea as r_headers, null::bytea as r_body, null as r_coding
+                select {RECORD_COLUMNS}, null::bytea as r_headers, null::bytea as r_content, null as r_coding
                 from e
                 """,
                 new.tenant,
@@ -477,7 +477,7 @@ class Store:
                   and {_in_month(record.created_at)}
                 returning {RECORD_COLUMNS}
             ), stored as (
-                insert into effect_bodies (effect_id, stored_at, kind, headers, coding, body)
+                insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
                 select id, now(), 'response', $9, $13, $10 from e where $9::bytea is not null
             ), {_open_moved("$4", "$5")}
             select * from e
@@ -571,7 +571,7 @@ class Store:
                                   and r.stored_at = e.response_at)
                 returning id
             )
-            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, body)
+            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
             select id, now(), 'response', $6, $9, $7 from e
             """,
             record.id,
@@ -614,7 +614,7 @@ class Store:
                   and (lease_expires_at is null or lease_expires_at <= now())
                 returning {RECORD_COLUMNS}
             ), stored as (
-                insert into effect_bodies (effect_id, stored_at, kind, headers, coding, body)
+                insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
                 select id, now(), 'response', $8, $11, $9 from e where $6
             ), {_open_moved("$4", "$5")}
             select * from e
@@ -652,10 +652,10 @@ class Store:
         async def op(conn: Conn) -> EffectRecord | None:
             row = await conn.fetchrow(
                 f"""
-                select {_WITH_RESPONSE}, e.history, q.headers as q_headers, q.body as q_body,
+                select {_WITH_RESPONSE}, e.history, q.headers as q_headers, q.content as q_content,
                        q.coding as q_coding
                 from effects e {_RESPONSE}
-                left join lateral (select headers, body, coding from effect_bodies q
+                left join lateral (select headers, coding, content from effect_bodies q
                                    where q.effect_id = e.id and q.kind = 'request'
                                    order by stored_at desc limit 1) q on true
                 where e.id = $1 and ($2::text is null or e.tenant = $2)
@@ -792,12 +792,12 @@ def _record(
     body: asyncpg.Record | Mapping[str, Any] | None = None,
 ) -> EffectRecord:
     """The record of ``row``, with the response on record when ``response``: from ``body`` (a row of
-    _stored_response) when given, else from the row's own r_headers and r_body."""
+    _stored_response) when given, else from the row's own r_headers and r_content."""
     stored = None
     if response and body is not None:
-        stored = _stored(row["response_status"], body["headers"], body["coding"], body["body"])
+        stored = _stored(row["response_status"], body["headers"], body["coding"], body["content"])
     elif response:
-        stored = _stored(row["response_status"], row["r_headers"], row["r_coding"], row["r_body"])
+        stored = _stored(row["response_status"], row["r_headers"], row["r_coding"], row["r_content"])
     return EffectRecord(
         id=row["id"],
         tenant=row["tenant"],
@@ -825,8 +825,8 @@ def _record(
         run_id=row["run_id"],
         step=row["step"],
         request_headers=dict(head_pairs(bytes(row["q_headers"] or b""))) if full else {},
-        request_body=packing.unpack(row["q_coding"], bytes(row["q_body"]))
-        if full and row["q_body"] is not None
+        request_body=packing.unpack(row["q_coding"], bytes(row["q_content"]))
+        if full and row["q_content"] is not None
         else None,
         history=row["history"] if full else [],
         read_at=row["read_at"],

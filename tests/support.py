@@ -252,12 +252,12 @@ async def effect_rows(dsn: str) -> list[dict[str, Any]]:
         await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
         rows = await conn.fetch(
             """
-            select e.*, q.headers as request_headers, q.coding as request_coding, q.body as request_body,
-                   r.headers as response_headers, r.coding as response_coding, r.body as response_body
+            select e.*, q.headers as request_headers, q.coding as request_coding, q.content as request_body,
+                   r.headers as response_headers, r.coding as response_coding, r.content as response_body
             from effects e
             left join effect_bodies r
                 on r.effect_id = e.id and r.kind = 'response' and r.stored_at = e.response_at
-            left join lateral (select headers, coding, body from effect_bodies q
+            left join lateral (select headers, coding, content from effect_bodies q
                                where q.effect_id = e.id and q.kind = 'request'
                                order by stored_at desc limit 1) q on true
             order by e.id
@@ -275,7 +275,7 @@ async def database_text(dsn: str) -> str:
     try:
         # Bodies as they were sent: a secret in a deflated body would not show in its stored bytes.
         rows = [
-            _unpacked(dict(row), "coding", "body")
+            _unpacked(dict(row), "coding", "content")
             for table in ("effects", "effect_keys", "effect_bodies", "open_effects")
             for row in await conn.fetch(f"select * from {table}")
         ]

@@ -202,7 +202,7 @@ async def stored_bodies(dsn: str) -> dict[str, tuple[str, int]]:
     """kind -> (coding, stored length) of the one effect's bodies, as Postgres holds them."""
     conn = await asyncpg.connect(dsn)
     try:
-        rows = await conn.fetch("select kind, coding, octet_length(body) as n from effect_bodies")
+        rows = await conn.fetch("select kind, coding, octet_length(content) as n from effect_bodies")
     finally:
         await conn.close()
     return {r["kind"]: (r["coding"], r["n"]) for r in rows}
@@ -242,3 +242,34 @@ async def test_bodies_are_kept_deflated_when_that_pays_and_replayed_byte_for_byt
             audit = await resp.json()
     assert len(upstream.effects()) == 1
     assert audit["request_body"] == sent_body.decode()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["set coding = 'zstd'", "set content = substring(content from 1 for 10)"],
+    ids=["unknown-coding", "cut-short"],
+)
+async def test_a_stored_response_that_cannot_be_read_is_an_error_and_is_not_sent_again(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, damage: str
+) -> None:
+    """A response on record this gateway cannot read (written by a newer version, or damaged) is a 500
+    saying so: never garbage handed to the agent, and never a second order."""
+
+    async def order(_: web.Request) -> web.Response:
+        return web.json_response({"order": "O-1", "lines": list(range(100))}, status=201)
+
+    upstream.routes["/orders"] = order
+    shop = {"shop": {"base_url": upstream.url, "timeout": "2s"}}
+    async with gateway_server(dsn, upstreams=shop) as gw:
+        assert (await send(http, f"{gw.url}/shop/orders", ORDER))[0] == 201
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(f"update effect_bodies {damage} where kind = 'response' and coding = 'deflate'")
+    finally:
+        await conn.close()
+    async with gateway_server(dsn, upstreams=shop) as other:  # nothing cached: it reads the table
+        status, answer = await send(http, f"{other.url}/shop/orders", ORDER)
+    assert (status, problem(answer)) == (500, "internal")
+    assert "a stored body" in json.loads(answer)["detail"]
+    assert "nothing was sent" in json.loads(answer)["detail"]
+    assert len(upstream.effects()) == 1

@@ -7,10 +7,13 @@ import json
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
+import pytest
 
 from gateway import partitions
 from gateway.audit_query import EffectFilter
+from gateway.cli import main
 from gateway.decision import settle
+from gateway.errors import SchemaNewer
 from gateway.outcome import Answered
 from gateway.schema import migrate, migration_files
 from gateway.states import State
@@ -38,6 +41,72 @@ async def test_replicas_starting_at_once_apply_each_migration_exactly_once(postg
         assert await migrate(dsn) == []  # and a later start has nothing to do
     finally:
         await admin.execute("drop database replicas with (force)")
+        await admin.close()
+
+
+@pytest.mark.parametrize(
+    ("statement", "refused"),
+    [
+        # A replay's read of the response, and a claim's write of the request, as a gateway before 009
+        # wrote them: each must fail rather than hand on a deflated body or store one without its coding.
+        (
+            "select headers, body from effect_bodies where effect_id = 1",
+            asyncpg.UndefinedColumnError,
+        ),
+        (
+            "insert into effect_bodies (effect_id, stored_at, kind, headers, body)"
+            " values (1, now(), 'request', '', '{}')",
+            asyncpg.UndefinedColumnError,
+        ),
+        (
+            "insert into effect_bodies (effect_id, stored_at, kind, headers, content)"
+            " values (1, now(), 'request', '', '{}')",
+            asyncpg.NotNullViolationError,
+        ),
+    ],
+    ids=["read", "write", "write-without-coding"],
+)
+async def test_a_gateway_from_before_deflated_bodies_fails_instead_of_misreading_them(
+    postgres_dsn: str, statement: str, refused: type[Exception]
+) -> None:
+    """Beside a newer gateway (a rolling upgrade), an older one's statements on bodies are errors."""
+    conn = await asyncpg.connect(postgres_dsn)
+    try:
+        with pytest.raises(refused):
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+async def test_a_database_migrated_by_a_newer_gateway_is_refused(
+    postgres_dsn: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rollback past a migration stops at start, in one line naming both versions, and changes nothing."""
+    admin = await asyncpg.connect(postgres_dsn)
+    await admin.execute("drop database if exists rolled_back")
+    await admin.execute("create database rolled_back")
+    dsn = other_database(postgres_dsn, "rolled_back")
+    try:
+        await migrate(dsn)
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(
+                "insert into effect_gateway_migrations (version, name) values (99, '099_next.sql')"
+            )
+            with pytest.raises(SchemaNewer, match=r"at migration 99, newer than this gateway's last \(\d+_"):
+                await migrate(dsn)
+            monkeypatch.setenv("EFFECT_GATEWAY_DATABASE_URL", dsn)
+            assert await asyncio.to_thread(main, ["migrate"]) != 0
+            [line] = capsys.readouterr().err.splitlines()[-1:]
+            assert line.startswith("effect-gateway: the database's schema is at migration 99, newer than")
+            assert (
+                await conn.fetchval("select count(*) from effect_gateway_migrations")
+                == len(migration_files()) + 1
+            )
+        finally:
+            await conn.close()
+    finally:
+        await admin.execute("drop database rolled_back with (force)")
         await admin.close()
 
 
@@ -193,6 +262,9 @@ async def test_effects_of_the_partitioned_layout_keep_their_keys_lists_and_count
                 again, created = await store.claim(_retry(f"t{n % 2}", f"k{n}"), timedelta(seconds=30))
                 assert again is not None
                 assert (again.key, again.state.value, created) == (f"k{n}", state, False)
+                full = await store.get(again.id)
+                assert full is not None
+                assert full.request_body == b"{}", "a body stored before 009 reads back as it was"
             assert [r.key for r in await store.find(EffectFilter(key="k3"))] == ["k3"]
             assert await store.state_counts() == {
                 "pending": 1,

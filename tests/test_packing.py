@@ -11,13 +11,29 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway import packing
+from gateway.errors import StoreRejected
 
 ORDER = json.dumps(
     {"order": "ord_1", "lines": [{"sku": f"sku-{n}", "name": "basmati rice", "qty": n} for n in range(20)]}
 ).encode()
 
 
+# Bodies like an agent's: JSON lists of a few repeated shapes, most of them long enough to be deflated.
+def agent_json(min_lines: int = 0) -> st.SearchStrategy[bytes]:
+    line = st.fixed_dictionaries(
+        {
+            "sku": st.sampled_from(["atta", "dal", "ghee", "rice"]),
+            "qty": st.integers(0, 99),
+            "note": st.text(max_size=8),
+        }
+    )
+    return st.lists(line, min_size=min_lines, max_size=400).map(
+        lambda lines: json.dumps({"lines": lines}).encode()
+    )
+
+
 def test_everyday_json_is_kept_in_a_fraction_of_its_size() -> None:
+    """An order's JSON takes under a third of its size."""
     coding, stored = packing.pack(ORDER)
     assert coding == packing.DEFLATE
     assert len(stored) < len(ORDER) // 3
@@ -25,6 +41,7 @@ def test_everyday_json_is_kept_in_a_fraction_of_its_size() -> None:
 
 
 def test_hex_that_pglz_cannot_shrink_is_halved() -> None:
+    """A hex token, which Postgres's own compression leaves as long as it was, takes under 60%."""
     token = b'{"token": "' + os.urandom(500).hex().encode() + b'"}'
     coding, stored = packing.pack(token)
     assert coding == packing.DEFLATE
@@ -39,26 +56,58 @@ def test_hex_that_pglz_cannot_shrink_is_halved() -> None:
         zlib.compress(ORDER),  # already compressed (a gzip download, say)
         ORDER[:127],  # too short to be worth it
         b"",
-        b"x" * (64 * 1024 + 1),  # large: Postgres compresses a row over 2 KB itself
+        b"x" * (16 * 1024 + 1),  # large: deflating it would hold up the event loop
     ],
     ids=["random", "compressed", "short", "empty", "large"],
 )
 def test_a_body_deflate_does_not_pay_for_is_kept_as_sent(body: bytes) -> None:
+    """Bodies outside 128 B..16 KiB, or that deflate saves less than an eighth of, are stored as sent."""
     assert packing.pack(body) == (packing.AS_SENT, body)
 
 
-@given(st.binary(max_size=4096) | st.text(max_size=2048).map(str.encode))
+def test_the_largest_body_packed_is_16_kib() -> None:
+    """16 KiB of JSON is still deflated; one byte more is not (the "large" case above)."""
+    body = json.dumps(["atta"] * 5000).encode()[: 16 * 1024]
+    assert packing.pack(body)[0] == packing.DEFLATE
+
+
+@given(agent_json() | st.binary(max_size=4096) | st.text(max_size=2048).map(str.encode))
 def test_what_is_stored_reads_back_as_it_was_sent(body: bytes) -> None:
+    """Whatever is stored, deflated or not, reads back byte for byte."""
     assert packing.unpack(*packing.pack(body)) == body
 
 
+@given(agent_json(min_lines=30))
+def test_agents_json_is_deflated(body: bytes) -> None:
+    """JSON of a kilobyte or more, of the shapes agents send, is always worth deflating."""
+    assert len(body) >= 1024
+    assert packing.pack(body)[0] == packing.DEFLATE
+
+
 def test_a_coding_of_a_newer_version_is_refused_by_name() -> None:
-    with pytest.raises(packing.UnknownCoding, match="'zstd'"):
+    """A coding this version does not know is a store error naming it, not garbage handed on."""
+    with pytest.raises(packing.BodyUnreadable, match="'zstd'") as refused:
         packing.unpack("zstd", b"\x28\xb5\x2f\xfd")
+    assert isinstance(refused.value, StoreRejected)
+
+
+def test_a_damaged_stream_is_refused() -> None:
+    """A deflated body whose bytes were cut short is refused, not returned in part."""
+    coding, stored = packing.pack(ORDER)
+    with pytest.raises(packing.BodyUnreadable, match="not the deflate stream"):
+        packing.unpack(coding, stored[: len(stored) // 2])
+
+
+def test_a_stream_with_a_wider_window_reads_back() -> None:
+    """unpack reads raw deflate of any window, so a later version writing a wider one stays readable."""
+    body = os.urandom(3000).hex().encode() * 4  # repeats 6 KB apart: only a wide window finds them
+    deflater = zlib.compressobj(6, zlib.DEFLATED, -15)
+    wide = deflater.compress(body) + deflater.flush()
+    assert packing.unpack(packing.DEFLATE, wide) == body
 
 
 def test_a_body_read_by_hand_inflates_with_the_standard_window() -> None:
-    """The module's docstring tells operators zlib.decompress(body, -15): it must read what pack wrote."""
+    """The module's docstring tells operators zlib.decompress(content, -15): it must read what pack wrote."""
     coding, stored = packing.pack(ORDER)
     assert coding == packing.DEFLATE
     assert zlib.decompress(stored, -15) == ORDER
