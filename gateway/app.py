@@ -16,12 +16,11 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway import admin, audit_routes, codings, openapi, problems
 from gateway.body import RequestBody, read_body
-from gateway.errors import StoreRejected, StoreUnavailable
+from gateway.errors import BodyUnreadable, StoreRejected, StoreUnavailable
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.jsonbody import JsonRefused
 from gateway.keys import MAX_LABEL, KeySyntaxError, LogHash, looks_made_up, parse_key
 from gateway.metrics import CachedCounts, Metrics
-from gateway.packing import BodyUnreadable
 from gateway.policy import UpstreamPolicy, upstream_policies
 from gateway.probes import Prober
 from gateway.record import StoredResponse
@@ -255,8 +254,10 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
         log.error("store unavailable: %s", exc)
         return _render(request, problems.StoreDown(f"{exc}; nothing was sent", headers={"Retry-After": "1"}))
     except BodyUnreadable as exc:
+        # Only the response of an effect that happened is read on this path: it is not sent again.
         log.error("%s %s: %s", request.method, request.path, exc)
-        return _render(request, problems.Problem(f"{exc}; nothing was sent"))
+        detail = f"{exc}; the effect is not sent again, and an operator must look at it"
+        return _render(request, problems.Problem(detail, effect_id=exc.effect_id))
     except StoreRejected as exc:
         log.error("store refused a request before anything was sent: %s", exc)
         return _render(

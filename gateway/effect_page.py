@@ -126,6 +126,16 @@ def _timeline(history: list[dict[str, Any]]) -> str:
     return f'<ol class="timeline">{"".join(_event(e) for e in history)}</ol>'
 
 
+def _unreadable(record: EffectRecord) -> str:
+    if record.unreadable is None:
+        return ""
+    return notice(
+        "error",
+        f"A stored body of this effect cannot be read back: {escape(record.unreadable)}. Its bodies are left "
+        "out below. A retry of it is answered 500 and is not sent again.",
+    )
+
+
 def _response(record: EffectRecord) -> str:
     if record.response is not None:
         unsettled = (
@@ -252,6 +262,7 @@ def effect(
     body = f"""<p><a href="{BASE}">← All effects</a></p>
 <h1>Effect {record.id} {badge(record.state)}</h1>
 {notice(message[0], escape(message[1])) if message else ""}
+{_unreadable(record)}
 {_operator(record, verdict)}
 <h2>Who, what, when <span class="muted">(times in UTC)</span></h2>
 {summary}

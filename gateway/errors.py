@@ -17,6 +17,15 @@ class SchemaNewer(GatewayError):
     """The database was migrated by a newer version of the gateway, whose rows this one could misread."""
 
 
+class BodyUnreadable(GatewayError):
+    """A stored body this gateway cannot read back: a coding it does not know, or bytes that fail their
+    check. Never replayed as garbage, and never a reason to send the effect again."""
+
+    def __init__(self, message: str, effect_id: int | None = None) -> None:
+        super().__init__(message)
+        self.effect_id = effect_id
+
+
 class StoreRejected(GatewayError):
     """Postgres is up but refused a statement (data it cannot hold); retrying it cannot help."""
 

@@ -173,6 +173,7 @@ def _effect_schemas() -> dict[str, Any]:
         "response_body": _TEXT_OR_NULL,
         "response_body_base64": _TEXT,
         "history": {"type": "array", "items": {"type": "object"}},
+        "unreadable": {**_TEXT_OR_NULL, "description": "why a stored body cannot be read back; bodies null"},
     }
     return {
         "EffectSummary": {"type": "object", "required": list(summary), "properties": summary},

@@ -53,8 +53,15 @@ class EffectRecord:
     # Sent without a key under the upstream's "audit" policy: kept for the audit, never replayed.
     keyless: bool = False
     response_read: bool = True
+    # Why a stored body of it cannot be read back (an operator's view only: the bodies are then left out).
+    unreadable: str | None = None
 
     @property
     def purged(self) -> bool:
         """Completed with a response once on record that the retention has since dropped."""
-        return self.response_read and self.state is State.COMPLETED and self.response is None
+        return (
+            self.response_read
+            and self.state is State.COMPLETED
+            and self.response is None
+            and not self.unreadable
+        )

@@ -17,7 +17,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, Self, TypeAlias, TypeVar
 
@@ -35,7 +35,7 @@ from gateway.audit_query import (
     find_statement,
 )
 from gateway.decision import Settlement
-from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
+from gateway.errors import BodyUnreadable, CursorUnknown, StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State, Transition
 from gateway.telemetry import Telemetry
@@ -663,7 +663,15 @@ class Store:
                 effect_id,
                 tenant,
             )
-            return _record(row, response=True, full=True) if row is not None else None
+            if row is None:
+                return None
+            try:
+                return _record(row, response=True, full=True)
+            except BodyUnreadable as exc:
+                # An operator must still see the effect, and resolve it if it waits for one: the rest
+                # of the record, its bodies left out, and why.
+                blank = {**row, "r_content": None, "q_content": None}
+                return replace(_record(blank, response=True, full=True), unreadable=str(exc))
 
         return await self._run("get", op)
 
@@ -774,18 +782,26 @@ class Store:
             await conn.close()
 
 
+def _unpacked(effect_id: int, kind: str, coding: str, content: bytes) -> bytes:
+    try:
+        return packing.unpack(coding, content)
+    except BodyUnreadable as exc:
+        raise BodyUnreadable(
+            f"effect {effect_id}: its stored {kind} cannot be read ({exc})", effect_id
+        ) from exc
+
+
 def _stored(
-    status: int | None, headers: bytes | None, coding: str | None, body: bytes | None
+    effect_id: int, status: int | None, headers: bytes | None, coding: str | None, content: bytes | None
 ) -> StoredResponse | None:
-    if status is None or headers is None or coding is None or body is None:
+    if status is None or headers is None or coding is None or content is None:
         return None
-    return StoredResponse(
-        status=status, headers=head_pairs(bytes(headers)), body=packing.unpack(coding, bytes(body))
-    )
+    body = _unpacked(effect_id, "response", coding, bytes(content))
+    return StoredResponse(status=status, headers=head_pairs(bytes(headers)), body=body)
 
 
 def _record(
-    row: asyncpg.Record,
+    row: asyncpg.Record | Mapping[str, Any],
     *,
     response: bool = False,
     full: bool = False,
@@ -795,9 +811,11 @@ def _record(
     _stored_response) when given, else from the row's own r_headers and r_content."""
     stored = None
     if response and body is not None:
-        stored = _stored(row["response_status"], body["headers"], body["coding"], body["content"])
+        stored = _stored(row["id"], row["response_status"], body["headers"], body["coding"], body["content"])
     elif response:
-        stored = _stored(row["response_status"], row["r_headers"], row["r_coding"], row["r_content"])
+        stored = _stored(
+            row["id"], row["response_status"], row["r_headers"], row["r_coding"], row["r_content"]
+        )
     return EffectRecord(
         id=row["id"],
         tenant=row["tenant"],
@@ -825,7 +843,7 @@ def _record(
         run_id=row["run_id"],
         step=row["step"],
         request_headers=dict(head_pairs(bytes(row["q_headers"] or b""))) if full else {},
-        request_body=packing.unpack(row["q_coding"], bytes(row["q_content"]))
+        request_body=_unpacked(row["id"], "request", row["q_coding"], bytes(row["q_content"]))
         if full and row["q_content"] is not None
         else None,
         history=row["history"] if full else [],

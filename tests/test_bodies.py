@@ -213,7 +213,7 @@ ORDER = json.dumps({"order": "O-1", "lines": [{"sku": f"sku-{n}", "qty": n} for 
 
 @pytest.mark.parametrize(
     ("answer", "kept"),
-    [(ORDER, "deflate"), (os.urandom(1500), "")],
+    [(ORDER, "zlib"), (os.urandom(1500), "")],
     ids=["json", "random"],
 )
 async def test_bodies_are_kept_deflated_when_that_pays_and_replayed_byte_for_byte(
@@ -231,7 +231,7 @@ async def test_bodies_are_kept_deflated_when_that_pays_and_replayed_byte_for_byt
     async with gateway_server(dsn, upstreams=shop) as gw:
         assert await send(http, f"{gw.url}/shop/orders", sent_body) == (201, answer)
     stored = await stored_bodies(dsn)
-    assert stored["request"][0] == "deflate"
+    assert stored["request"][0] == "zlib"
     assert stored["request"][1] < len(sent_body) // 3
     assert stored["response"][0] == kept
     if kept:
@@ -246,8 +246,12 @@ async def test_bodies_are_kept_deflated_when_that_pays_and_replayed_byte_for_byt
 
 @pytest.mark.parametrize(
     "damage",
-    ["set coding = 'zstd'", "set content = substring(content from 1 for 10)"],
-    ids=["unknown-coding", "cut-short"],
+    [
+        "set coding = 'zstd'",
+        "set content = substring(content from 1 for 10)",
+        "set content = content || content",
+    ],
+    ids=["unknown-coding", "cut-short", "bytes-after-its-end"],
 )
 async def test_a_stored_response_that_cannot_be_read_is_an_error_and_is_not_sent_again(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession, damage: str
@@ -264,12 +268,25 @@ async def test_a_stored_response_that_cannot_be_read_is_an_error_and_is_not_sent
         assert (await send(http, f"{gw.url}/shop/orders", ORDER))[0] == 201
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute(f"update effect_bodies {damage} where kind = 'response' and coding = 'deflate'")
+        await conn.execute(f"update effect_bodies {damage} where kind = 'response' and coding = 'zlib'")
     finally:
         await conn.close()
     async with gateway_server(dsn, upstreams=shop) as other:  # nothing cached: it reads the table
         status, answer = await send(http, f"{other.url}/shop/orders", ORDER)
+        async with http.get(f"{other.url}/_gateway/effects/1") as resp:
+            shown = (resp.status, await resp.json())
+        async with http.get(f"{other.url}/_gateway/audit/1") as resp:
+            page = (resp.status, await resp.text())
+    # The operator still sees the effect, and why its response is missing (not "purged").
+    assert (shown[0], shown[1]["state"], shown[1]["response_body"], shown[1]["response_purged"]) == (
+        200, "completed", None, False,
+    )  # fmt: skip
+    assert shown[1]["unreadable"].startswith("effect 1: its stored response cannot be read")
+    assert page[0] == 200
+    assert "A stored body of this effect cannot be read back" in page[1]
     assert (status, problem(answer)) == (500, "internal")
-    assert "a stored body" in json.loads(answer)["detail"]
-    assert "nothing was sent" in json.loads(answer)["detail"]
+    refused = json.loads(answer)
+    assert refused["effect_id"] == 1
+    assert refused["detail"].startswith("effect 1: its stored response cannot be read (a stored body ")
+    assert refused["detail"].endswith("the effect is not sent again, and an operator must look at it")
     assert len(upstream.effects()) == 1

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import asyncpg
 import pytest
 
 from gateway.cli import main
@@ -310,6 +311,34 @@ async def test_resolve_happened_needs_a_response(tmp_path: Path, dsn: str, run: 
         "effect-gateway: effect 1: the effect completed; a completed effect is never resolved "
         "(its response is replayed)"
     )
+
+
+async def test_an_effect_whose_stored_request_cannot_be_read_is_shown_and_resolved(
+    tmp_path: Path, dsn: str, run: Callable[..., Done]
+) -> None:
+    """An effect waiting for an operator whose stored request cannot be read back (an unknown coding) is
+    still shown, with why and without its bodies, and the operator can still resolve it."""
+    config = tmp_path / "gateway.toml"
+    config.write_text("")
+    env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
+    [waiting] = await effect(dsn, "k-1", review=True)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("update effect_bodies set coding = 'zstd' where kind = 'request'")
+    finally:
+        await conn.close()
+    shown = await in_thread(run, "effects", str(waiting.id), "--json", config=config, env=env)
+    assert shown.status == 0, shown.err
+    doc = json.loads(shown.out)
+    assert (doc["state"], doc["request_body"], doc["resolvable"]) == ("needs_review", None, True)
+    assert doc["unreadable"].startswith(f"effect {waiting.id}: its stored request cannot be read")
+    assert "'zstd'" in doc["unreadable"]
+    done = await in_thread(
+        run, "resolve", str(waiting.id), "--did-not-happen", "--attempt", str(waiting.attempt), "--json",
+        config=config, env=env,
+    )  # fmt: skip
+    assert done.status == 0, done.err
+    assert json.loads(done.out)["state"] == "retryable"
 
 
 async def test_resolve_from_upstream_asks_the_probe(
