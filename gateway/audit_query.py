@@ -14,7 +14,7 @@ from typing import Any
 
 from gateway.states import State
 
-# The columns every statement of the store reads (gateway.store._record makes the record of them): what
+# The columns every statement of the store reads (gateway.rows.record_of makes the record of them): what
 # the decision and the driver need, and the database's clock.
 RECORD_COLUMNS = """
     e.id, e.created_at, e.tenant, e.upstream, e.key, e.derived_key, e.method, e.path, e.query,

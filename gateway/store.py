@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any, Self, TypeAlias, TypeVar
+from typing import Any, Self, TypeVar
 
 import asyncpg
 import asyncpg.pool
@@ -37,46 +37,24 @@ from gateway.audit_query import (
 from gateway.decision import Settlement
 from gateway.errors import BodyUnreadable, CursorUnknown, StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, StoredResponse
+from gateway.rows import (
+    RESPONSE,
+    WITH_RESPONSE,
+    Conn,
+    head_bytes,
+    read_with_response,
+    record_of,
+)
 from gateway.states import State, Transition
 from gateway.telemetry import Telemetry
 
 log = logging.getLogger("effect_gateway")
 T = TypeVar("T")
-Conn: TypeAlias = "asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
-
-# The response on record, for a replay: found in effect_bodies at the time it was stored. The hot path
-# reads it with a statement of its own (_stored_response): a join cannot know which day's partition
-# holds it, so Postgres would open and lock every partition of effect_bodies on each execution.
-_RESPONSE = """
-    left join effect_bodies r on r.effect_id = e.id and r.kind = 'response' and r.stored_at = e.response_at
-"""
-_WITH_RESPONSE = f"{RECORD_COLUMNS}, r.headers as r_headers, r.content as r_content, r.coding as r_coding"
-
-
-def _stored_response(stored_at: datetime) -> str:
-    """The statement reading a response stored at ``stored_at``, from that day's partition only."""
-    return f"""
-        select headers, coding, content from effect_bodies
-        where effect_id = $1 and kind = 'response' and stored_at = $2
-          and {partitions.within("stored_at", partitions.day_of(stored_at))}
-    """
 
 
 def _in_month(created_at: datetime) -> str:
     """SQL keeping ``e`` (the audit) to the month's partition that holds a row created at ``created_at``."""
     return partitions.within("e.created_at", partitions.month_of(created_at))
-
-
-# No response on record (none stored, or its day dropped by the retention).
-_NO_BODY: Mapping[str, Any] = {"headers": None, "coding": None, "content": None}
-
-
-async def _read_with_response(conn: Conn, row: asyncpg.Record) -> EffectRecord:
-    """The record of ``row`` (read without the bodies) with the response on record, if there is one."""
-    if row["response_status"] is None or row["response_at"] is None:
-        return _record(row, response=True, body=_NO_BODY)
-    body = await conn.fetchrow(_stored_response(row["response_at"]), row["id"], row["response_at"])
-    return _record(row, response=True, body=body or _NO_BODY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,28 +119,6 @@ def _source(record: EffectRecord, move: Transition) -> str:
     if move.source is not record.state:
         raise ValueError(f"a move from {move.source} was asked of a record in {record.state}")
     return record.state.value
-
-
-def head_bytes(headers: tuple[tuple[str, str], ...] | Mapping[str, str]) -> bytes:
-    """Headers as stored: "Name: value" lines joined by CRLF, the upstream's bytes kept.
-
-    Names and values arrive decoded 'utf-8'/'surrogateescape' (how aiohttp reads them), which this
-    turns back into the exact bytes; no header may contain CR or LF, so the block splits unambiguously.
-    """
-    pairs = headers.items() if isinstance(headers, Mapping) else headers
-    return b"\r\n".join(
-        name.encode("utf-8", "surrogateescape") + b": " + value.encode("utf-8", "surrogateescape")
-        for name, value in pairs
-    )
-
-
-def head_pairs(block: bytes) -> tuple[tuple[str, str], ...]:
-    """The inverse of :func:`head_bytes`."""
-    pairs = []
-    for line in block.split(b"\r\n") if block else ():
-        name, _, value = line.partition(b": ")
-        pairs.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
-    return tuple(pairs)
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -304,7 +260,7 @@ class Store:
 
         async def op(conn: Conn) -> EffectRecord | None:
             row = await conn.fetchrow(sql, *args)
-            return _record(row, response=response) if row is not None else None
+            return record_of(row, response=response) if row is not None else None
 
         return await self._run(kind, op)
 
@@ -374,7 +330,7 @@ class Store:
                 request_coding,
             )
             if row is not None:
-                return _record(row, response=True), True
+                return record_of(row, response=True), True
             known = await conn.fetchrow(
                 """
                 select effect_id, created_at from effect_keys
@@ -399,7 +355,7 @@ class Store:
                 # Two keys with one digest: never by chance (see migration 005), so refuse rather than
                 # answer for another effect.
                 raise StoreRejected(f"the key {new.key!r} shares its digest with the key {row['key']!r}")
-            return await _read_with_response(conn, row), False
+            return await read_with_response(conn, row), False
 
         return await self._run("claim", op)
 
@@ -652,9 +608,9 @@ class Store:
         async def op(conn: Conn) -> EffectRecord | None:
             row = await conn.fetchrow(
                 f"""
-                select {_WITH_RESPONSE}, e.history, q.headers as q_headers, q.content as q_content,
+                select {WITH_RESPONSE}, e.history, q.headers as q_headers, q.content as q_content,
                        q.coding as q_coding
-                from effects e {_RESPONSE}
+                from effects e {RESPONSE}
                 left join lateral (select headers, coding, content from effect_bodies q
                                    where q.effect_id = e.id and q.kind = 'request'
                                    order by stored_at desc limit 1) q on true
@@ -666,12 +622,12 @@ class Store:
             if row is None:
                 return None
             try:
-                return _record(row, response=True, full=True)
+                return record_of(row, response=True, full=True)
             except BodyUnreadable as exc:
                 # An operator must still see the effect, and resolve it if it waits for one: the rest
                 # of the record, its bodies left out, and why.
                 blank = {**row, "r_content": None, "q_content": None}
-                return replace(_record(blank, response=True, full=True), unreadable=str(exc))
+                return replace(record_of(blank, response=True, full=True), unreadable=str(exc))
 
         return await self._run("get", op)
 
@@ -686,7 +642,7 @@ class Store:
                 record.created_at,
             )
             assert row is not None, "effects are never deleted while in use"
-            return await _read_with_response(conn, row)
+            return await read_with_response(conn, row)
 
         return await self._run("reread", op)
 
@@ -704,7 +660,7 @@ class Store:
                 found = await conn.fetchval(_CURSOR, where.before_id, where.tenant)
                 if not found:
                     raise CursorUnknown(f"before={where.before_id} is no effect you can see")
-            return [_record(row) for row in rows]
+            return [record_of(row) for row in rows]
 
         return await self._run("find", op)
 
@@ -780,76 +736,6 @@ class Store:
             raise StoreUnavailable(f"Postgres is unavailable: {type(exc).__name__}: {exc}") from exc
         finally:
             await conn.close()
-
-
-def _unpacked(effect_id: int, kind: str, coding: str, content: bytes) -> bytes:
-    try:
-        return packing.unpack(coding, content)
-    except BodyUnreadable as exc:
-        raise BodyUnreadable(
-            f"effect {effect_id}: its stored {kind} cannot be read ({exc})", effect_id
-        ) from exc
-
-
-def _stored(
-    effect_id: int, status: int | None, headers: bytes | None, coding: str | None, content: bytes | None
-) -> StoredResponse | None:
-    if status is None or headers is None or coding is None or content is None:
-        return None
-    body = _unpacked(effect_id, "response", coding, bytes(content))
-    return StoredResponse(status=status, headers=head_pairs(bytes(headers)), body=body)
-
-
-def _record(
-    row: asyncpg.Record | Mapping[str, Any],
-    *,
-    response: bool = False,
-    full: bool = False,
-    body: asyncpg.Record | Mapping[str, Any] | None = None,
-) -> EffectRecord:
-    """The record of ``row``, with the response on record when ``response``: from ``body`` (a row of
-    _stored_response) when given, else from the row's own r_headers and r_content."""
-    stored = None
-    if response and body is not None:
-        stored = _stored(row["id"], row["response_status"], body["headers"], body["coding"], body["content"])
-    elif response:
-        stored = _stored(
-            row["id"], row["response_status"], row["r_headers"], row["r_coding"], row["r_content"]
-        )
-    return EffectRecord(
-        id=row["id"],
-        tenant=row["tenant"],
-        upstream=row["upstream"],
-        key=row["key"],
-        derived_key=row["derived_key"],
-        method=row["method"],
-        path=row["path"],
-        query=row["query"],
-        fingerprint=row["fingerprint"],
-        state=State(row["state"]),
-        attempt=row["attempt"],
-        may_have_sent=row["may_have_sent"],
-        lease_expires_at=row["lease_expires_at"],
-        first_sent_at=row["first_sent_at"],
-        last_sent_at=row["last_sent_at"],
-        completed_at=row["completed_at"],
-        created_at=row["created_at"],
-        response=stored,
-        response_status=row["response_status"],
-        response_at=row["response_at"],
-        response_read=response,
-        recovered_by=row["recovered_by"],
-        replays=row["replays"],
-        run_id=row["run_id"],
-        step=row["step"],
-        request_headers=dict(head_pairs(bytes(row["q_headers"] or b""))) if full else {},
-        request_body=_unpacked(row["id"], "request", row["q_coding"], bytes(row["q_content"]))
-        if full and row["q_content"] is not None
-        else None,
-        history=row["history"] if full else [],
-        read_at=row["read_at"],
-        keyless=row["keyless"],
-    )
 
 
 @asynccontextmanager

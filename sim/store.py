@@ -28,8 +28,9 @@ from gateway.audit_query import EXACT_OPEN_COUNT, EffectFilter, by_time
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, StoredResponse
+from gateway.rows import head_bytes, head_pairs
 from gateway.states import State, Transition
-from gateway.store import NewEffect, head_bytes, head_pairs
+from gateway.store import NewEffect
 from sim.loop import OWNER, REQUEST
 
 T = TypeVar("T")
@@ -148,7 +149,7 @@ class SimDatabase:
         return StoredResponse(row.response_status, head_pairs(stored[0]), stored[1])
 
     def record(self, row: Row, now: datetime, *, response: bool = False, full: bool = False) -> EffectRecord:
-        """The row as gateway.store's ``_record`` builds it from the statement's columns."""
+        """The row as gateway.rows' ``record_of`` builds it from the statement's columns."""
         request: tuple[bytes, bytes] | None = None
         if full:
             kept = sorted(

@@ -1,0 +1,144 @@
+"""Rows of the effect tables as records: the response on record found, bodies unpacked, heads split.
+
+The store's statements read the audit's columns (gateway.audit_query.RECORD_COLUMNS) and, where the
+caller needs them, the bodies of ``effect_bodies``; this module turns such rows into
+:class:`~gateway.record.EffectRecord`, and the headers of a record into the bytes stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, TypeAlias
+
+import asyncpg
+import asyncpg.pool
+
+from gateway import packing, partitions
+from gateway.audit_query import RECORD_COLUMNS
+from gateway.errors import BodyUnreadable
+from gateway.record import EffectRecord, StoredResponse
+from gateway.states import State
+
+Conn: TypeAlias = "asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
+
+# The response on record, for a replay: found in effect_bodies at the time it was stored. The hot path
+# reads it with a statement of its own (stored_response): a join cannot know which day's partition
+# holds it, so Postgres would open and lock every partition of effect_bodies on each execution.
+RESPONSE = """
+    left join effect_bodies r on r.effect_id = e.id and r.kind = 'response' and r.stored_at = e.response_at
+"""
+WITH_RESPONSE = f"{RECORD_COLUMNS}, r.headers as r_headers, r.content as r_content, r.coding as r_coding"
+
+
+def stored_response(stored_at: datetime) -> str:
+    """The statement reading a response stored at ``stored_at``, from that day's partition only."""
+    return f"""
+        select headers, coding, content from effect_bodies
+        where effect_id = $1 and kind = 'response' and stored_at = $2
+          and {partitions.within("stored_at", partitions.day_of(stored_at))}
+    """
+
+
+# No response on record (none stored, or its day dropped by the retention).
+NO_BODY: Mapping[str, Any] = {"headers": None, "coding": None, "content": None}
+
+
+async def read_with_response(conn: Conn, row: asyncpg.Record) -> EffectRecord:
+    """The record of ``row`` (read without the bodies) with the response on record, if there is one."""
+    if row["response_status"] is None or row["response_at"] is None:
+        return record_of(row, response=True, body=NO_BODY)
+    body = await conn.fetchrow(stored_response(row["response_at"]), row["id"], row["response_at"])
+    return record_of(row, response=True, body=body or NO_BODY)
+
+
+def head_bytes(headers: tuple[tuple[str, str], ...] | Mapping[str, str]) -> bytes:
+    """Headers as stored: "Name: value" lines joined by CRLF, the upstream's bytes kept.
+
+    Names and values arrive decoded 'utf-8'/'surrogateescape' (how aiohttp reads them), which this
+    turns back into the exact bytes; no header may contain CR or LF, so the block splits unambiguously.
+    """
+    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    return b"\r\n".join(
+        name.encode("utf-8", "surrogateescape") + b": " + value.encode("utf-8", "surrogateescape")
+        for name, value in pairs
+    )
+
+
+def head_pairs(block: bytes) -> tuple[tuple[str, str], ...]:
+    """The inverse of :func:`head_bytes`."""
+    pairs = []
+    for line in block.split(b"\r\n") if block else ():
+        name, _, value = line.partition(b": ")
+        pairs.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
+    return tuple(pairs)
+
+
+def _unpacked(effect_id: int, kind: str, coding: str, content: bytes) -> bytes:
+    try:
+        return packing.unpack(coding, content)
+    except BodyUnreadable as exc:
+        raise BodyUnreadable(
+            f"effect {effect_id}: its stored {kind} cannot be read ({exc})", effect_id
+        ) from exc
+
+
+def _stored(
+    effect_id: int, status: int | None, headers: bytes | None, coding: str | None, content: bytes | None
+) -> StoredResponse | None:
+    if status is None or headers is None or coding is None or content is None:
+        return None
+    body = _unpacked(effect_id, "response", coding, bytes(content))
+    return StoredResponse(status=status, headers=head_pairs(bytes(headers)), body=body)
+
+
+def record_of(
+    row: asyncpg.Record | Mapping[str, Any],
+    *,
+    response: bool = False,
+    full: bool = False,
+    body: asyncpg.Record | Mapping[str, Any] | None = None,
+) -> EffectRecord:
+    """The record of ``row``, with the response on record when ``response``: from ``body`` (a row of
+    stored_response) when given, else from the row's own r_headers and r_content."""
+    stored = None
+    if response and body is not None:
+        stored = _stored(row["id"], row["response_status"], body["headers"], body["coding"], body["content"])
+    elif response:
+        stored = _stored(
+            row["id"], row["response_status"], row["r_headers"], row["r_coding"], row["r_content"]
+        )
+    return EffectRecord(
+        id=row["id"],
+        tenant=row["tenant"],
+        upstream=row["upstream"],
+        key=row["key"],
+        derived_key=row["derived_key"],
+        method=row["method"],
+        path=row["path"],
+        query=row["query"],
+        fingerprint=row["fingerprint"],
+        state=State(row["state"]),
+        attempt=row["attempt"],
+        may_have_sent=row["may_have_sent"],
+        lease_expires_at=row["lease_expires_at"],
+        first_sent_at=row["first_sent_at"],
+        last_sent_at=row["last_sent_at"],
+        completed_at=row["completed_at"],
+        created_at=row["created_at"],
+        response=stored,
+        response_status=row["response_status"],
+        response_at=row["response_at"],
+        response_read=response,
+        recovered_by=row["recovered_by"],
+        replays=row["replays"],
+        run_id=row["run_id"],
+        step=row["step"],
+        request_headers=dict(head_pairs(bytes(row["q_headers"] or b""))) if full else {},
+        request_body=_unpacked(row["id"], "request", row["q_coding"], bytes(row["q_content"]))
+        if full and row["q_content"] is not None
+        else None,
+        history=row["history"] if full else [],
+        read_at=row["read_at"],
+        keyless=row["keyless"],
+    )
