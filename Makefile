@@ -92,7 +92,7 @@ bench-load: $(STAMP)
 	$(BIN)/python -m bench.gateway_load --workers $(WORKERS) --duration $(DURATION) --repeat $(REPEAT) \
 		$(if $(PROFILE),--profile $(PROFILE))
 
-# The gateway as its effects table grows: `make bench-growth ROWS=10000000`. About 55 minutes at 1M.
+# The gateway as its effects table grows: `make bench-growth ROWS=10000000`. About 35 minutes at 1M.
 ROWS ?= 1000000
 bench-growth: $(STAMP)
 	$(BIN)/python -m bench.growth --rows $(ROWS)

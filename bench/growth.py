@@ -1,7 +1,7 @@
 """The gateway as its effects table grows: the same figures on an empty table and at a chosen size.
 
 Run: `make bench-growth` (ROWS=1000000 by default; `make bench-growth ROWS=10000000`), or
-`python -m bench.growth --rows 1000000`. It takes about 55 minutes at 1M rows on 2 cores, most of it
+`python -m bench.growth --rows 1000000`. It takes about 35 minutes at 1M rows on 2 cores, most of it
 the two sustained-WAL windows (one checkpoint interval each; shorten them with --wal-seconds for a
 try-out, not for figures). Everything runs in processes of their own: the trivial upstream, the gateway
 as users start it (`effect-gateway serve --config <generated toml>`, 4 tenants, 3 upstreams, an admin
