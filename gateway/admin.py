@@ -151,8 +151,8 @@ def effect_json(record: EffectRecord, *, full: bool) -> dict[str, Any]:
         doc["response_headers"] = [list(h) for h in record.response.headers] if record.response else None
         doc.update(_body_fields("response_body", record.response.body if record.response else None))
         doc["history"] = record.history
-        # Set when a stored body cannot be read back; the bodies above are then null.
-        doc["unreadable"] = record.unreadable
+        # "request"/"response" -> why that stored body cannot be read back (it is then null above).
+        doc["unreadable"] = record.unreadable or None
     return doc
 
 

@@ -127,13 +127,18 @@ def _timeline(history: list[dict[str, Any]]) -> str:
 
 
 def _unreadable(record: EffectRecord) -> str:
-    if record.unreadable is None:
-        return ""
-    return notice(
-        "error",
-        f"A stored body of this effect cannot be read back: {escape(record.unreadable)}. Its bodies are left "
-        "out below. A retry of it is answered 500 and is not sent again.",
-    )
+    notices = []
+    for kind, why in sorted(record.unreadable.items()):
+        after = ""
+        if kind == "response" and record.state is State.COMPLETED:
+            after = " A retry is answered 500 and the effect is not sent again."
+        notices.append(
+            notice(
+                "error",
+                f"The stored {kind} body cannot be read back ({escape(why)}); it is left out below.{after}",
+            )
+        )
+    return "".join(notices)
 
 
 def _response(record: EffectRecord) -> str:

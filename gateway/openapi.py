@@ -173,7 +173,12 @@ def _effect_schemas() -> dict[str, Any]:
         "response_body": _TEXT_OR_NULL,
         "response_body_base64": _TEXT,
         "history": {"type": "array", "items": {"type": "object"}},
-        "unreadable": {**_TEXT_OR_NULL, "description": "why a stored body cannot be read back; bodies null"},
+        "unreadable": {
+            "type": ["object", "null"],
+            "properties": {"request": _TEXT, "response": _TEXT},
+            "additionalProperties": False,
+            "description": "why a stored body cannot be read back (that body is then null)",
+        },
     }
     return {
         "EffectSummary": {"type": "object", "required": list(summary), "properties": summary},

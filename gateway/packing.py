@@ -32,6 +32,9 @@ _LEVEL = 1  # levels above 1 shrink these bodies by a few percent for several ti
 # rare large body saves: 16 KiB of hex takes about 0.15 ms here, 64 KiB over a millisecond.
 _SMALLEST = 128
 _LARGEST = 16 * 1024
+# No version has packed a body larger than this (the first packed up to 64 KiB): a stored stream that
+# inflates past it was not written by the gateway, and is refused before it can take the memory it asks.
+_MOST_EVER_PACKED = 64 * 1024
 
 
 def pack(body: bytes) -> tuple[str, bytes]:
@@ -57,9 +60,13 @@ def unpack(coding: str, stored: bytes) -> bytes:
     # its end, is refused: zlib.decompress would pass the first silently.
     inflater = zlib.decompressobj(zlib.MAX_WBITS if coding == ZLIB else -zlib.MAX_WBITS)
     try:
-        body = inflater.decompress(stored)
+        body = inflater.decompress(stored, _MOST_EVER_PACKED + 1)
     except zlib.error as exc:
         raise BodyUnreadable(f"a stored body fails its {coding} check: {exc}") from exc
+    if len(body) > _MOST_EVER_PACKED:
+        raise BodyUnreadable(
+            f"a stored body inflates past {_MOST_EVER_PACKED} bytes, more than any gateway packs"
+        )
     if not inflater.eof or inflater.unused_data:
         raise BodyUnreadable(f"a stored body is not one whole {coding} stream")
     return body

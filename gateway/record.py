@@ -53,8 +53,8 @@ class EffectRecord:
     # Sent without a key under the upstream's "audit" policy: kept for the audit, never replayed.
     keyless: bool = False
     response_read: bool = True
-    # Why a stored body of it cannot be read back (an operator's view only: the bodies are then left out).
-    unreadable: str | None = None
+    # "request" or "response" -> why that stored body cannot be read back (it is then left out).
+    unreadable: dict[str, str] = field(default_factory=dict)
 
     @property
     def purged(self) -> bool:
@@ -63,5 +63,5 @@ class EffectRecord:
             self.response_read
             and self.state is State.COMPLETED
             and self.response is None
-            and not self.unreadable
+            and "response" not in self.unreadable
         )

@@ -66,10 +66,14 @@ def effects_table(effects: list[dict[str, Any]]) -> list[str]:
     return [*lines, f"{count}, newest first{note}"]
 
 
-def _body(doc: dict[str, Any], prefix: str) -> list[str]:
+def _body(doc: dict[str, Any], kind: str) -> list[str]:
+    prefix = kind + "_body"
     if doc.get(prefix + "_base64") is not None:
         return [f"  ({len(doc[prefix + '_base64']) * 3 // 4} bytes, not text: see --json)"]
     text = doc.get(prefix)
+    unreadable = (doc.get("unreadable") or {}).get(kind)
+    if text is None and unreadable:
+        return [f"  (cannot be read back: {unreadable})"]
     if text is None:
         return ["  (purged after the retention)" if doc.get("response_purged") else "  (none)"]
     lines = ["  " + line for line in text[:BODY_PREVIEW].splitlines() or [""]]
@@ -104,7 +108,7 @@ def effect_detail(doc: dict[str, Any]) -> list[str]:
     for event in doc.get("history") or []:
         rest = " ".join(f"{k}={v}" for k, v in event.items() if k not in ("at", "event"))
         lines.append(f"  {when(event.get('at'))}  {event.get('event')}  {rest}".rstrip())
-    lines += ["request body", *_body(doc, "request_body"), "response body", *_body(doc, "response_body")]
+    lines += ["request body", *_body(doc, "request"), "response body", *_body(doc, "response")]
     return lines
 
 

@@ -100,14 +100,36 @@ def record_of(
     body: asyncpg.Record | Mapping[str, Any] | None = None,
 ) -> EffectRecord:
     """The record of ``row``, with the response on record when ``response``: from ``body`` (a row of
-    stored_response) when given, else from the row's own r_headers and r_content."""
+    stored_response) when given, else from the row's own r_headers and r_content; with the request's
+    headers, body and the history when ``full`` (an operator's view).
+
+    Raises :class:`BodyUnreadable` for a completed effect's response that cannot be read back, unless
+    ``full``: that response would be replayed, and garbage must not be, nor the effect sent again.
+    """
+    unreadable: dict[str, str] = {}
     stored = None
-    if response and body is not None:
-        stored = _stored(row["id"], row["response_status"], body["headers"], body["coding"], body["content"])
-    elif response:
-        stored = _stored(
-            row["id"], row["response_status"], row["r_headers"], row["r_coding"], row["r_content"]
+    if response:
+        held = (
+            body
+            if body is not None
+            else {"headers": row["r_headers"], "coding": row["r_coding"], "content": row["r_content"]}
         )
+        try:
+            stored = _stored(
+                row["id"], row["response_status"], held["headers"], held["coding"], held["content"]
+            )
+        except BodyUnreadable as exc:
+            # In any other state the response is what the last attempt saw, which no decision reads;
+            # an operator's view shows the rest of the effect and why this part is missing.
+            if row["state"] == State.COMPLETED.value and not full:
+                raise
+            unreadable["response"] = str(exc)
+    request_body = None
+    if full and row["q_content"] is not None:
+        try:
+            request_body = _unpacked(row["id"], "request", row["q_coding"], bytes(row["q_content"]))
+        except BodyUnreadable as exc:
+            unreadable["request"] = str(exc)
     return EffectRecord(
         id=row["id"],
         tenant=row["tenant"],
@@ -135,10 +157,9 @@ def record_of(
         run_id=row["run_id"],
         step=row["step"],
         request_headers=dict(head_pairs(bytes(row["q_headers"] or b""))) if full else {},
-        request_body=_unpacked(row["id"], "request", row["q_coding"], bytes(row["q_content"]))
-        if full and row["q_content"] is not None
-        else None,
+        request_body=request_body,
         history=row["history"] if full else [],
         read_at=row["read_at"],
         keyless=row["keyless"],
+        unreadable=unreadable,
     )

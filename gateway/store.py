@@ -17,7 +17,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Self, TypeVar
 
@@ -35,7 +35,7 @@ from gateway.audit_query import (
     find_statement,
 )
 from gateway.decision import Settlement
-from gateway.errors import BodyUnreadable, CursorUnknown, StoreRejected, StoreUnavailable
+from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, StoredResponse
 from gateway.rows import (
     RESPONSE,
@@ -619,15 +619,9 @@ class Store:
                 effect_id,
                 tenant,
             )
-            if row is None:
-                return None
-            try:
-                return record_of(row, response=True, full=True)
-            except BodyUnreadable as exc:
-                # An operator must still see the effect, and resolve it if it waits for one: the rest
-                # of the record, its bodies left out, and why.
-                blank = {**row, "r_content": None, "q_content": None}
-                return replace(record_of(blank, response=True, full=True), unreadable=str(exc))
+            # A body that cannot be read back is left out and said why (record.unreadable): an operator
+            # must still see the effect, and resolve it if it waits for one.
+            return record_of(row, response=True, full=True) if row is not None else None
 
         return await self._run("get", op)
 

@@ -266,27 +266,79 @@ async def test_a_stored_response_that_cannot_be_read_is_an_error_and_is_not_sent
     shop = {"shop": {"base_url": upstream.url, "timeout": "2s"}}
     async with gateway_server(dsn, upstreams=shop) as gw:
         assert (await send(http, f"{gw.url}/shop/orders", ORDER))[0] == 201
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute(f"update effect_bodies {damage} where kind = 'response' and coding = 'zlib'")
-    finally:
-        await conn.close()
+    assert (await stored_bodies(dsn))["response"][0] == "zlib"
+    await damage_bodies(dsn, "response", damage)
     async with gateway_server(dsn, upstreams=shop) as other:  # nothing cached: it reads the table
         status, answer = await send(http, f"{other.url}/shop/orders", ORDER)
         async with http.get(f"{other.url}/_gateway/effects/1") as resp:
             shown = (resp.status, await resp.json())
         async with http.get(f"{other.url}/_gateway/audit/1") as resp:
             page = (resp.status, await resp.text())
-    # The operator still sees the effect, and why its response is missing (not "purged").
-    assert (shown[0], shown[1]["state"], shown[1]["response_body"], shown[1]["response_purged"]) == (
-        200, "completed", None, False,
-    )  # fmt: skip
-    assert shown[1]["unreadable"].startswith("effect 1: its stored response cannot be read")
-    assert page[0] == 200
-    assert "A stored body of this effect cannot be read back" in page[1]
     assert (status, problem(answer)) == (500, "internal")
     refused = json.loads(answer)
     assert refused["effect_id"] == 1
     assert refused["detail"].startswith("effect 1: its stored response cannot be read (a stored body ")
     assert refused["detail"].endswith("the effect is not sent again, and an operator must look at it")
     assert len(upstream.effects()) == 1
+    # The operator still sees the effect, and why its response is missing (not "purged").
+    assert (shown[0], shown[1]["state"], shown[1]["response_body"], shown[1]["response_purged"]) == (
+        200, "completed", None, False,
+    )  # fmt: skip
+    assert list(shown[1]["unreadable"]) == ["response"]
+    assert shown[1]["unreadable"]["response"].startswith("effect 1: its stored response cannot be read")
+    assert json.loads(shown[1]["request_body"]) == json.loads(ORDER), "the readable request is still shown"
+    assert page[0] == 200
+    assert "The stored response body cannot be read back" in page[1]
+    assert "A retry is answered 500 and the effect is not sent again." in page[1]
+
+
+async def damage_bodies(dsn: str, kind: str, damage: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        assert await conn.execute(f"update effect_bodies {damage} where kind = $1", kind) == "UPDATE 1"
+    finally:
+        await conn.close()
+
+
+async def test_an_unreadable_request_leaves_the_replay_and_the_rest_of_the_audit_as_they_were(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """Only the response is replayed: a stored request that cannot be read back costs the audit that body
+    alone, named on the page, and the retry still gets the upstream's answer."""
+    shop = {"shop": {"base_url": upstream.url, "timeout": "2s"}}
+    async with gateway_server(dsn, upstreams=shop) as gw:
+        status, first = await send(http, f"{gw.url}/shop/orders", ORDER)
+    assert status == 201
+    await damage_bodies(dsn, "request", "set coding = 'zstd'")
+    async with gateway_server(dsn, upstreams=shop) as other:
+        assert await send(http, f"{other.url}/shop/orders", ORDER) == (201, first)
+        async with http.get(f"{other.url}/_gateway/effects/1") as resp:
+            shown = await resp.json()
+        async with http.get(f"{other.url}/_gateway/audit/1") as resp:
+            page = await resp.text()
+    assert (shown["request_body"], shown["response_body"]) == (None, first.decode())
+    assert list(shown["unreadable"]) == ["request"]
+    assert "The stored request body cannot be read back" in page
+    assert "A retry is answered 500" not in page
+    assert len(upstream.effects()) == 1
+
+
+async def test_an_unreadable_answer_of_an_attempt_that_may_be_retried_does_not_block_the_retry(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """A 429's stored answer is never replayed: if it cannot be read back, the next retry sends as it
+    would have anyway, and gets the order."""
+    answers = [web.json_response({"error": "slow down", "lines": list(range(100))}, status=429)]
+
+    async def order(_: web.Request) -> web.Response:
+        return answers.pop() if answers else web.json_response({"order": "O-1"}, status=201)
+
+    upstream.routes["/orders"] = order
+    shop = {"shop": {"base_url": upstream.url, "timeout": "2s"}}
+    async with gateway_server(dsn, upstreams=shop) as gw:
+        assert (await send(http, f"{gw.url}/shop/orders", ORDER))[0] == 429
+    await damage_bodies(dsn, "response", "set content = content || content")
+    async with gateway_server(dsn, upstreams=shop) as other:
+        status, answer = await send(http, f"{other.url}/shop/orders", ORDER)
+    assert (status, json.loads(answer)) == (201, {"order": "O-1"})
+    assert len(upstream.effects()) == 2

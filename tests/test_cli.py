@@ -331,8 +331,11 @@ async def test_an_effect_whose_stored_request_cannot_be_read_is_shown_and_resolv
     assert shown.status == 0, shown.err
     doc = json.loads(shown.out)
     assert (doc["state"], doc["request_body"], doc["resolvable"]) == ("needs_review", None, True)
-    assert doc["unreadable"].startswith(f"effect {waiting.id}: its stored request cannot be read")
-    assert "'zstd'" in doc["unreadable"]
+    assert doc["unreadable"]["request"].startswith(f"effect {waiting.id}: its stored request cannot be read")
+    assert "'zstd'" in doc["unreadable"]["request"]
+    text = await in_thread(run, "effects", str(waiting.id), config=config, env=env)
+    request_body = text.out.splitlines().index("request body")
+    assert text.out.splitlines()[request_body + 1].startswith("  (cannot be read back: effect ")
     done = await in_thread(
         run, "resolve", str(waiting.id), "--did-not-happen", "--attempt", str(waiting.attempt), "--json",
         config=config, env=env,

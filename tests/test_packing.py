@@ -104,6 +104,20 @@ def test_every_flipped_bit_and_every_cut_is_refused() -> None:
             packing.unpack(coding, bad)
 
 
+def test_a_stream_that_inflates_past_what_any_gateway_packs_is_refused() -> None:
+    """A stored stream the gateway did not write (a few hundred bytes that inflate to megabytes) is
+    refused before it takes the memory it asks for."""
+    bomb = zlib.compress(bytes(8 * 1024 * 1024))
+    with pytest.raises(packing.BodyUnreadable, match="inflates past 65536 bytes"):
+        packing.unpack(packing.ZLIB, bomb)
+    largest_legacy = bytes(64 * 1024)  # the first version packed up to 64 KiB
+    deflater = zlib.compressobj(1, zlib.DEFLATED, -12)
+    assert (
+        packing.unpack(packing.RAW_DEFLATE, deflater.compress(largest_legacy) + deflater.flush())
+        == largest_legacy
+    )
+
+
 def test_a_raw_deflate_body_of_the_first_version_reads_back_with_any_window() -> None:
     """Rows the first version stored as 'deflate' (raw, a 4 KiB window) still read back, as does a raw
     stream of the widest window."""
