@@ -8,7 +8,7 @@ from importlib import resources
 import asyncpg
 
 from gateway import partitions
-from gateway.errors import SchemaNewer, StoreUnavailable
+from gateway.errors import SchemaNewer, StoreRejected, StoreUnavailable
 
 # Any constant will do, as long as no other application on the database uses it for another lock.
 MIGRATION_LOCK = 0x65666665637473  # "effects"
@@ -59,11 +59,20 @@ async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[st
                 if version in done:
                     continue
                 progress(f"applying {name}")
-                async with conn.transaction():
-                    await conn.execute(sql)
-                    await conn.execute(
-                        "insert into effect_gateway_migrations (version, name) values ($1, $2)", version, name
-                    )
+                try:
+                    async with conn.transaction():
+                        await conn.execute(sql)
+                        await conn.execute(
+                            "insert into effect_gateway_migrations (version, name) values ($1, $2)",
+                            version,
+                            name,
+                        )
+                except asyncpg.PostgresError as exc:
+                    # Each migration is one transaction: a failed one left nothing behind. The usual cause
+                    # is a schema changed by hand, or a migrations table emptied over existing tables.
+                    raise StoreRejected(
+                        f"migration {name} failed, and nothing of it was applied: {type(exc).__name__}: {exc}"
+                    ) from exc
                 applied.append(name)
             await partitions.ensure(conn)
         finally:

@@ -110,6 +110,35 @@ async def test_a_database_migrated_by_a_newer_gateway_is_refused(
         await admin.close()
 
 
+async def test_a_migration_that_fails_is_one_line_naming_it_and_applies_nothing(
+    postgres_dsn: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A migrations table emptied over existing tables: `migrate` says which migration failed and why, in
+    one line, and the schema is as it was."""
+    admin = await asyncpg.connect(postgres_dsn)
+    await admin.execute("drop database if exists emptied")
+    await admin.execute("create database emptied")
+    dsn = other_database(postgres_dsn, "emptied")
+    try:
+        await migrate(dsn)
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute("delete from effect_gateway_migrations")
+            monkeypatch.setenv("EFFECT_GATEWAY_DATABASE_URL", dsn)
+            assert await asyncio.to_thread(main, ["migrate"]) != 0
+            [line] = capsys.readouterr().err.splitlines()
+            assert line.startswith(
+                "effect-gateway: migration 001_effects.sql failed, and nothing of it was applied: "
+            ), line
+            assert await conn.fetchval("select count(*) from effect_gateway_migrations") == 0
+            assert await conn.fetchval("select to_regclass('effect_keys')") is not None
+        finally:
+            await conn.close()
+    finally:
+        await admin.execute("drop database emptied with (force)")
+        await admin.close()
+
+
 async def test_an_effects_table_with_rows_migrates_to_the_partitioned_layout(postgres_dsn: str) -> None:
     """Rows of the first layout (60 days, bodies kept or purged) keep their keys, bodies and replays."""
     admin = await asyncpg.connect(postgres_dsn)
