@@ -130,6 +130,10 @@ def decide(record: EffectRecord, request: Request, now: datetime, policy: Policy
     """What to do with a request whose key already has a record."""
     if not record.response_read:
         raise ValueError("the decision needs the record read with its response")
+    if record.replay_refused:
+        # Read for an operator's view, which leaves out what cannot be read back: taken for a purge, it
+        # would be restored from a probe or answered 410 instead of refused.
+        raise ValueError("the decision needs a response that can be read back")
     if record.fingerprint != request.fingerprint:
         return Mismatch()
     match record.state:

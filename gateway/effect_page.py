@@ -126,11 +126,15 @@ def _timeline(history: list[dict[str, Any]]) -> str:
     return f'<ol class="timeline">{"".join(_event(e) for e in history)}</ol>'
 
 
+_CANNOT_BE_READ = '<p class="muted">On record, but it cannot be read back (see above).</p>'
+_NO_REQUEST_BODY = "No body on record (none was sent, or the retention dropped it)."
+
+
 def _unreadable(record: EffectRecord) -> str:
     notices = []
     for kind, why in sorted(record.unreadable.items()):
         after = ""
-        if kind == "response" and record.state is State.COMPLETED:
+        if kind == "response" and record.replay_refused:
             after = " A retry is answered 500 and the effect is not sent again."
         notices.append(
             notice(
@@ -156,6 +160,8 @@ def _response(record: EffectRecord) -> str:
             + "<h3>Body</h3>"
             + _body(record.response.body, "No body.")
         )
+    if "response" in record.unreadable:
+        return _facts([("status", str(record.response_status))]) + _CANNOT_BE_READ
     if record.purged:
         return notice(
             "info",
@@ -276,7 +282,7 @@ def effect(
 <h3>Headers <span class="muted">(credentials are never stored)</span></h3>
 {_headers(request_headers)}
 <h3>Body</h3>
-{_body(record.request_body, "No body on record (none was sent, or the retention dropped it).")}
+{_CANNOT_BE_READ if "request" in record.unreadable else _body(record.request_body, _NO_REQUEST_BODY)}
 <h2>Response</h2>
 {_response(record)}
 <h2>History</h2>

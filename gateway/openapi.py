@@ -177,7 +177,7 @@ def _effect_schemas() -> dict[str, Any]:
             "type": ["object", "null"],
             "properties": {"request": _TEXT, "response": _TEXT},
             "additionalProperties": False,
-            "description": "why a stored body cannot be read back (that body is then null)",
+            "description": "why a stored body cannot be read back (it is null, a response's headers too)",
         },
     }
     return {

@@ -57,6 +57,12 @@ class EffectRecord:
     unreadable: dict[str, str] = field(default_factory=dict)
 
     @property
+    def replay_refused(self) -> bool:
+        """Completed, with a response on record that cannot be read back: a retry is refused (500), never
+        answered with garbage, and the effect is not sent again."""
+        return self.state is State.COMPLETED and "response" in self.unreadable
+
+    @property
     def purged(self) -> bool:
         """Completed with a response once on record that the retention has since dropped."""
         return (

@@ -2,7 +2,9 @@
 
 The store's statements read the audit's columns (gateway.audit_query.RECORD_COLUMNS) and, where the
 caller needs them, the bodies of ``effect_bodies``; this module turns such rows into
-:class:`~gateway.record.EffectRecord`, and the headers of a record into the bytes stored.
+:class:`~gateway.record.EffectRecord`, and the headers of a record into the bytes stored. It also holds
+the SQL that finds the response on record and the one read that follows a row to it, which only the
+way rows become records decides.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import asyncpg
 
 from gateway import partitions
 from gateway.errors import SchemaNewer, StoreRejected, StoreUnavailable
+from gateway.store import OUTAGE, RETRYABLE_SQLSTATES
 
 # Any constant will do, as long as no other application on the database uses it for another lock.
 MIGRATION_LOCK = 0x65666665637473  # "effects"
@@ -37,46 +38,64 @@ async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[st
         conn = await asyncpg.connect(dsn)
     except (OSError, asyncpg.PostgresError) as exc:
         raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
-    applied: list[str] = []
     try:
         await conn.execute("select pg_advisory_lock($1)", MIGRATION_LOCK)
         try:
-            await conn.execute(
-                """create table if not exists effect_gateway_migrations (
-                       version integer primary key, name text not null,
-                       applied_at timestamptz not null default now())"""
-            )
-            done = {r["version"] for r in await conn.fetch("select version from effect_gateway_migrations")}
-            known = migration_files()
-            if done and max(done) > known[-1][0]:
-                # A rollback past a migration: this version would read and write rows it does not know
-                # the form of (a deflated body as the bytes sent, say). Refusing to start is the safe answer.
-                raise SchemaNewer(
-                    f"the database's schema is at migration {max(done)}, newer than this gateway's last "
-                    f"({known[-1][1]}): run the version of the gateway that migrated it, or a newer one"
-                )
-            for version, name, sql in known:
-                if version in done:
-                    continue
-                progress(f"applying {name}")
-                try:
-                    async with conn.transaction():
-                        await conn.execute(sql)
-                        await conn.execute(
-                            "insert into effect_gateway_migrations (version, name) values ($1, $2)",
-                            version,
-                            name,
-                        )
-                except asyncpg.PostgresError as exc:
-                    # Each migration is one transaction: a failed one left nothing behind. The usual cause
-                    # is a schema changed by hand, or a migrations table emptied over existing tables.
-                    raise StoreRejected(
-                        f"migration {name} failed, and nothing of it was applied: {type(exc).__name__}: {exc}"
-                    ) from exc
-                applied.append(name)
-            await partitions.ensure(conn)
+            return await _apply_pending(conn, progress)
         finally:
-            await conn.execute("select pg_advisory_unlock($1)", MIGRATION_LOCK)
+            if not conn.is_closed():  # else the lock went with the session
+                await conn.execute("select pg_advisory_unlock($1)", MIGRATION_LOCK)
+    except (*OUTAGE, asyncpg.InterfaceError) as exc:
+        raise StoreUnavailable(f"Postgres went away while migrating: {type(exc).__name__}: {exc}") from exc
     finally:
         await conn.close()
+
+
+async def _apply_pending(conn: asyncpg.Connection, progress: Callable[[str], None]) -> list[str]:
+    await conn.execute(
+        """create table if not exists effect_gateway_migrations (
+               version integer primary key, name text not null,
+               applied_at timestamptz not null default now())"""
+    )
+    done = {r["version"] for r in await conn.fetch("select version from effect_gateway_migrations")}
+    known = migration_files()
+    if done and max(done) > known[-1][0]:
+        # A rollback past a migration: this version would read and write rows it does not know the form
+        # of (a deflated body as the bytes sent, say). Refusing to start is the safe answer.
+        raise SchemaNewer(
+            f"the database's schema is at migration {max(done)}, newer than this gateway's last "
+            f"({known[-1][1]}): run the version of the gateway that migrated it, or a newer one"
+        )
+    applied: list[str] = []
+    for version, name, sql in known:
+        if version not in done:
+            progress(f"applying {name}")
+            await _apply(conn, version, name, sql)
+            applied.append(name)
+    await partitions.ensure(conn)
     return applied
+
+
+async def _apply(conn: asyncpg.Connection, version: int, name: str, sql: str) -> None:
+    """One migration in one transaction: if it fails, nothing of it is left behind."""
+    try:
+        async with conn.transaction():
+            await conn.execute(sql)
+            await conn.execute(
+                "insert into effect_gateway_migrations (version, name) values ($1, $2)", version, name
+            )
+    except (*OUTAGE, *RETRYABLE_SQLSTATES, asyncpg.InterfaceError) as exc:
+        # Postgres went away, or a lock or a deadlock with another session got in the way: the same
+        # command may work later. (Once the connection is gone, ending the transaction fails too: say
+        # why it went.)
+        cause = exc.__context__ if isinstance(exc, asyncpg.InterfaceError) and exc.__context__ else exc
+        why = f"{type(cause).__name__}: {cause}"
+        raise StoreUnavailable(
+            f"migration {name} was interrupted, and nothing of it was applied: {why}"
+        ) from exc
+    except asyncpg.PostgresError as exc:
+        # The usual cause is a schema changed by hand, or a migrations table emptied over existing
+        # tables: an operator must look before it can be tried again.
+        raise StoreRejected(
+            f"migration {name} failed, and nothing of it was applied: {type(exc).__name__}: {exc}"
+        ) from exc

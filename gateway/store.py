@@ -135,7 +135,7 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
 
 # The server went away under a statement: lost connection, or shut down or restarted by an operator (57P);
 # or a statement ran past statement_timeout or lock_timeout, which the gateway treats alike: try later.
-_OUTAGE = (
+OUTAGE = (
     OSError,
     TimeoutError,
     asyncpg.PostgresConnectionError,
@@ -158,7 +158,7 @@ _PARTITION_SIZES = """
 """
 # Held (per session) by the one gateway maintaining partitions; any constant no other application uses.
 MAINTENANCE_LOCK = 0x6566666563747301
-_RETRYABLE_SQLSTATES = (asyncpg.exceptions.SerializationError, asyncpg.exceptions.DeadlockDetectedError)
+RETRYABLE_SQLSTATES = (asyncpg.exceptions.SerializationError, asyncpg.exceptions.DeadlockDetectedError)
 
 
 def session_settings(limits: StoreLimits) -> dict[str, str]:
@@ -236,7 +236,7 @@ class Store:
                 raise StoreUnavailable(f"Postgres is unavailable: {exc}") from exc
             try:
                 return await op(conn)
-            except _RETRYABLE_SQLSTATES:
+            except RETRYABLE_SQLSTATES:
                 if attempt == 2:
                     raise
             except asyncpg.exceptions.CheckViolationError as exc:
@@ -245,7 +245,7 @@ class Store:
                 if "no partition" not in str(exc) or attempt:
                     raise StoreRejected(f"Postgres refused the write: {exc}") from exc
                 await partitions.ensure(conn)
-            except _OUTAGE as exc:
+            except OUTAGE as exc:
                 raise StoreUnavailable(f"Postgres is unavailable: {type(exc).__name__}: {exc}") from exc
             except asyncpg.PostgresError as exc:
                 # Postgres is there but refused this statement (data it cannot hold, a check that
@@ -726,7 +726,7 @@ class Store:
                 return []
             await partitions.ensure(conn)
             return await partitions.drop_expired_bodies(conn, retention, progress)
-        except _OUTAGE as exc:
+        except OUTAGE as exc:
             raise StoreUnavailable(f"Postgres is unavailable: {type(exc).__name__}: {exc}") from exc
         finally:
             await conn.close()

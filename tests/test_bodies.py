@@ -290,6 +290,8 @@ async def test_a_stored_response_that_cannot_be_read_is_an_error_and_is_not_sent
     assert page[0] == 200
     assert "The stored response body cannot be read back" in page[1]
     assert "A retry is answered 500 and the effect is not sent again." in page[1]
+    assert "cannot be read back (see above)" in page[1]
+    assert "No response on record" not in page[1]
 
 
 async def damage_bodies(dsn: str, kind: str, damage: str) -> None:
@@ -319,6 +321,8 @@ async def test_an_unreadable_request_leaves_the_replay_and_the_rest_of_the_audit
     assert (shown["request_body"], shown["response_body"]) == (None, first.decode())
     assert list(shown["unreadable"]) == ["request"]
     assert "The stored request body cannot be read back" in page
+    assert "cannot be read back (see above)" in page
+    assert "retention dropped it" not in page
     assert "A retry is answered 500" not in page
     assert len(upstream.effects()) == 1
 
@@ -337,6 +341,7 @@ async def test_an_unreadable_answer_of_an_attempt_that_may_be_retried_does_not_b
     shop = {"shop": {"base_url": upstream.url, "timeout": "2s"}}
     async with gateway_server(dsn, upstreams=shop) as gw:
         assert (await send(http, f"{gw.url}/shop/orders", ORDER))[0] == 429
+    assert (await stored_bodies(dsn))["response"][0] == "zlib"
     await damage_bodies(dsn, "response", "set content = content || content")
     async with gateway_server(dsn, upstreams=shop) as other:
         status, answer = await send(http, f"{other.url}/shop/orders", ORDER)

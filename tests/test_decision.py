@@ -167,6 +167,16 @@ def test_needs_review_waits_for_an_operator() -> None:
     assert decide(record(State.NEEDS_REVIEW), SAME, NOW, NATIVE_PROBED) == Unknown()
 
 
+def test_a_completed_record_whose_response_cannot_be_read_is_never_decided_on() -> None:
+    """Without its unreadable response, a completed record looks purged, and would be restored from a
+    probe or answered 410: the decision refuses it instead (only an operator's view reads it so)."""
+    unreadable = record(State.COMPLETED, response=None, unreadable={"response": "its stored response ..."})
+    with pytest.raises(ValueError, match="can be read back"):
+        decide(unreadable, SAME, NOW, NATIVE_PROBED)
+    request_only = record(State.COMPLETED, unreadable={"request": "its stored request ..."})
+    assert decide(request_only, SAME, NOW, NATIVE_PROBED) == Replay()
+
+
 @pytest.mark.parametrize("state", list(State))
 def test_another_request_with_the_key_is_refused_in_every_state(state: State) -> None:
     """The same key with a different fingerprint is a 422 whatever the record's state."""

@@ -11,9 +11,9 @@ import pytest
 
 from gateway import partitions
 from gateway.audit_query import EffectFilter
-from gateway.cli import main
+from gateway.cli import FIX, main
 from gateway.decision import settle
-from gateway.errors import SchemaNewer
+from gateway.errors import SchemaNewer, StoreUnavailable
 from gateway.outcome import Answered
 from gateway.schema import migrate, migration_files
 from gateway.states import State
@@ -113,29 +113,78 @@ async def test_a_database_migrated_by_a_newer_gateway_is_refused(
 async def test_a_migration_that_fails_is_one_line_naming_it_and_applies_nothing(
     postgres_dsn: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A migrations table emptied over existing tables: `migrate` says which migration failed and why, in
-    one line, and the schema is as it was."""
+    """A schema changed by hand under a pending migration: `migrate` names the migration and why in one
+    line, exits asking for a fix, and what its first statement did is undone with the rest."""
     admin = await asyncpg.connect(postgres_dsn)
-    await admin.execute("drop database if exists emptied")
-    await admin.execute("create database emptied")
-    dsn = other_database(postgres_dsn, "emptied")
+    await admin.execute("drop database if exists by_hand")
+    await admin.execute("create database by_hand")
+    dsn = other_database(postgres_dsn, "by_hand")
     try:
         await migrate(dsn)
         conn = await asyncpg.connect(dsn)
         try:
-            await conn.execute("delete from effect_gateway_migrations")
+            # 010 pending again, over a table someone changed: its rename works, its second statement fails.
+            await conn.execute("delete from effect_gateway_migrations where version = 10")
+            await conn.execute("alter table effect_bodies rename column content to body")
+            await conn.execute("alter table effect_bodies drop column coding")
             monkeypatch.setenv("EFFECT_GATEWAY_DATABASE_URL", dsn)
-            assert await asyncio.to_thread(main, ["migrate"]) != 0
+            assert await asyncio.to_thread(main, ["migrate"]) == FIX
             [line] = capsys.readouterr().err.splitlines()
             assert line.startswith(
-                "effect-gateway: migration 001_effects.sql failed, and nothing of it was applied: "
+                "effect-gateway: migration 010_body_content.sql failed, and nothing of it was applied: "
+                'UndefinedColumnError: column "coding" of relation "effect_bodies" does not exist'
             ), line
-            assert await conn.fetchval("select count(*) from effect_gateway_migrations") == 0
-            assert await conn.fetchval("select to_regclass('effect_keys')") is not None
+            columns = await conn.fetch(
+                "select attname from pg_attribute where attrelid = 'effect_bodies'::regclass and attnum > 0"
+                " and not attisdropped"
+            )
+            assert "body" in {r["attname"] for r in columns}, "the rename was undone"
+            assert await conn.fetchval("select max(version) from effect_gateway_migrations") == 9
         finally:
             await conn.close()
     finally:
-        await admin.execute("drop database emptied with (force)")
+        await admin.execute("drop database by_hand with (force)")
+        await admin.close()
+
+
+async def test_a_migration_cut_off_by_postgres_asks_to_try_again_and_applies_nothing(
+    postgres_dsn: str,
+) -> None:
+    """A migration waiting for a lock whose session an operator ends: StoreUnavailable (the command may
+    work later, exit 75), not a traceback, and the migration is still pending."""
+    admin = await asyncpg.connect(postgres_dsn)
+    await admin.execute("drop database if exists cut_off")
+    await admin.execute("create database cut_off")
+    dsn = other_database(postgres_dsn, "cut_off")
+    try:
+        await migrate(dsn)
+        holder = await asyncpg.connect(dsn)
+        try:
+            await holder.execute("delete from effect_gateway_migrations where version = 10")
+            await holder.execute("alter table effect_bodies rename column content to body")
+            await holder.execute("alter table effect_bodies alter column coding set default ''")
+            async with holder.transaction():
+                await holder.execute("lock table effect_bodies in access exclusive mode")
+                migrating = asyncio.create_task(migrate(dsn))
+                for _ in range(100):  # until it waits for the lock
+                    waiting = await admin.fetchval(
+                        "select pid from pg_stat_activity"
+                        " where datname = 'cut_off' and wait_event_type = 'Lock'"
+                    )
+                    if waiting is not None:
+                        break
+                    await asyncio.sleep(0.05)
+                assert waiting is not None, "migrate never waited for the lock"
+                await admin.execute("select pg_terminate_backend($1)", waiting)
+                with pytest.raises(
+                    StoreUnavailable, match=r"migration 010_body_content\.sql was interrupted"
+                ):
+                    await migrating
+            assert await holder.fetchval("select max(version) from effect_gateway_migrations") == 9
+        finally:
+            await holder.close()
+    finally:
+        await admin.execute("drop database cut_off with (force)")
         await admin.close()
 
 
