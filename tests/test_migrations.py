@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -21,13 +23,22 @@ from gateway.store import NewEffect, opened
 from tests.support import effect_rows, other_database
 
 
+@asynccontextmanager
+async def own_database(postgres_dsn: str, name: str) -> AsyncIterator[str]:
+    """A database of its own on the test server (empty: the test migrates it), dropped afterwards."""
+    admin = await asyncpg.connect(postgres_dsn)
+    try:
+        await admin.execute(f"drop database if exists {name}")
+        await admin.execute(f"create database {name}")
+        yield other_database(postgres_dsn, name)
+    finally:
+        await admin.execute(f"drop database if exists {name} with (force)")
+        await admin.close()
+
+
 async def test_replicas_starting_at_once_apply_each_migration_exactly_once(postgres_dsn: str) -> None:
     """Eight concurrent migrate() calls on a fresh database: no error, each version recorded once."""
-    admin = await asyncpg.connect(postgres_dsn)
-    await admin.execute("drop database if exists replicas")
-    await admin.execute("create database replicas")
-    dsn = other_database(postgres_dsn, "replicas")
-    try:
+    async with own_database(postgres_dsn, "replicas") as dsn:
         results = await asyncio.gather(*(migrate(dsn) for _ in range(8)))
         applied = [names for names in results if names]
         assert applied == [[name for _, name, _ in migration_files()]], "exactly one replica applied them"
@@ -39,9 +50,6 @@ async def test_replicas_starting_at_once_apply_each_migration_exactly_once(postg
         finally:
             await conn.close()
         assert await migrate(dsn) == []  # and a later start has nothing to do
-    finally:
-        await admin.execute("drop database replicas with (force)")
-        await admin.close()
 
 
 @pytest.mark.parametrize(
@@ -82,11 +90,7 @@ async def test_a_database_migrated_by_a_newer_gateway_is_refused(
     postgres_dsn: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A rollback past a migration stops at start, in one line naming both versions, and changes nothing."""
-    admin = await asyncpg.connect(postgres_dsn)
-    await admin.execute("drop database if exists rolled_back")
-    await admin.execute("create database rolled_back")
-    dsn = other_database(postgres_dsn, "rolled_back")
-    try:
+    async with own_database(postgres_dsn, "rolled_back") as dsn:
         await migrate(dsn)
         conn = await asyncpg.connect(dsn)
         try:
@@ -105,9 +109,13 @@ async def test_a_database_migrated_by_a_newer_gateway_is_refused(
             )
         finally:
             await conn.close()
-    finally:
-        await admin.execute("drop database rolled_back with (force)")
-        await admin.close()
+
+
+async def before_010(conn: asyncpg.Connection) -> None:
+    """The bodies' table as it was before migration 010, which is pending again."""
+    await conn.execute("delete from effect_gateway_migrations where version = 10")
+    await conn.execute("alter table effect_bodies rename column content to body")
+    await conn.execute("alter table effect_bodies alter column coding set default ''")
 
 
 async def test_a_migration_that_fails_is_one_line_naming_it_and_applies_nothing(
@@ -115,17 +123,12 @@ async def test_a_migration_that_fails_is_one_line_naming_it_and_applies_nothing(
 ) -> None:
     """A schema changed by hand under a pending migration: `migrate` names the migration and why in one
     line, exits asking for a fix, and what its first statement did is undone with the rest."""
-    admin = await asyncpg.connect(postgres_dsn)
-    await admin.execute("drop database if exists by_hand")
-    await admin.execute("create database by_hand")
-    dsn = other_database(postgres_dsn, "by_hand")
-    try:
+    async with own_database(postgres_dsn, "by_hand") as dsn:
         await migrate(dsn)
         conn = await asyncpg.connect(dsn)
         try:
-            # 010 pending again, over a table someone changed: its rename works, its second statement fails.
-            await conn.execute("delete from effect_gateway_migrations where version = 10")
-            await conn.execute("alter table effect_bodies rename column content to body")
+            # Changed by hand since: 010's rename works, its second statement fails.
+            await before_010(conn)
             await conn.execute("alter table effect_bodies drop column coding")
             monkeypatch.setenv("EFFECT_GATEWAY_DATABASE_URL", dsn)
             assert await asyncio.to_thread(main, ["migrate"]) == FIX
@@ -142,9 +145,6 @@ async def test_a_migration_that_fails_is_one_line_naming_it_and_applies_nothing(
             assert await conn.fetchval("select max(version) from effect_gateway_migrations") == 9
         finally:
             await conn.close()
-    finally:
-        await admin.execute("drop database by_hand with (force)")
-        await admin.close()
 
 
 async def test_a_migration_cut_off_by_postgres_asks_to_try_again_and_applies_nothing(
@@ -152,22 +152,18 @@ async def test_a_migration_cut_off_by_postgres_asks_to_try_again_and_applies_not
 ) -> None:
     """A migration waiting for a lock whose session an operator ends: StoreUnavailable (the command may
     work later, exit 75), not a traceback, and the migration is still pending."""
-    admin = await asyncpg.connect(postgres_dsn)
-    await admin.execute("drop database if exists cut_off")
-    await admin.execute("create database cut_off")
-    dsn = other_database(postgres_dsn, "cut_off")
-    try:
+    async with own_database(postgres_dsn, "cut_off") as dsn:
         await migrate(dsn)
         holder = await asyncpg.connect(dsn)
+        watcher = await asyncpg.connect(dsn)
         try:
-            await holder.execute("delete from effect_gateway_migrations where version = 10")
-            await holder.execute("alter table effect_bodies rename column content to body")
-            await holder.execute("alter table effect_bodies alter column coding set default ''")
+            await before_010(holder)
             async with holder.transaction():
                 await holder.execute("lock table effect_bodies in access exclusive mode")
                 migrating = asyncio.create_task(migrate(dsn))
                 for _ in range(100):  # until it waits for the lock
-                    waiting = await admin.fetchval(
+                    # Asked outside the holder's transaction, in which pg_stat_activity stays as first read.
+                    waiting = await watcher.fetchval(
                         "select pid from pg_stat_activity"
                         " where datname = 'cut_off' and wait_event_type = 'Lock'"
                     )
@@ -175,26 +171,20 @@ async def test_a_migration_cut_off_by_postgres_asks_to_try_again_and_applies_not
                         break
                     await asyncio.sleep(0.05)
                 assert waiting is not None, "migrate never waited for the lock"
-                await admin.execute("select pg_terminate_backend($1)", waiting)
+                await holder.execute("select pg_terminate_backend($1)", waiting)
                 with pytest.raises(
                     StoreUnavailable, match=r"migration 010_body_content\.sql was interrupted"
                 ):
                     await migrating
             assert await holder.fetchval("select max(version) from effect_gateway_migrations") == 9
         finally:
+            await watcher.close()
             await holder.close()
-    finally:
-        await admin.execute("drop database cut_off with (force)")
-        await admin.close()
 
 
 async def test_an_effects_table_with_rows_migrates_to_the_partitioned_layout(postgres_dsn: str) -> None:
     """Rows of the first layout (60 days, bodies kept or purged) keep their keys, bodies and replays."""
-    admin = await asyncpg.connect(postgres_dsn)
-    await admin.execute("drop database if exists upgraded")
-    await admin.execute("create database upgraded")
-    dsn = other_database(postgres_dsn, "upgraded")
-    try:
+    async with own_database(postgres_dsn, "upgraded") as dsn:
         conn = await asyncpg.connect(dsn)
         try:
             await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
@@ -248,9 +238,6 @@ async def test_an_effects_table_with_rows_migrates_to_the_partitioned_layout(pos
             )
         finally:
             await conn.close()
-    finally:
-        await admin.execute("drop database upgraded with (force)")
-        await admin.close()
     assert (len(rows), keys) == (60, 60)
     assert months >= 3  # 60 days back to today span at least three months
     kept = rows["k45"]
