@@ -121,10 +121,6 @@ def record_of(
                 row["id"], row["response_status"], held["headers"], held["coding"], held["content"]
             )
         except BodyUnreadable as exc:
-            # In any other state the response is what the last attempt saw, which no decision reads;
-            # an operator's view shows the rest of the effect and why this part is missing.
-            if row["state"] == State.COMPLETED.value and not full:
-                raise
             unreadable["response"] = str(exc)
     request_body = None
     if full and row["q_content"] is not None:
@@ -132,7 +128,7 @@ def record_of(
             request_body = _unpacked(row["id"], "request", row["q_coding"], bytes(row["q_content"]))
         except BodyUnreadable as exc:
             unreadable["request"] = str(exc)
-    return EffectRecord(
+    record = EffectRecord(
         id=row["id"],
         tenant=row["tenant"],
         upstream=row["upstream"],
@@ -165,3 +161,8 @@ def record_of(
         keyless=row["keyless"],
         unreadable=unreadable,
     )
+    if record.replay_refused and not full:
+        # In any other state the response is what the last attempt saw, which no decision reads; an
+        # operator's view shows the rest of the effect and why this part is missing.
+        raise BodyUnreadable(record.unreadable["response"], record.id)
+    return record
