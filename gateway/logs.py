@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from datetime import UTC, datetime
 from typing import Any, Literal, TextIO
 
+from gateway import process
 from gateway.trail import CURRENT, Trail
 
 LogFormat = Literal["auto", "json", "text"]
@@ -30,20 +30,6 @@ _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _ENCODE = json.JSONEncoder(default=str).encode
 
 
-class _Process:
-    """This process's pid, asked of the kernel once and after each fork, not for every line."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        os.register_at_fork(after_in_child=self._forked)
-
-    def _forked(self) -> None:
-        self.pid = os.getpid()
-
-
-_THIS = _Process()
-
-
 class JsonLines(logging.Formatter):
     """A JSON object per line: time (UTC), level, logger, message, pid, trace id, a decision's fields."""
 
@@ -53,7 +39,7 @@ class JsonLines(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
-            "pid": _THIS.pid,
+            "pid": process.THIS.pid,
         }
         trail = CURRENT.get()
         if trail is not None and trail.trace_id is not None:
@@ -107,8 +93,8 @@ def configure(log_format: LogFormat, *, debug: bool = False, stream: TextIO | No
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if debug else logging.INFO)
     logging.captureWarnings(True)
-    # No line shows a thread or a process name, and the pid comes from _THIS: looking each up costs every
-    # line (getpid is a system call).
+    # No line shows a thread or a process name, and the pid comes from gateway.process: looking each up
+    # costs every line (getpid is a system call).
     logging.logThreads = False
     logging.logMultiprocessing = False
     logging.logProcesses = False

@@ -34,6 +34,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from gateway import process
 from gateway.errors import StoreRejected, StoreUnavailable
 
 log = logging.getLogger("effect_gateway")
@@ -282,7 +283,8 @@ def _count_in_files(directory: str) -> None:
     """
     if os.environ.get(SHARED_DIR) != directory:
         raise RuntimeError(f"{SHARED_DIR} must name {directory} before the workers start")
-    values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
+    # Told the pid through gateway.process: by default it asks the kernel before every update.
+    values.ValueClass = values.MultiProcessValue(process.pid)  # type: ignore[no-untyped-call]
 
 
 def sweep_left_behind(parent: str | None = None) -> list[str]:

@@ -7,6 +7,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -406,3 +408,42 @@ def test_every_metric_is_in_the_operations_guide() -> None:
     guide = (ROOT / "docs" / "operations.md").read_text()
     assert len(names) == 9
     assert [name for name in sorted(names) if f"`{name}`" not in guide] == []
+
+
+_FORK_AFTER_COUNTING = """
+import os, sys
+from prometheus_client.parser import text_string_to_metric_families
+from gateway.metrics import Metrics
+
+metrics = Metrics(["shop"], shared_dir=sys.argv[1])
+sent = metrics.upstream("shop").request("sent", "")[0]
+sent.inc()
+child = os.fork()
+if child == 0:  # a process that counts after a fork, with its parent's metrics already made
+    for _ in range(5):
+        sent.inc()
+    os._exit(0)
+os.waitpid(child, 0)
+sent.inc(2)
+for family in text_string_to_metric_families(metrics.exposition(None).decode()):
+    for sample in family.samples:
+        if sample.name == "effect_gateway_requests_total" and sample.labels["outcome"] == "sent":
+            print(sample.value)
+"""
+
+
+def test_a_process_forked_after_counting_counts_in_files_of_its_own(tmp_path: Path) -> None:
+    """The pid prometheus-client checks before each update is the child's own after a fork."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_AFTER_COUNTING, str(shared)],
+        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    # Sharing the parent's file, the two would overwrite each other's count: 3 or 6, never 8.
+    assert done.stdout.split() == ["8.0"]
+    assert len(list(shared.glob("counter_*.db"))) == 2
