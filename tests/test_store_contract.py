@@ -7,6 +7,7 @@ database that does not exist. Each test states a behaviour of the store that the
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
@@ -709,8 +710,10 @@ async def test_get_returns_the_whole_effect_and_hides_other_tenants(subject: Sub
     assert full.request_body == BASKET
     assert full.request_headers == {"Content-Type": "application/json"}
     assert full.response == OK
-    assert full.history[0]["event"] == "claimed"
-    assert "at" in full.history[0]
+    claim = full.history[0]
+    assert (claim["event"], claim["attempt"]) == ("claimed", 1)
+    assert datetime.fromisoformat(claim["at"]) == full.created_at
+    assert [event["event"] for event in full.history].count("claimed") == 1
     assert (await store.get(record.id, tenant="default")) is not None
     assert (await store.get(record.id, tenant="other")) is None
     assert (await store.get(record.id + 1000)) is None
@@ -910,3 +913,32 @@ async def test_a_key_whose_digest_leads_to_another_keys_effect_is_refused(dsn: s
             await conn.close()
         with pytest.raises(StoreRejected, match="shares its digest"):
             await store.claim(effect("second"), LEASE)
+
+
+async def test_a_row_stores_no_claim_event_and_an_older_rows_stored_one_is_read_once(dsn: str) -> None:
+    """Postgres only: the claim is read from the row's creation rather than kept in its history (which
+    the settle's update writes again); a row written by an earlier version, which kept it, reads the same."""
+    async with opened(dsn) as store:
+        new, old = await completed(store, "new"), await completed(store, "old")
+        conn = await asyncpg.connect(dsn)
+        try:
+            stored = json.loads(await conn.fetchval("select history from effects where id = $1", new.id))
+            # What an earlier version wrote: the claim, stamped with now() in the claiming statement.
+            await conn.execute(
+                """update effects set history = jsonb_build_array(jsonb_build_object(
+                       'event', 'claimed', 'attempt', 1, 'at', created_at)) || history
+                   where id = $1""",
+                old.id,
+            )
+        finally:
+            await conn.close()
+        assert stored
+        assert "claimed" not in [event["event"] for event in stored]
+        read_new, read_old = await store.get(new.id), await store.get(old.id)
+    assert read_new is not None
+    assert read_old is not None
+    events = [event["event"] for event in read_new.history]
+    assert events[0] == "claimed"
+    assert events.count("claimed") == 1
+    assert [event["event"] for event in read_old.history] == events
+    assert datetime.fromisoformat(read_old.history[0]["at"]) == read_old.created_at
