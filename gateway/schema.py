@@ -13,6 +13,10 @@ from gateway.store import OUTAGE, RETRYABLE_SQLSTATES
 
 # Any constant will do, as long as no other application on the database uses it for another lock.
 MIGRATION_LOCK = 0x65666665637473  # "effects"
+# How long a migration waits for a table's lock. While it waits, every statement on that table queues
+# behind it: a long transaction (a report, a pg_dump) would stop the gateways on the table until it ended.
+# Giving up this soon keeps the stall within what their own lock_timeout (2 s by default) lets them wait.
+MIGRATION_LOCK_WAIT = "2s"
 
 
 def migration_files() -> list[tuple[int, str, str]]:
@@ -80,10 +84,17 @@ async def _apply(conn: asyncpg.Connection, version: int, name: str, sql: str) ->
     """One migration in one transaction: if it fails, nothing of it is left behind."""
     try:
         async with conn.transaction():
+            await conn.execute(f"set local lock_timeout = '{MIGRATION_LOCK_WAIT}'")
             await conn.execute(sql)
             await conn.execute(
                 "insert into effect_gateway_migrations (version, name) values ($1, $2)", version, name
             )
+    except asyncpg.exceptions.LockNotAvailableError as exc:
+        raise StoreUnavailable(
+            f"migration {name} gave up after waiting {MIGRATION_LOCK_WAIT} for a lock that another "
+            "session holds (a long transaction on the table: see pg_stat_activity), so that the "
+            "statements queued behind it could go on; nothing of it was applied: run it again"
+        ) from exc
     except (*OUTAGE, *RETRYABLE_SQLSTATES, asyncpg.InterfaceError) as exc:
         # Postgres went away, or a lock or a deadlock with another session got in the way: the same
         # command may work later. (Once the connection is gone, ending the transaction fails too: say

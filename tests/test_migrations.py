@@ -182,6 +182,45 @@ async def test_a_migration_cut_off_by_postgres_asks_to_try_again_and_applies_not
             await holder.close()
 
 
+async def test_a_migration_behind_a_long_transaction_gives_up_and_lets_the_queue_behind_it_go_on(
+    postgres_dsn: str,
+) -> None:
+    """A report holds a table open: the migration waits a bounded time for its lock and then steps
+    aside, so that the gateways' statements queued behind it go on while the report still runs; it asks
+    to be run again (exit 75) and is still pending."""
+    async with own_database(postgres_dsn, "long_report") as dsn:
+        await migrate(dsn)
+        report = await asyncpg.connect(dsn)
+        watcher = await asyncpg.connect(dsn)
+        gateway = await asyncpg.connect(dsn)
+        try:
+            await before_010(report)
+            async with report.transaction():
+                await report.fetch("select * from effect_bodies limit 1")  # its lock held to the end
+                migrating = asyncio.create_task(migrate(dsn))
+                for _ in range(100):  # until the migration waits for its lock
+                    waiting = await watcher.fetchval(
+                        "select pid from pg_stat_activity"
+                        " where datname = 'long_report' and wait_event_type = 'Lock'"
+                    )
+                    if waiting is not None:
+                        break
+                    await asyncio.sleep(0.02)
+                assert waiting is not None, "migrate never waited for the lock"
+                # A gateway's read queues behind the migration's lock request: it completes (once the
+                # migration has stepped aside) while the report is still open.
+                await gateway.execute("set statement_timeout = '30s'")
+                assert await gateway.fetchval("select count(*) from effect_bodies") == 0
+                with pytest.raises(StoreUnavailable, match=r"010_body_content\.sql gave up .* run it again"):
+                    await migrating
+                assert not report.is_closed()
+            assert await watcher.fetchval("select max(version) from effect_gateway_migrations") == 9
+        finally:
+            await gateway.close()
+            await watcher.close()
+            await report.close()
+
+
 async def test_an_effects_table_with_rows_migrates_to_the_partitioned_layout(postgres_dsn: str) -> None:
     """Rows of the first layout (60 days, bodies kept or purged) keep their keys, bodies and replays."""
     async with own_database(postgres_dsn, "upgraded") as dsn:
