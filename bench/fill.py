@@ -12,7 +12,7 @@ places, as in production); 20 calls per run with random run ids; 1 KB request an
 random hex (which Postgres's pglz cannot shrink at all and deflate only halves; real JSON shrinks
 more), kept as the gateway keeps them (gateway.packing), each in the day partition of when it was
 stored; 1% needs_review, some in_doubt, retryable and pending (their leases long expired), the rest
-completed with a two-entry history; a tenth of them replayed once.
+completed with the settling in their history; a tenth of them replayed once.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ AUDIT_COLUMNS: dict[str, str] = {
     "completed_at": f"case when g.done then g.created_at + {ANSWERED_AFTER} end",
     "replays": "(g.i % 10 = 0)::int",
     "keyless": "false",
+    # As the gateway writes it: the settling only (the claim is the row's created_at).
     "history": f"""jsonb_build_array(
-        jsonb_build_object('event', 'claimed', 'attempt', 1, 'at', g.created_at),
         jsonb_build_object('event', 'settled', 'attempt', 1, 'state', g.state, 'status', 201,
             'note', 'answered 201', 'at', g.created_at + {ANSWERED_AFTER}))""",
 }
