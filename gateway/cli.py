@@ -2,7 +2,8 @@
 
 Every failure an operator can act on is one line on stderr and no traceback. Exit status 2: something to
 fix (the configuration, the command line, an effect that is not there, a port in use); 75 (EX_TEMPFAIL):
-Postgres cannot be reached, so trying again later may work (a supervisor restarts on 75 and stops on 2).
+Postgres cannot be reached, or a migration could not take a lock in time, so trying again later may
+work (a supervisor restarts on 75 and stops on 2).
 Commands that print data print a table for a person, or JSON with ``--json``.
 """
 

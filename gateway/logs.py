@@ -39,7 +39,7 @@ class JsonLines(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
-            "pid": process.THIS.pid,
+            "pid": process.pid(),
         }
         trail = CURRENT.get()
         if trail is not None and trail.trace_id is not None:

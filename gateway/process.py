@@ -3,8 +3,8 @@
 ``os.getpid`` is a system call (glibc stopped caching it), and the request path wanted it twice or more
 per request: for the pid on each JSON log line, and in prometheus-client, which checks it before every
 metric update to notice a fork. Python runs the ``register_at_fork`` hooks in every child that
-``os.fork`` (and multiprocessing, which the workers are started with) makes, so the value here is the
-child's own from its first line; a child made by ``subprocess`` runs no Python before it execs.
+``os.fork`` makes (``serve``'s workers; multiprocessing's fork and forkserver too), so the value here is
+the child's own from its first line; a child made by ``subprocess`` runs no Python before it execs.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ class _Process:
         self.pid = os.getpid()
 
 
-THIS = _Process()
+_THIS = _Process()
 
 
 def pid() -> int:
-    """This process's pid: what prometheus-client's multiprocess values are told to call."""
-    return THIS.pid
+    """This process's pid (the log's lines and prometheus-client's multiprocess values ask it)."""
+    return _THIS.pid

@@ -15,8 +15,10 @@ from gateway.store import OUTAGE, RETRYABLE_SQLSTATES
 MIGRATION_LOCK = 0x65666665637473  # "effects"
 # How long a migration waits for a table's lock. While it waits, every statement on that table queues
 # behind it: a long transaction (a report, a pg_dump) would stop the gateways on the table until it ended.
-# Giving up this soon keeps the stall within what their own lock_timeout (2 s by default) lets them wait.
-MIGRATION_LOCK_WAIT = "2s"
+# Well below the gateways' own lock_timeout (2 s by default), so that a statement queued behind it still
+# goes through; and below deadlock_timeout (1 s), as gateway.partitions explains for making partitions:
+# a retention's detach waiting beside it could otherwise be the side Postgres aborts.
+MIGRATION_LOCK_WAIT = "500ms"
 
 
 def migration_files() -> list[tuple[int, str, str]]:

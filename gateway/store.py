@@ -38,6 +38,7 @@ from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, StoredResponse
 from gateway.rows import (
+    HISTORY,
     RESPONSE,
     WITH_RESPONSE,
     Conn,
@@ -90,15 +91,6 @@ class StoreLimits:
 def _event(kind: str, **data: Any) -> list[dict[str, Any]]:
     """One entry of a row's history, as an array to append; the SQL stamps it with the database's time."""
     return [{"event": kind, **{k: v for k, v in data.items() if v is not None}}]
-
-
-# A row's history as an operator reads it. The claim is not stored as an event: its time is the row's
-# created_at and its attempt is always 1, and written out it was about 90 bytes of every row, written
-# twice to the WAL (by the insert, and again by the settle, whose update rewrites the row). Rows claimed
-# by earlier versions still hold it.
-HISTORY = """case when e.history->0->>'event' = 'claimed' then e.history
-    else jsonb_build_array(jsonb_build_object('event', 'claimed', 'attempt', 1, 'at', e.created_at))
-        || e.history end"""
 
 
 def _stamped(param: int) -> str:

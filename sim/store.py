@@ -94,8 +94,16 @@ def _least(a: datetime | None, b: datetime) -> datetime:
 
 
 def _event(kind: str, now: datetime, **data: Any) -> dict[str, Any]:
-    """One history entry, as gateway.store's ``_event`` + ``_stamped`` write it."""
+    """One history entry, as gateway.store's ``_event`` + ``_stamped`` write it (or HISTORY reads it)."""
     return {"event": kind, **{k: v for k, v in data.items() if v is not None}, "at": now.isoformat()}
+
+
+def _with_claim(row: Row) -> list[dict[str, Any]]:
+    """As gateway.rows's HISTORY reads it: the claim first (not kept in the row), then the row's events."""
+    history = [dict(entry) for entry in row.history]
+    if history and history[0].get("event") == "claimed":
+        return history  # a row written as earlier versions wrote them
+    return [_event("claimed", row.created_at, attempt=1), *history]
 
 
 def _source(record: EffectRecord, move: Transition) -> State:
@@ -184,7 +192,7 @@ class SimDatabase:
             step=row.step,
             request_headers=dict(head_pairs(request[0])) if request is not None else {},
             request_body=request[1] if request is not None else None,
-            history=[dict(entry) for entry in row.history] if full else [],
+            history=_with_claim(row) if full else [],
             read_at=now,
             keyless=row.keyless,
         )
@@ -225,7 +233,6 @@ class SimDatabase:
             run_id=new.run_id,
             step=new.step,
             keyless=new.keyless,
-            history=[_event("claimed", now, attempt=1)],
         )
         self._store_body((row.id, "request", now), head_bytes(new.request_headers), new.request_body)
         self.keys[scope] = (row.id, now)

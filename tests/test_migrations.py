@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import pytest
 
-from gateway import partitions
+from gateway import partitions, schema
 from gateway.audit_query import EffectFilter
 from gateway.cli import FIX, main
 from gateway.decision import settle
@@ -148,10 +148,11 @@ async def test_a_migration_that_fails_is_one_line_naming_it_and_applies_nothing(
 
 
 async def test_a_migration_cut_off_by_postgres_asks_to_try_again_and_applies_nothing(
-    postgres_dsn: str,
+    postgres_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A migration waiting for a lock whose session an operator ends: StoreUnavailable (the command may
     work later, exit 75), not a traceback, and the migration is still pending."""
+    monkeypatch.setattr(schema, "MIGRATION_LOCK_WAIT", "30s")  # ended by the operator, not by its wait
     async with own_database(postgres_dsn, "cut_off") as dsn:
         await migrate(dsn)
         holder = await asyncpg.connect(dsn)
@@ -187,7 +188,7 @@ async def test_a_migration_behind_a_long_transaction_gives_up_and_lets_the_queue
 ) -> None:
     """A report holds a table open: the migration waits a bounded time for its lock and then steps
     aside, so that the gateways' statements queued behind it go on while the report still runs; it asks
-    to be run again (exit 75) and is still pending."""
+    to be run again and is still pending."""
     async with own_database(postgres_dsn, "long_report") as dsn:
         await migrate(dsn)
         report = await asyncpg.connect(dsn)
