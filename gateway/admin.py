@@ -332,6 +332,8 @@ async def resolve_effect(request: web.Request) -> web.Response:
             response=response,
             by=request.headers.get("Effect-Gateway-Operator"),
         )
+    except operators.BadName as exc:
+        raise problems.BadRequest(f"Effect-Gateway-Operator: {exc}") from None
     except operators.NoSuchEffect as exc:
         raise problems.NotFound(str(exc)) from None
     except NotAwaitingOperator as exc:

@@ -50,7 +50,6 @@ SECURITY_HEADERS = {
 }
 # A header name is an RFC 9110 token: anything else would break the replay, not just look odd.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 OUTCOMES = {
     "happened": "Recorded: the effect happened. The agent's next retry with this key gets the response "
     "below, and nothing is sent.",
@@ -347,9 +346,10 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
     entered = _entered(form)
     response = None
     try:
-        if _CONTROL.search(entered.by):
-            # The name goes to the history, which (as Postgres's jsonb) cannot hold a NUL.
-            raise problems.BadRequest("The name may not hold control characters.")
+        try:
+            operators.check_name(entered.by)
+        except operators.BadName as exc:
+            raise problems.BadRequest(f"{str(exc)[0].upper()}{str(exc)[1:]}.") from None
         if happened == "yes":
             response = _response(entered)
     except problems.BadRequest as exc:

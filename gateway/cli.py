@@ -333,6 +333,10 @@ def cmd_resolve(settings: Settings, args: argparse.Namespace) -> int:
     if not happened and (args.from_upstream or any(v is not None for v in response_given)):
         raise UsageError("--did-not-happen takes no response: nothing is replayed, the next retry sends")
     effect_id(args.id)
+    try:
+        operators.check_name(args.operator)
+    except operators.BadName as exc:
+        raise UsageError(f"--operator: {exc}") from None
     given = None
     if happened and not args.from_upstream:
         given = _given_response(args, settings.max_response_bytes)

@@ -120,7 +120,10 @@ def _event(entry: dict[str, Any]) -> str:
     )
 
 
-def _timeline(history: list[dict[str, Any]]) -> str:
+def _timeline(record: EffectRecord) -> str:
+    history = record.history
+    if "history" in record.unreadable:
+        return _CANNOT_BE_READ
     if not history:
         return '<p class="muted">No history on record.</p>'
     return f'<ol class="timeline">{"".join(_event(e) for e in history)}</ol>'
@@ -136,10 +139,11 @@ def _unreadable(record: EffectRecord) -> str:
         after = ""
         if kind == "response" and record.replay_refused:
             after = " A retry is answered 500 and the effect is not sent again."
+        what = "history" if kind == "history" else f"{kind} body"
         notices.append(
             notice(
                 "error",
-                f"The stored {kind} body cannot be read back ({escape(why)}); it is left out below.{after}",
+                f"The stored {what} cannot be read back ({escape(why)}); it is left out below.{after}",
             )
         )
     return "".join(notices)
@@ -286,5 +290,5 @@ def effect(
 <h2>Response</h2>
 {_response(record)}
 <h2>History</h2>
-{_timeline(record.history)}"""
+{_timeline(record)}"""
     return layout(f"Effect {record.id}", body, chrome)

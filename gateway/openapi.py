@@ -175,9 +175,12 @@ def _effect_schemas() -> dict[str, Any]:
         "history": {"type": "array", "items": {"type": "object"}},
         "unreadable": {
             "type": ["object", "null"],
-            "properties": {"request": _TEXT, "response": _TEXT},
+            "properties": {"request": _TEXT, "response": _TEXT, "history": _TEXT},
             "additionalProperties": False,
-            "description": "why a stored body cannot be read back (it is null, a response's headers too)",
+            "description": (
+                "why a stored body cannot be read back (it is null, a response's headers too), or the "
+                "history (it is empty)"
+            ),
         },
     }
     return {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from gateway.decision import NotAwaitingOperator, resolution
 from gateway.record import EffectRecord, StoredResponse
 from gateway.store import Store
@@ -22,6 +24,32 @@ class NoSuchEffect(LookupError):
     """No effect has this id (or none the caller may see)."""
 
 
+class BadName(ValueError):
+    """An operator's name that the history cannot keep as given."""
+
+
+# The name is kept in the effect's history for good, and shown on the page and on the command line:
+# room for a person's name or address and a ticket number.
+MAX_NAME = 200
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_name(by: str | None) -> None:
+    """Raises :class:`BadName` for a name the history cannot keep: control characters (a NUL, which
+    Postgres's jsonb cannot hold; a line break, which would pass for another line of the history where
+    it is shown as text), bytes that are not UTF-8 (from the command line), or one over MAX_NAME."""
+    if by is None:
+        return
+    if len(by) > MAX_NAME:
+        raise BadName(f"the operator's name is longer than {MAX_NAME} characters")
+    if _CONTROL.search(by):
+        raise BadName("the operator's name may not hold control characters")
+    try:
+        by.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadName("the operator's name is not UTF-8 text") from None
+
+
 async def resolve(
     store: Store,
     effect_id: int,
@@ -37,9 +65,10 @@ async def resolve(
     looked at. A gateway that re-sent in between may have made the effect happen after all, and a stale
     "did not happen" would then let the next request send it again.
 
-    Raises :class:`NoSuchEffect`, or :class:`~gateway.decision.NotAwaitingOperator` when the record is
-    not waiting for an operator or changed since it was judged.
+    Raises :class:`BadName`, :class:`NoSuchEffect`, or :class:`~gateway.decision.NotAwaitingOperator`
+    when the record is not waiting for an operator or changed since it was judged.
     """
+    check_name(by)
     record = await store.get(effect_id)
     if record is None:
         raise NoSuchEffect(f"no effect {effect_id}")

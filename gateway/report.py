@@ -105,6 +105,8 @@ def effect_detail(doc: dict[str, Any]) -> list[str]:
     lines = [f"effect {doc['id']}: {doc['state']} (attempt {doc['attempt']})"]
     lines += [f"  {name.ljust(width)}  {value}" for name, value in fields]
     lines.append("history")
+    if (doc.get("unreadable") or {}).get("history"):
+        lines.append(f"  (cannot be read back: {doc['unreadable']['history']})")
     for event in doc.get("history") or []:
         rest = " ".join(f"{k}={v}" for k, v in event.items() if k not in ("at", "event"))
         lines.append(f"  {when(event.get('at'))}  {event.get('event')}  {rest}".rstrip())

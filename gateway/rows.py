@@ -37,9 +37,27 @@ WITH_RESPONSE = f"{RECORD_COLUMNS}, r.headers as r_headers, r.content as r_conte
 # The claim is not kept in the column, since its time is the row's created_at and its attempt always 1:
 # kept, it would add about 90 bytes to every row, written to the WAL again by each update of the row.
 # Rows written by earlier versions hold it, and are read as they are.
-HISTORY = """case when e.history->0->>'event' = 'claimed' then e.history
+HISTORY = """case when jsonb_typeof(e.history) <> 'array' or e.history->0->>'event' = 'claimed' then e.history
     else jsonb_build_array(jsonb_build_object('event', 'claimed', 'attempt', 1, 'at', e.created_at))
         || e.history end"""
+
+
+def _events(history: Any) -> tuple[list[dict[str, Any]], str | None]:
+    """The history as events, or none and why: the gateway writes a list of objects, each with its kind
+    and Postgres's time, and the views read them as such; a history changed by hand into something
+    else is said to be unreadable instead of failing the operator's view of the effect."""
+    if not isinstance(history, list):
+        return [], f"not a list of events but {type(history).__name__}"
+    for n, event in enumerate(history):
+        if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+            return [], f"entry {n} is not an event"
+        at = event.get("at")
+        try:
+            if at is not None:
+                datetime.fromisoformat(at)
+        except (TypeError, ValueError):
+            return [], f"entry {n} has no time it can be read at"
+    return history, None
 
 
 def stored_response(stored_at: datetime) -> str:
@@ -137,6 +155,11 @@ def record_of(
             request_body = _unpacked(row["id"], "request", row["q_coding"], bytes(row["q_content"]))
         except BodyUnreadable as exc:
             unreadable["request"] = str(exc)
+    history: list[dict[str, Any]] = []
+    if full:
+        history, why = _events(row["history"])
+        if why is not None:
+            unreadable["history"] = why
     record = EffectRecord(
         id=row["id"],
         tenant=row["tenant"],
@@ -165,7 +188,7 @@ def record_of(
         step=row["step"],
         request_headers=dict(head_pairs(bytes(row["q_headers"] or b""))) if full else {},
         request_body=request_body,
-        history=row["history"] if full else [],
+        history=history,
         read_at=row["read_at"],
         keyless=row["keyless"],
         unreadable=unreadable,

@@ -45,12 +45,20 @@ async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[st
     except (OSError, asyncpg.PostgresError) as exc:
         raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
     try:
+        # Waits its turn behind another replica's migrations for as long as they take; every statement
+        # after it gives up on a table's lock after MIGRATION_LOCK_WAIT.
         await conn.execute("select pg_advisory_lock($1)", MIGRATION_LOCK)
         try:
+            await conn.execute(f"set lock_timeout = '{MIGRATION_LOCK_WAIT}'")
             return await _apply_pending(conn, progress)
         finally:
             if not conn.is_closed():  # else the lock went with the session
                 await conn.execute("select pg_advisory_unlock($1)", MIGRATION_LOCK)
+    except asyncpg.exceptions.LockNotAvailableError as exc:
+        raise StoreUnavailable(
+            f"migrating gave up after waiting {MIGRATION_LOCK_WAIT} for a lock on the migrations' own "
+            "table that another session holds (see pg_stat_activity); nothing was applied: run it again"
+        ) from exc
     except (*OUTAGE, asyncpg.InterfaceError) as exc:
         raise StoreUnavailable(f"Postgres went away while migrating: {type(exc).__name__}: {exc}") from exc
     finally:
@@ -86,7 +94,6 @@ async def _apply(conn: asyncpg.Connection, version: int, name: str, sql: str) ->
     """One migration in one transaction: if it fails, nothing of it is left behind."""
     try:
         async with conn.transaction():
-            await conn.execute(f"set local lock_timeout = '{MIGRATION_LOCK_WAIT}'")
             await conn.execute(sql)
             await conn.execute(
                 "insert into effect_gateway_migrations (version, name) values ($1, $2)", version, name

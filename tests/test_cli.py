@@ -522,3 +522,74 @@ async def test_hostile_ids_and_responses_on_the_command_line_are_one_line_and_ch
         line = one_line_error(await in_thread(run, *args, config=config, env=env))
         assert says in line, line
     assert [row["state"] for row in await effect_rows(dsn)] == ["needs_review"]
+
+
+@pytest.mark.parametrize(
+    "history",
+    [
+        "null",
+        '"settled"',
+        "[null]",
+        '[{"at": "2026-01-01T00:00:00+00:00"}]',
+        '[{"event": "x", "at": "soon"}]',
+    ],
+    ids=["null", "a-string", "not-an-object", "no-event", "no-time"],
+)
+async def test_an_effect_whose_history_was_changed_by_hand_is_shown_and_resolved(
+    tmp_path: Path, dsn: str, run: Callable[..., Done], history: str
+) -> None:
+    """A history made by hand into something the gateway never writes is said to be unreadable, the rest
+    of the effect is shown, and the operator can still resolve it."""
+    config = tmp_path / "gateway.toml"
+    config.write_text("")
+    env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
+    [waiting] = await effect(dsn, "k-1", review=True)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("update effects set history = $1::jsonb where id = $2", history, waiting.id)
+    finally:
+        await conn.close()
+    shown = await in_thread(run, "effects", str(waiting.id), "--json", config=config, env=env)
+    assert shown.status == 0, shown.err
+    doc = json.loads(shown.out)
+    assert (doc["state"], doc["history"], doc["resolvable"]) == ("needs_review", [], True)
+    assert list(doc["unreadable"]) == ["history"]
+    text = await in_thread(run, "effects", str(waiting.id), config=config, env=env)
+    assert text.status == 0, text.err
+    lines = text.out.splitlines()
+    assert lines[lines.index("history") + 1].startswith("  (cannot be read back: ")
+    done = await in_thread(
+        run, "resolve", str(waiting.id), "--did-not-happen", "--attempt", str(waiting.attempt), "--json",
+        config=config, env=env,
+    )  # fmt: skip
+    assert done.status == 0, done.err
+    assert json.loads(done.out)["state"] == "retryable"
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("asha\n  2026-12-04 20:00:00Z  claimed  attempt=1", "may not hold control characters"),
+        ("asha\x00", "may not hold control characters"),
+        ("a" * 201, "is longer than 200 characters"),
+        ("asha \udcff", "is not UTF-8 text"),  # a command-line byte that is not UTF-8, as Python has it
+    ],
+    ids=["a-line-break", "a-nul", "too-long", "not-utf-8"],
+)
+async def test_resolve_refuses_an_operator_name_the_history_cannot_keep(
+    tmp_path: Path, dsn: str, run: Callable[..., Done], name: str, why: str
+) -> None:
+    """The name goes to the history for good and is shown as a line of it: one that would pass for
+    another line, or that Postgres cannot keep, is one line of error, and nothing is resolved."""
+    config = tmp_path / "gateway.toml"
+    config.write_text("")
+    env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
+    [waiting] = await effect(dsn, "k-1", review=True)
+    done = await in_thread(
+        run, "resolve", str(waiting.id), "--did-not-happen", "--attempt", str(waiting.attempt),
+        "--operator", name, config=config, env=env,
+    )  # fmt: skip
+    line = one_line_error(done)
+    assert line == f"effect-gateway: --operator: the operator's name {why}"
+    shown = await in_thread(run, "effects", str(waiting.id), "--json", config=config, env=env)
+    assert json.loads(shown.out)["state"] == "needs_review"

@@ -222,6 +222,26 @@ async def test_a_migration_behind_a_long_transaction_gives_up_and_lets_the_queue
             await report.close()
 
 
+async def test_migrate_behind_a_lock_on_its_own_table_gives_up_in_one_line(
+    postgres_dsn: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session holding the migrations' own table: `migrate` gives up after its wait, in one line that
+    asks to run it again (exit 75), instead of waiting for ever with every replica queued behind it."""
+    async with own_database(postgres_dsn, "table_held") as dsn:
+        await migrate(dsn)
+        holder = await asyncpg.connect(dsn)
+        try:
+            async with holder.transaction():
+                await holder.execute("lock table effect_gateway_migrations in access exclusive mode")
+                monkeypatch.setenv("EFFECT_GATEWAY_DATABASE_URL", dsn)
+                assert await asyncio.to_thread(main, ["migrate"]) == 75
+        finally:
+            await holder.close()
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("effect-gateway: migrating gave up after waiting 500ms for a lock"), line
+    assert line.endswith("nothing was applied: run it again"), line
+
+
 async def test_an_effects_table_with_rows_migrates_to_the_partitioned_layout(postgres_dsn: str) -> None:
     """Rows of the first layout (60 days, bodies kept or purged) keep their keys, bodies and replays."""
     async with own_database(postgres_dsn, "upgraded") as dsn:
