@@ -93,6 +93,29 @@ async def effect(dsn: str, *keys: str, review: bool = False, upstream: str = "sh
     return records
 
 
+async def waiting_changed_by_hand(dsn: str, sql: str, *args: str) -> EffectRecord:
+    """An effect waiting for an operator, the only one, then changed by hand with ``sql``."""
+    [waiting] = await effect(dsn, "k-1", review=True)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(sql, *args)
+    finally:
+        await conn.close()
+    return waiting
+
+
+async def did_not_happen(
+    run: Callable[..., Done], waiting: EffectRecord, config: Path, env: dict[str, str]
+) -> str:
+    """`resolve ID --did-not-happen` on the effect as it was judged; the state it leaves it in."""
+    done = await in_thread(
+        run, "resolve", str(waiting.id), "--did-not-happen", "--attempt", str(waiting.attempt), "--json",
+        config=config, env=env,
+    )  # fmt: skip
+    assert done.status == 0, done.err
+    return str(json.loads(done.out)["state"])
+
+
 async def _claim(store: Store, key: str, review: bool, upstream: str) -> EffectRecord:
     new = NewEffect(
         tenant="default",
@@ -321,12 +344,9 @@ async def test_an_effect_whose_stored_request_cannot_be_read_is_shown_and_resolv
     config = tmp_path / "gateway.toml"
     config.write_text("")
     env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
-    [waiting] = await effect(dsn, "k-1", review=True)
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute("update effect_bodies set coding = 'zstd' where kind = 'request'")
-    finally:
-        await conn.close()
+    waiting = await waiting_changed_by_hand(
+        dsn, "update effect_bodies set coding = 'zstd' where kind = 'request'"
+    )
     shown = await in_thread(run, "effects", str(waiting.id), "--json", config=config, env=env)
     assert shown.status == 0, shown.err
     doc = json.loads(shown.out)
@@ -336,12 +356,7 @@ async def test_an_effect_whose_stored_request_cannot_be_read_is_shown_and_resolv
     text = await in_thread(run, "effects", str(waiting.id), config=config, env=env)
     request_body = text.out.splitlines().index("request body")
     assert text.out.splitlines()[request_body + 1].startswith("  (cannot be read back: effect ")
-    done = await in_thread(
-        run, "resolve", str(waiting.id), "--did-not-happen", "--attempt", str(waiting.attempt), "--json",
-        config=config, env=env,
-    )  # fmt: skip
-    assert done.status == 0, done.err
-    assert json.loads(done.out)["state"] == "retryable"
+    assert await did_not_happen(run, waiting, config, env) == "retryable"
 
 
 async def test_resolve_from_upstream_asks_the_probe(
@@ -543,12 +558,7 @@ async def test_an_effect_whose_history_was_changed_by_hand_is_shown_and_resolved
     config = tmp_path / "gateway.toml"
     config.write_text("")
     env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
-    [waiting] = await effect(dsn, "k-1", review=True)
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute("update effects set history = $1::jsonb where id = $2", history, waiting.id)
-    finally:
-        await conn.close()
+    waiting = await waiting_changed_by_hand(dsn, "update effects set history = $1::jsonb", history)
     shown = await in_thread(run, "effects", str(waiting.id), "--json", config=config, env=env)
     assert shown.status == 0, shown.err
     doc = json.loads(shown.out)
@@ -558,12 +568,7 @@ async def test_an_effect_whose_history_was_changed_by_hand_is_shown_and_resolved
     assert text.status == 0, text.err
     lines = text.out.splitlines()
     assert lines[lines.index("history") + 1].startswith("  (cannot be read back: ")
-    done = await in_thread(
-        run, "resolve", str(waiting.id), "--did-not-happen", "--attempt", str(waiting.attempt), "--json",
-        config=config, env=env,
-    )  # fmt: skip
-    assert done.status == 0, done.err
-    assert json.loads(done.out)["state"] == "retryable"
+    assert await did_not_happen(run, waiting, config, env) == "retryable"
 
 
 @pytest.mark.parametrize(
