@@ -151,7 +151,8 @@ def effect_json(record: EffectRecord, *, full: bool) -> dict[str, Any]:
         doc["response_headers"] = [list(h) for h in record.response.headers] if record.response else None
         doc.update(_body_fields("response_body", record.response.body if record.response else None))
         doc["history"] = record.history
-        # "request"/"response" -> why that stored body cannot be read back (it is then null above).
+        # "request"/"response" -> why that stored body cannot be read back (it is then null above);
+        # "history" -> why events of it were left out.
         doc["unreadable"] = record.unreadable or None
     return doc
 
@@ -311,6 +312,11 @@ async def resolve_effect(request: web.Request) -> web.Response:
         # A page on another site can post a form or text/plain without asking, but not JSON: on a
         # gateway open without an admin token, this is what keeps such a page from resolving effects.
         raise problems.BadRequest("send the verdict as Content-Type: application/json")
+    by = request.headers.get("Effect-Gateway-Operator")
+    try:
+        operators.check_name(by)
+    except operators.BadName as exc:
+        raise problems.BadRequest(f"Effect-Gateway-Operator: {exc}") from None
     record = await _load(request, None)
     try:
         doc = jsonbody.loads(await read_request_body(request, runtime.settings))
@@ -330,24 +336,22 @@ async def resolve_effect(request: web.Request) -> web.Response:
             attempt=attempt,
             happened=happened,
             response=response,
-            by=request.headers.get("Effect-Gateway-Operator"),
+            by=by,
         )
-    except operators.BadName as exc:
-        raise problems.BadRequest(f"Effect-Gateway-Operator: {exc}") from None
     except operators.NoSuchEffect as exc:
         raise problems.NotFound(str(exc)) from None
     except NotAwaitingOperator as exc:
         raise problems.NotResolvable(str(exc), effect_id=record.id) from None
-    verdict_given(runtime, resolved, happened)
+    verdict_given(runtime, resolved, happened, by)
     return _json(effect_json(resolved, full=True))
 
 
-def verdict_given(runtime: Runtime, record: EffectRecord, happened: bool) -> None:
+def verdict_given(runtime: Runtime, record: EffectRecord, happened: bool, by: str | None) -> None:
     """An operator's verdict through the gateway: counted, and a line in the log."""
     runtime.telemetry.verdict(record.upstream, happened)
     log.info(
         "effect %s resolved by an operator (%s): %s",
         record.id,
-        record.history[-1].get("by") if record.history else None,
+        by,
         "happened" if happened else "did not happen",
     )

@@ -349,7 +349,8 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
         try:
             operators.check_name(entered.by)
         except operators.BadName as exc:
-            raise problems.BadRequest(f"{str(exc)[0].upper()}{str(exc)[1:]}.") from None
+            why = str(exc)
+            raise problems.BadRequest(f"{why[:1].upper()}{why[1:]}.") from None
         if happened == "yes":
             response = _response(entered)
     except problems.BadRequest as exc:
@@ -372,7 +373,7 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
         fresh = await _load(request, None)
         message = ("error", f"Not resolved: {exc}.")
         return _html(effect_page.effect(fresh, viewer.chrome(), _verdict(fresh, viewer), message), 409)
-    verdict_given(runtime, resolved, happened == "yes")
+    verdict_given(runtime, resolved, happened == "yes", by)
     return _redirect(f"{BASE}/{record.id}?resolved={'happened' if happened == 'yes' else 'did-not-happen'}")
 
 

@@ -13,6 +13,7 @@ from html import escape
 from typing import Any
 
 from gateway.audit_page import BASE, Chrome, badge, layout, notice, time_tag
+from gateway.operators import MAX_NAME
 from gateway.record import EffectRecord
 from gateway.states import State
 
@@ -121,12 +122,13 @@ def _event(entry: dict[str, Any]) -> str:
 
 
 def _timeline(record: EffectRecord) -> str:
-    history = record.history
-    if "history" in record.unreadable:
-        return _CANNOT_BE_READ
-    if not history:
-        return '<p class="muted">No history on record.</p>'
-    return f'<ol class="timeline">{"".join(_event(e) for e in history)}</ol>'
+    if not record.history:
+        return (
+            _CANNOT_BE_READ
+            if "history" in record.unreadable
+            else '<p class="muted">No history on record.</p>'
+        )
+    return f'<ol class="timeline">{"".join(_event(e) for e in record.history)}</ol>'
 
 
 _CANNOT_BE_READ = '<p class="muted">On record, but it cannot be read back (see above).</p>'
@@ -139,13 +141,11 @@ def _unreadable(record: EffectRecord) -> str:
         after = ""
         if kind == "response" and record.replay_refused:
             after = " A retry is answered 500 and the effect is not sent again."
-        what = "history" if kind == "history" else f"{kind} body"
-        notices.append(
-            notice(
-                "error",
-                f"The stored {what} cannot be read back ({escape(why)}); it is left out below.{after}",
-            )
-        )
+        if kind == "history":
+            text = f"The stored history cannot be read back in full ({escape(why)})."
+        else:
+            text = f"The stored {kind} body cannot be read back ({escape(why)}); it is left out below.{after}"
+        notices.append(notice("error", text))
     return "".join(notices)
 
 
@@ -190,7 +190,7 @@ def _resolve_forms(record: EffectRecord, verdict: Verdict) -> str:
     )
     by = (
         '<label for="by-{0}">Your name (kept in the history)</label>'
-        '<input id="by-{0}" name="by" value="{1}" maxlength="100">'
+        f'<input id="by-{{0}}" name="by" value="{{1}}" maxlength="{MAX_NAME}">'
     )
     problem = notice("error", escape(form.error)) if form.error else ""
     return f"""{problem}<div class="resolve">

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import re
-
 from gateway.decision import NotAwaitingOperator, resolution
 from gateway.record import EffectRecord, StoredResponse
+from gateway.report import CONTROL
 from gateway.store import Store
 
 
@@ -31,7 +30,6 @@ class BadName(ValueError):
 # The name is kept in the effect's history for good, and shown on the page and on the command line:
 # room for a person's name or address and a ticket number.
 MAX_NAME = 200
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def check_name(by: str | None) -> None:
@@ -42,7 +40,7 @@ def check_name(by: str | None) -> None:
         return
     if len(by) > MAX_NAME:
         raise BadName(f"the operator's name is longer than {MAX_NAME} characters")
-    if _CONTROL.search(by):
+    if CONTROL.search(by):
         raise BadName("the operator's name may not hold control characters")
     try:
         by.encode("utf-8")
@@ -65,8 +63,9 @@ async def resolve(
     looked at. A gateway that re-sent in between may have made the effect happen after all, and a stale
     "did not happen" would then let the next request send it again.
 
-    Raises :class:`BadName`, :class:`NoSuchEffect`, or :class:`~gateway.decision.NotAwaitingOperator`
-    when the record is not waiting for an operator or changed since it was judged.
+    Raises :class:`BadName` for a name the history cannot keep, :class:`NoSuchEffect`, or
+    :class:`~gateway.decision.NotAwaitingOperator` when the record is not waiting for an operator or
+    changed since it was judged.
     """
     check_name(by)
     record = await store.get(effect_id)

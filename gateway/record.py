@@ -53,7 +53,8 @@ class EffectRecord:
     # Sent without a key under the upstream's "audit" policy: kept for the audit, never replayed.
     keyless: bool = False
     response_read: bool = True
-    # "request" or "response" -> why that stored body cannot be read back (it is then left out).
+    # "request" or "response" -> why that stored body cannot be read back (it is then left out);
+    # "history" -> why events of the history were left out.
     unreadable: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -10,7 +10,7 @@ way rows become records decides.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeAlias
 
 import asyncpg
@@ -43,21 +43,45 @@ HISTORY = """case when jsonb_typeof(e.history) <> 'array' or e.history->0->>'eve
 
 
 def _events(history: Any) -> tuple[list[dict[str, Any]], str | None]:
-    """The history as events, or none and why: the gateway writes a list of objects, each with its kind
-    and Postgres's time, and the views read them as such; a history changed by hand into something
-    else is said to be unreadable instead of failing the operator's view of the effect."""
+    """The history's events, and why any could not be read: the gateway writes a list of objects, each
+    with its kind and Postgres's time, and the views read them as such. What a hand changed into
+    something else is left out and named, instead of failing the operator's view of the effect."""
     if not isinstance(history, list):
-        return [], f"not a list of events but {type(history).__name__}"
+        return [], f"not a list of events but {_JSON_TYPES.get(type(history), 'a value')}"
+    events, bad = [], []
     for n, event in enumerate(history):
-        if not isinstance(event, dict) or not isinstance(event.get("event"), str):
-            return [], f"entry {n} is not an event"
-        at = event.get("at")
-        try:
-            if at is not None:
-                datetime.fromisoformat(at)
-        except (TypeError, ValueError):
-            return [], f"entry {n} has no time it can be read at"
-    return history, None
+        if (
+            isinstance(event, dict)
+            and isinstance(event.get("event"), str)
+            and _readable_time(event.get("at"))
+        ):
+            events.append(event)
+        else:
+            bad.append(str(n))
+    if not bad:
+        return events, None
+    entries = f"entry {bad[0]}" if len(bad) == 1 else f"entries {', '.join(bad)}"
+    return events, f"{entries} of {len(history)} left out: not an event with a time that can be read"
+
+
+_JSON_TYPES = {
+    type(None): "null",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    dict: "an object",
+}
+
+
+def _readable_time(at: Any) -> bool:
+    if at is None:
+        return True
+    try:
+        datetime.fromisoformat(at).astimezone(UTC)  # as the views show it
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return True
 
 
 def stored_response(stored_at: datetime) -> str:

@@ -45,8 +45,10 @@ async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[st
     except (OSError, asyncpg.PostgresError) as exc:
         raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
     try:
-        # Waits its turn behind another replica's migrations for as long as they take; every statement
-        # after it gives up on a table's lock after MIGRATION_LOCK_WAIT.
+        # Waits its turn behind another replica's migrations for as long as they take (whatever
+        # lock_timeout the role or the database sets); the statements after it give up on a lock after
+        # MIGRATION_LOCK_WAIT (making partitions, after its own shorter wait).
+        await conn.execute("set lock_timeout = 0")
         await conn.execute("select pg_advisory_lock($1)", MIGRATION_LOCK)
         try:
             await conn.execute(f"set lock_timeout = '{MIGRATION_LOCK_WAIT}'")
@@ -56,8 +58,9 @@ async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[st
                 await conn.execute("select pg_advisory_unlock($1)", MIGRATION_LOCK)
     except asyncpg.exceptions.LockNotAvailableError as exc:
         raise StoreUnavailable(
-            f"migrating gave up after waiting {MIGRATION_LOCK_WAIT} for a lock on the migrations' own "
-            "table that another session holds (see pg_stat_activity); nothing was applied: run it again"
+            f"migrating gave up after waiting {MIGRATION_LOCK_WAIT} for a lock on effect_gateway_migrations "
+            "or its schema that another session holds (see pg_stat_activity); nothing was applied: run it "
+            "again"
         ) from exc
     except (*OUTAGE, asyncpg.InterfaceError) as exc:
         raise StoreUnavailable(f"Postgres went away while migrating: {type(exc).__name__}: {exc}") from exc

@@ -18,8 +18,10 @@ from aiohttp import web
 from agent_example.processes import Service, start_service
 from gateway import packing
 from gateway.app import PROXY_ROUTE, make_app
+from gateway.decision import review as review_move
+from gateway.record import EffectRecord
 from gateway.settings import load_settings
-from gateway.store import StoreLimits, session_settings
+from gateway.store import NewEffect, Store, StoreLimits, opened, session_settings
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Rows of the crash matrix, filled by tests/test_crash.py and printed at the end of the run.
@@ -493,3 +495,36 @@ async def fill_effects(
         await conn.execute("analyze effects, open_effects")
     finally:
         await conn.close()
+
+
+async def effect(dsn: str, *keys: str, review: bool = False, upstream: str = "shop") -> list[EffectRecord]:
+    """Real effect records, written by the store as the gateway writes them (pending, or in review)."""
+    records = []
+    async with opened(dsn) as store:
+        for key in keys:
+            records.append(await claim_effect(store, key, review, upstream))
+    return records
+
+
+async def claim_effect(store: Store, key: str, review: bool, upstream: str) -> EffectRecord:
+    new = NewEffect(
+        tenant="default",
+        upstream=upstream,
+        key=key,
+        derived_key=f"dk-{key}",
+        method="POST",
+        path="/orders",
+        query="",
+        fingerprint="f",
+        request_headers={},
+        request_body=b'{"items":["atta"]}',
+        run_id="run-1",
+        step="4",
+    )
+    record, _ = await store.claim(new, timedelta(seconds=0) if review else timedelta(seconds=30))
+    assert record is not None
+    if review:
+        reviewed = await store.send_to_review(record, review_move(record), "a test put it here")
+        assert reviewed is not None
+        record = reviewed
+    return record

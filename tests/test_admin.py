@@ -11,7 +11,7 @@ import aiohttp
 import asyncpg
 import pytest
 
-from tests.support import Upstream, gateway_server
+from tests.support import Upstream, effect, gateway_server
 
 
 @pytest.fixture
@@ -156,32 +156,36 @@ async def test_the_audit_pages_older_link_of_a_span_from_now_goes_on_through_tha
 async def test_a_history_changed_by_hand_is_said_to_be_unreadable_and_the_effect_still_shown(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession
 ) -> None:
-    """The API and the page show the rest of an effect whose history is no longer a list of events, and
-    say so; a verdict with a name the history cannot keep is a 400 before anything is read or written."""
+    """The API and the page show an effect waiting for an operator whose history is no longer a list of
+    events, say so, and offer the verdict; a verdict with a name the history cannot keep is a 400, and
+    nothing is written."""
+    [waiting] = await effect(dsn, "k", review=True)
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
-        assert await _order(http, gw.url, "k") == 201
         conn = await asyncpg.connect(dsn)
         try:
             await conn.execute("update effects set history = 'null'::jsonb")
+            async with http.get(f"{gw.url}/_gateway/effects/{waiting.id}") as resp:
+                doc = await resp.json()
+            async with http.get(f"{gw.url}/_gateway/audit/{waiting.id}") as resp:
+                page = (resp.status, await resp.text())
+            async with http.post(
+                f"{gw.url}/_gateway/effects/{waiting.id}/resolve",
+                json={"happened": False, "attempt": waiting.attempt},
+                headers={"Effect-Gateway-Operator": "a" * 201},
+            ) as resp:
+                refused = (resp.status, resp.content_type, (await resp.json())["detail"])
+            after = await conn.fetchrow("select state, history::text from effects")
         finally:
             await conn.close()
-        async with http.get(f"{gw.url}/_gateway/effects/1") as resp:
-            doc = await resp.json()
-        async with http.get(f"{gw.url}/_gateway/audit/1") as resp:
-            page = (resp.status, await resp.text())
-        async with http.post(
-            f"{gw.url}/_gateway/effects/1/resolve",
-            json={"happened": False, "attempt": 1},
-            headers={"Effect-Gateway-Operator": "a" * 201},
-        ) as resp:
-            refused = (resp.status, resp.content_type, (await resp.json())["detail"])
-    assert (doc["state"], doc["history"], list(doc["unreadable"])) == ("completed", [], ["history"])
+    assert (doc["state"], doc["history"], doc["resolvable"]) == ("needs_review", [], True)
+    assert doc["unreadable"] == {"history": "not a list of events but null"}
     assert page[0] == 200
-    assert "The stored history cannot be read back" in page[1]
+    assert "The stored history cannot be read back in full (not a list of events but null)." in page[1]
     assert "On record, but it cannot be read back (see above)." in page[1]
+    assert 'aria-label="did not happen"' in page[1], "the verdict is still offered"
     assert refused == (
         400,
         "application/problem+json",
         "Effect-Gateway-Operator: the operator's name is longer than 200 characters",
     )
-    assert len(upstream.effects()) == 1
+    assert tuple(after) == ("needs_review", "null")

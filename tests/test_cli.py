@@ -10,7 +10,6 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +18,19 @@ import asyncpg
 import pytest
 
 from gateway.cli import main
-from gateway.decision import review as review_move
 from gateway.decision import settle
 from gateway.outcome import Answered
 from gateway.record import EffectRecord, StoredResponse
-from gateway.store import NewEffect, Store, opened
-from tests.support import ROOT, Upstream, backdate_bodies, effect_rows, start_gateway_process
+from gateway.store import opened
+from tests.support import (
+    ROOT,
+    Upstream,
+    backdate_bodies,
+    claim_effect,
+    effect,
+    effect_rows,
+    start_gateway_process,
+)
 
 
 @dataclass
@@ -51,6 +57,29 @@ def cli(*args: str, config: Path | None = None, env: dict[str, str] | None = Non
         env=_env(env),
     )
     return Done(done.returncode, done.stdout, done.stderr)
+
+
+async def waiting_changed_by_hand(dsn: str, sql: str, *args: str) -> EffectRecord:
+    """An effect waiting for an operator, the only one, then changed by hand with ``sql``."""
+    [waiting] = await effect(dsn, "k-1", review=True)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(sql, *args)
+    finally:
+        await conn.close()
+    return waiting
+
+
+async def did_not_happen(
+    run: Callable[..., Done], waiting: EffectRecord, config: Path, env: dict[str, str]
+) -> str:
+    """`resolve ID --did-not-happen` on the effect as it was judged; the state it leaves it in."""
+    done = await in_thread(
+        run, "resolve", str(waiting.id), "--did-not-happen", "--attempt", str(waiting.attempt), "--json",
+        config=config, env=env,
+    )  # fmt: skip
+    assert done.status == 0, done.err
+    return str(json.loads(done.out)["state"])
 
 
 @pytest.fixture
@@ -82,62 +111,6 @@ def one_line_error(done: Done, status: int = 2) -> str:
     assert "Traceback" not in done.err
     assert done.err.startswith("effect-gateway: ")
     return done.err.strip()
-
-
-async def effect(dsn: str, *keys: str, review: bool = False, upstream: str = "shop") -> list[EffectRecord]:
-    """Real effect records, written by the store as the gateway writes them (pending, or in review)."""
-    records = []
-    async with opened(dsn) as store:
-        for key in keys:
-            records.append(await _claim(store, key, review, upstream))
-    return records
-
-
-async def waiting_changed_by_hand(dsn: str, sql: str, *args: str) -> EffectRecord:
-    """An effect waiting for an operator, the only one, then changed by hand with ``sql``."""
-    [waiting] = await effect(dsn, "k-1", review=True)
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute(sql, *args)
-    finally:
-        await conn.close()
-    return waiting
-
-
-async def did_not_happen(
-    run: Callable[..., Done], waiting: EffectRecord, config: Path, env: dict[str, str]
-) -> str:
-    """`resolve ID --did-not-happen` on the effect as it was judged; the state it leaves it in."""
-    done = await in_thread(
-        run, "resolve", str(waiting.id), "--did-not-happen", "--attempt", str(waiting.attempt), "--json",
-        config=config, env=env,
-    )  # fmt: skip
-    assert done.status == 0, done.err
-    return str(json.loads(done.out)["state"])
-
-
-async def _claim(store: Store, key: str, review: bool, upstream: str) -> EffectRecord:
-    new = NewEffect(
-        tenant="default",
-        upstream=upstream,
-        key=key,
-        derived_key=f"dk-{key}",
-        method="POST",
-        path="/orders",
-        query="",
-        fingerprint="f",
-        request_headers={},
-        request_body=b'{"items":["atta"]}',
-        run_id="run-1",
-        step="4",
-    )
-    record, _ = await store.claim(new, timedelta(seconds=0) if review else timedelta(seconds=30))
-    assert record is not None
-    if review:
-        reviewed = await store.send_to_review(record, review_move(record), "a test put it here")
-        assert reviewed is not None
-        record = reviewed
-    return record
 
 
 def _postmaster_pid(data_dir: Path) -> int:
@@ -495,7 +468,7 @@ async def test_migrate_and_purge_report_progress(tmp_path: Path, dsn: str, run: 
     assert migrated.err.startswith("migrating Postgres database ")
     async with opened(dsn) as store:
         for n in range(3):
-            record = await _claim(store, f"old-{n}", review=False, upstream="shop")
+            record = await claim_effect(store, f"old-{n}", review=False, upstream="shop")
             done = settle(Answered(201, (), b"{}"), earlier_doubt=False)
             assert await store.settle(
                 record, done, response=StoredResponse(201, (), b"{}"), recovered_by=None
@@ -539,22 +512,41 @@ async def test_hostile_ids_and_responses_on_the_command_line_are_one_line_and_ch
     assert [row["state"] for row in await effect_rows(dsn)] == ["needs_review"]
 
 
+LEFT_OUT = "entry 1 of 2 left out: not an event with a time that can be read"
+
+
 @pytest.mark.parametrize(
-    "history",
+    ("history", "events", "why"),
     [
-        "null",
-        '"settled"',
-        "[null]",
-        '[{"at": "2026-01-01T00:00:00+00:00"}]',
-        '[{"event": "x", "at": "soon"}]',
+        ("null", [], "not a list of events but null"),  # kept as stored, not read as [claim, null]
+        ('"settled"', [], "not a list of events but a string"),
+        ('{"event": "claimed"}', [], "not a list of events but an object"),
+        ("[null]", ["claimed"], LEFT_OUT),
+        ('[{"at": "2026-01-01T00:00:00+00:00"}]', ["claimed"], LEFT_OUT),
+        ('[{"event": "x", "at": "soon"}]', ["claimed"], LEFT_OUT),
+        ('[{"event": "x", "at": "9999-12-31T23:59:00-14:00"}]', ["claimed"], LEFT_OUT),
+        (
+            '[{"event": "settled"}, {"event": "y", "at": 5}]',
+            ["claimed", "settled"],
+            "entry 2 of 3 left out: not an event with a time that can be read",
+        ),
     ],
-    ids=["null", "a-string", "not-an-object", "no-event", "no-time"],
+    ids=[
+        "null",
+        "a-string",
+        "an-object",
+        "not-an-object",
+        "no-event",
+        "no-time",
+        "past-year-9999",
+        "one-bad",
+    ],
 )
 async def test_an_effect_whose_history_was_changed_by_hand_is_shown_and_resolved(
-    tmp_path: Path, dsn: str, run: Callable[..., Done], history: str
+    tmp_path: Path, dsn: str, run: Callable[..., Done], history: str, events: list[str], why: str
 ) -> None:
-    """A history made by hand into something the gateway never writes is said to be unreadable, the rest
-    of the effect is shown, and the operator can still resolve it."""
+    """A history made by hand into something the gateway never writes is shown as far as it can be read,
+    with why the rest cannot be; the rest of the effect is shown, and the operator can still resolve it."""
     config = tmp_path / "gateway.toml"
     config.write_text("")
     env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
@@ -562,12 +554,12 @@ async def test_an_effect_whose_history_was_changed_by_hand_is_shown_and_resolved
     shown = await in_thread(run, "effects", str(waiting.id), "--json", config=config, env=env)
     assert shown.status == 0, shown.err
     doc = json.loads(shown.out)
-    assert (doc["state"], doc["history"], doc["resolvable"]) == ("needs_review", [], True)
-    assert list(doc["unreadable"]) == ["history"]
+    assert (doc["state"], doc["resolvable"]) == ("needs_review", True)
+    assert ([event["event"] for event in doc["history"]], doc["unreadable"]) == (events, {"history": why})
     text = await in_thread(run, "effects", str(waiting.id), config=config, env=env)
     assert text.status == 0, text.err
     lines = text.out.splitlines()
-    assert lines[lines.index("history") + 1].startswith("  (cannot be read back: ")
+    assert lines[lines.index("history") + 1] == f"  (cannot be read back in full: {why})"
     assert await did_not_happen(run, waiting, config, env) == "retryable"
 
 
