@@ -204,17 +204,45 @@ async def _drop(conn: Any, part: Partition, progress: Progress) -> None:
     # probe's lag would count from now instead of from that attempt's lease (gateway.decision.too_soon).
     # The record is changed only while it is still open and still points at that very answer: a settle
     # that completes it meanwhile wrote an answer of its own, which must stand.
-    kept = await conn.fetchval(
+    #
+    # The open effects with bodies in the day are found first, by a statement of their own: inside the
+    # carry, Postgres took every open effect for one with a body in the day, and merged the day with the
+    # audit in id order up to the day's effects: at 1M effects the 20th day took 0.15 s, 20 times the
+    # first, and at 10M the round took 7.6 s a day. Given them as a list, it looks each one up. One that
+    # completes in between is carried needlessly, and the record is judged again on the row as it is
+    # now anyway.
+    found = await conn.fetch(
         f"""
+        select o.id, o.created_at from open_effects o
+        where exists (select from "{part.name}" b where b.effect_id = o.id)
+        """
+    )
+    kept = 0
+    if found:
+        kept = await _carry(conn, part, [r["id"] for r in found], [r["created_at"] for r in found])
+    await _detach(conn, part.name)
+    await conn.execute(f'drop table "{part.name}"')
+    progress(f"dropped {part.name}: about {part.rows} bodies" + (f", {kept} carried forward" if kept else ""))
+
+
+async def _carry(conn: Any, part: Partition, ids: list[int], created: list[datetime]) -> int:
+    """Carry the bodies the open effects ``ids`` (created at ``created``) keep from the day into today."""
+    kept: int = await conn.fetchval(carry_statement(part.name), ids, created)
+    return kept
+
+
+def carry_statement(day: str) -> str:
+    """The statement carrying bodies out of the partition ``day`` for the open effects $1 (created $2),
+    returning how many it carried."""
+    return f"""
         with open as (
-            select o.id, o.created_at from open_effects o
-            where exists (select from "{part.name}" b where b.effect_id = o.id)
+            select * from unnest($1::bigint[], $2::timestamptz[]) as o(id, created_at)
         ), day as (
             select b.effect_id, b.stored_at, b.kind, b.headers, b.coding, b.content, o.created_at,
                    b.kind = 'request'
                    or (b.stored_at = e.response_at and b.stored_at >= coalesce(e.last_sent_at, e.created_at))
                        as kept
-            from "{part.name}" b
+            from "{day}" b
             join open o on o.id = b.effect_id
             join effects e on e.id = o.id and e.created_at = o.created_at
         ), moved as (
@@ -234,10 +262,6 @@ async def _drop(conn: Any, part: Partition, progress: Progress) -> None:
         )
         select count(*) from moved
         """
-    )
-    await _detach(conn, part.name)
-    await conn.execute(f'drop table "{part.name}"')
-    progress(f"dropped {part.name}: about {part.rows} bodies" + (f", {kept} carried forward" if kept else ""))
 
 
 async def _cut_short(conn: Any, cutoff: datetime) -> list[str]:
