@@ -115,6 +115,14 @@ def _page(handler: Handler) -> Handler:
     return page
 
 
+async def _form(request: web.Request) -> Mapping[str, object]:
+    """The posted form; one whose fields are not UTF-8 text (a multipart part of other bytes) is a 400."""
+    try:
+        return await request.post()
+    except UnicodeDecodeError:
+        raise PageError(400, "The form could not be read", "Its fields must be UTF-8 text.") from None
+
+
 def _now() -> datetime:
     return datetime.now(UTC)
 
@@ -333,7 +341,7 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
     viewer = await _viewer(request)
     if viewer is None:
         return _sign_in_page(BASE + "/" + request.match_info["id"], "Your session ended: sign in again.")
-    form = await request.post()
+    form = await _form(request)
     _check_form(request, viewer, form)
     if not viewer.may_resolve:
         raise PageError(
@@ -389,7 +397,7 @@ def _judged_attempt(form: Mapping[str, object]) -> int:
 
 @_page
 async def sign_in(request: web.Request) -> web.StreamResponse:
-    form = await request.post()
+    form = await _form(request)
     if not _same_origin(request):
         raise PageError(403, "Refused", "This sign-in was sent from another site; use the audit page itself.")
     next_path = _safe_next(form.get("next"))
@@ -418,7 +426,7 @@ async def sign_in(request: web.Request) -> web.StreamResponse:
 @_page
 async def sign_out(request: web.Request) -> web.StreamResponse:
     viewer = await _viewer(request)
-    form = await request.post()
+    form = await _form(request)
     if viewer is not None and viewer.session is not None:
         _check_form(request, viewer, form)
     resp = _redirect(BASE)

@@ -106,7 +106,7 @@ def _event(entry: dict[str, Any]) -> str:
     kind = str(entry.get("event", "?"))
     at = entry.get("at")
     when = time_tag(datetime.fromisoformat(at)) if isinstance(at, str) else ""
-    attempt = f"attempt {entry['attempt']} · " if "attempt" in entry else ""
+    attempt = f"attempt {escape(_detail(entry['attempt']))} · " if "attempt" in entry else ""
     details = " · ".join(
         f"{escape(k.replace('_', ' '))}: {escape(_detail(v))}"
         for k, v in entry.items()

@@ -109,7 +109,9 @@ def effect_detail(doc: dict[str, Any]) -> list[str]:
     if (doc.get("unreadable") or {}).get("history"):
         lines.append(f"  (cannot be read back in full: {doc['unreadable']['history']})")
     for event in doc.get("history") or []:
-        rest = " ".join(f"{k}={_one_line(v)}" for k, v in event.items() if k not in ("at", "event"))
+        rest = " ".join(
+            f"{_one_line(k)}={_one_line(v)}" for k, v in event.items() if k not in ("at", "event")
+        )
         lines.append(f"  {when(event.get('at'))}  {_one_line(event.get('event'))}  {rest}".rstrip())
     lines += ["request body", *_body(doc, "request"), "response body", *_body(doc, "response")]
     return lines

@@ -46,12 +46,13 @@ async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[st
         raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
     try:
         # Waits its turn behind another replica's migrations for as long as they take (whatever
-        # lock_timeout the role or the database sets); the statements after it give up on a lock after
+        # lock_timeout or statement_timeout the role or the database sets, which apply again to the
+        # migrations themselves); the statements after it give up on a lock after
         # MIGRATION_LOCK_WAIT (making partitions, after its own shorter wait).
-        await conn.execute("set lock_timeout = 0")
+        await conn.execute("set lock_timeout = 0; set statement_timeout = 0")
         await conn.execute("select pg_advisory_lock($1)", MIGRATION_LOCK)
         try:
-            await conn.execute(f"set lock_timeout = '{MIGRATION_LOCK_WAIT}'")
+            await conn.execute(f"set lock_timeout = '{MIGRATION_LOCK_WAIT}'; reset statement_timeout")
             return await _apply_pending(conn, progress)
         finally:
             if not conn.is_closed():  # else the lock went with the session

@@ -608,8 +608,8 @@ class Store:
         async def op(conn: Conn) -> EffectRecord | None:
             row = await conn.fetchrow(
                 f"""
-                select {WITH_RESPONSE}, {HISTORY} as history, q.headers as q_headers, q.content as q_content,
-                       q.coding as q_coding
+                select {WITH_RESPONSE}, ({HISTORY})::text as history, q.headers as q_headers,
+                       q.content as q_content, q.coding as q_coding
                 from effects e {RESPONSE}
                 left join lateral (select headers, coding, content from effect_bodies q
                                    where q.effect_id = e.id and q.kind = 'request'

@@ -175,6 +175,11 @@ async def test_a_history_changed_by_hand_is_said_to_be_unreadable_and_the_effect
             ) as resp:
                 refused = (resp.status, resp.content_type, (await resp.json())["detail"])
             after = await conn.fetchrow("select state, history::text from effects")
+            await conn.execute(
+                """update effects set history = '[{"event": "note", "attempt": "<b>x</b>", "at": null}]'"""
+            )
+            async with http.get(f"{gw.url}/_gateway/audit/{waiting.id}") as resp:
+                marked = await resp.text()
         finally:
             await conn.close()
     assert (doc["state"], doc["history"], doc["resolvable"]) == ("needs_review", [], True)
@@ -189,3 +194,5 @@ async def test_a_history_changed_by_hand_is_said_to_be_unreadable_and_the_effect
         "Effect-Gateway-Operator: the operator's name is longer than 200 characters",
     )
     assert tuple(after) == ("needs_review", "null")
+    assert "attempt &lt;b&gt;x&lt;/b&gt;" in marked
+    assert "<b>x</b>" not in marked

@@ -590,3 +590,44 @@ async def test_resolve_refuses_an_operator_name_the_history_cannot_keep(
     assert line == f"effect-gateway: --operator: the operator's name {why}"
     shown = await in_thread(run, "effects", str(waiting.id), "--json", config=config, env=env)
     assert json.loads(shown.out)["state"] == "needs_review"
+
+
+@pytest.mark.parametrize(
+    ("history", "error"),
+    [
+        ("[" * 3000 + "]" * 3000, "RecursionError"),
+        ('[{"event": "note", "n": ' + "9" * 5000 + "}]", "ValueError"),
+    ],
+    ids=["nested-3000-deep", "a-5000-digit-number"],
+)
+async def test_an_effect_whose_history_python_cannot_parse_is_shown_and_resolved(
+    tmp_path: Path, dsn: str, run: Callable[..., Done], history: str, error: str
+) -> None:
+    """Postgres keeps jsonb that Python's json cannot read back: the effect is still shown, with why, and
+    can still be resolved (it could not be read at all, so it waited for an operator for good)."""
+    config = tmp_path / "gateway.toml"
+    config.write_text("")
+    env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
+    waiting = await waiting_changed_by_hand(dsn, "update effects set history = $1::jsonb", history)
+    shown = await in_thread(run, "effects", str(waiting.id), "--json", config=config, env=env)
+    assert shown.status == 0, shown.err
+    doc = json.loads(shown.out)
+    assert (doc["state"], doc["history"], doc["resolvable"]) == ("needs_review", [], True)
+    assert doc["unreadable"]["history"].startswith(f"cannot be parsed: {error}: ")
+    assert await did_not_happen(run, waiting, config, env) == "retryable"
+
+
+async def test_the_text_of_an_effect_keeps_each_history_entry_on_one_line(
+    tmp_path: Path, dsn: str, run: Callable[..., Done]
+) -> None:
+    """A key or a value holding a line break (from a hand, or an earlier version) cannot pass for
+    another line of the history."""
+    config = tmp_path / "gateway.toml"
+    config.write_text("")
+    env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
+    forged = "\\n  2026-01-01 00:00:00Z  resolved  by=mallory"
+    history = f'[{{"event": "note", "{forged}": 1, "by": "x{forged}", "at": null}}]'
+    waiting = await waiting_changed_by_hand(dsn, "update effects set history = $1::jsonb", history)
+    text = await in_thread(run, "effects", str(waiting.id), config=config, env=env)
+    assert text.status == 0, text.err
+    assert not [line for line in text.out.splitlines() if "mallory" in line and "note" not in line]
