@@ -530,6 +530,9 @@ LEFT_OUT = "entry 1 of 2 left out: not an event with a time that can be read"
             ["claimed", "settled"],
             "entry 2 of 3 left out: not an event with a time that can be read",
         ),
+        # Kept by Postgres, but past what Python's json reads: the effect could not be read at all.
+        ("[" * 3000 + "]" * 3000, [], "cannot be parsed: RecursionError: "),
+        ('[{"event": "note", "n": ' + "9" * 5000 + "}]", [], "cannot be parsed: ValueError: "),
     ],
     ids=[
         "null",
@@ -540,6 +543,8 @@ LEFT_OUT = "entry 1 of 2 left out: not an event with a time that can be read"
         "no-time",
         "past-year-9999",
         "one-bad",
+        "nested-3000-deep",
+        "a-5000-digit-number",
     ],
 )
 async def test_an_effect_whose_history_was_changed_by_hand_is_shown_and_resolved(
@@ -555,11 +560,15 @@ async def test_an_effect_whose_history_was_changed_by_hand_is_shown_and_resolved
     assert shown.status == 0, shown.err
     doc = json.loads(shown.out)
     assert (doc["state"], doc["resolvable"]) == ("needs_review", True)
-    assert ([event["event"] for event in doc["history"]], doc["unreadable"]) == (events, {"history": why})
+    assert [event["event"] for event in doc["history"]] == events
+    assert list(doc["unreadable"]) == ["history"]
+    said = doc["unreadable"]["history"]
+    # After "parsed: ", the parser's own words.
+    assert said.startswith(why) if why.endswith(": ") else said == why
     text = await in_thread(run, "effects", str(waiting.id), config=config, env=env)
     assert text.status == 0, text.err
     lines = text.out.splitlines()
-    assert lines[lines.index("history") + 1] == f"  (cannot be read back in full: {why})"
+    assert lines[lines.index("history") + 1] == f"  (cannot be read back in full: {said})"
     assert await did_not_happen(run, waiting, config, env) == "retryable"
 
 
@@ -590,31 +599,6 @@ async def test_resolve_refuses_an_operator_name_the_history_cannot_keep(
     assert line == f"effect-gateway: --operator: the operator's name {why}"
     shown = await in_thread(run, "effects", str(waiting.id), "--json", config=config, env=env)
     assert json.loads(shown.out)["state"] == "needs_review"
-
-
-@pytest.mark.parametrize(
-    ("history", "error"),
-    [
-        ("[" * 3000 + "]" * 3000, "RecursionError"),
-        ('[{"event": "note", "n": ' + "9" * 5000 + "}]", "ValueError"),
-    ],
-    ids=["nested-3000-deep", "a-5000-digit-number"],
-)
-async def test_an_effect_whose_history_python_cannot_parse_is_shown_and_resolved(
-    tmp_path: Path, dsn: str, run: Callable[..., Done], history: str, error: str
-) -> None:
-    """Postgres keeps jsonb that Python's json cannot read back: the effect is still shown, with why, and
-    can still be resolved (it could not be read at all, so it waited for an operator for good)."""
-    config = tmp_path / "gateway.toml"
-    config.write_text("")
-    env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
-    waiting = await waiting_changed_by_hand(dsn, "update effects set history = $1::jsonb", history)
-    shown = await in_thread(run, "effects", str(waiting.id), "--json", config=config, env=env)
-    assert shown.status == 0, shown.err
-    doc = json.loads(shown.out)
-    assert (doc["state"], doc["history"], doc["resolvable"]) == ("needs_review", [], True)
-    assert doc["unreadable"]["history"].startswith(f"cannot be parsed: {error}: ")
-    assert await did_not_happen(run, waiting, config, env) == "retryable"
 
 
 async def test_the_text_of_an_effect_keeps_each_history_entry_on_one_line(
