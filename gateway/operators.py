@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import unicodedata
+
 from gateway.decision import NotAwaitingOperator, resolution
 from gateway.record import EffectRecord, StoredResponse
 from gateway.report import CONTROL
@@ -35,13 +37,18 @@ MAX_NAME = 200
 def check_name(by: str | None) -> None:
     """Raises :class:`BadName` for a name the history cannot keep: control characters (a NUL, which
     Postgres's jsonb cannot hold; a line break, which would pass for another line of the history where
-    it is shown as text), bytes that are not UTF-8 (from the command line), or one over MAX_NAME."""
+    it is shown as text), invisible formatting characters, bytes that are not UTF-8 (from the command
+    line, or a header sent in another encoding), or one over MAX_NAME."""
     if by is None:
         return
     if len(by) > MAX_NAME:
         raise BadName(f"the operator's name is longer than {MAX_NAME} characters")
     if CONTROL.search(by):
         raise BadName("the operator's name may not hold control characters")
+    if any(unicodedata.category(char) == "Cf" for char in by):
+        # Invisible format characters: a right-to-left override or a zero-width space makes one name
+        # look like another on the page and in the history.
+        raise BadName("the operator's name may not hold invisible formatting characters")
     try:
         by.encode("utf-8")
     except UnicodeEncodeError:

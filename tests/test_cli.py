@@ -578,9 +578,11 @@ async def test_an_effect_whose_history_was_changed_by_hand_is_shown_and_resolved
         ("asha\n  2026-12-04 20:00:00Z  claimed  attempt=1", "may not hold control characters"),
         ("asha\x00", "may not hold control characters"),
         ("a" * 201, "is longer than 200 characters"),
+        ("bob\u202elive", "may not hold invisible formatting characters"),  # shows as "bobevil"
+        ("a\u200bsha", "may not hold invisible formatting characters"),
         ("asha \udcff", "is not UTF-8 text"),  # a command-line byte that is not UTF-8, as Python has it
     ],
-    ids=["a-line-break", "a-nul", "too-long", "not-utf-8"],
+    ids=["a-line-break", "a-nul", "too-long", "right-to-left-override", "zero-width-space", "not-utf-8"],
 )
 async def test_resolve_refuses_an_operator_name_the_history_cannot_keep(
     tmp_path: Path, dsn: str, run: Callable[..., Done], name: str, why: str
