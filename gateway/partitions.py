@@ -209,29 +209,27 @@ async def _drop(conn: Any, part: Partition, progress: Progress) -> None:
     # Postgres misjudged how many there are and merged the day with the whole audit in id order, which
     # grew with the audit and with each day dropped (bench.growth). The carry then looks each one up
     # (see _carry); one that has completed since is left where it is.
-    found = await conn.fetch(
+    ids, created = await conn.fetchrow(
         f"""
-        select o.id, o.created_at from open_effects o
+        select array_agg(o.id), array_agg(o.created_at) from open_effects o
         where exists (select from "{part.name}" b where b.effect_id = o.id)
         """
     )
-    kept = 0
-    if found:
-        kept = await _carry(conn, part, [r["id"] for r in found], [r["created_at"] for r in found])
+    kept = await _carry(conn, part.name, ids, created) if ids else 0
     await _detach(conn, part.name)
     await conn.execute(f'drop table "{part.name}"')
     progress(f"dropped {part.name}: about {part.rows} bodies" + (f", {kept} carried forward" if kept else ""))
 
 
-async def _carry(conn: Any, part: Partition, ids: list[int], created: list[datetime]) -> int:
-    """Carry the bodies the open effects ``ids`` (created at ``created``) keep from the day into today.
+async def _carry(conn: Any, day: str, ids: list[int], created: list[datetime]) -> int:
+    """Carry the bodies the open effects ``ids`` (created at ``created``) keep from ``day`` into today.
 
     With the generic plan: it cannot know the list's length, so it looks each effect up in its month.
     A plan for the given list, thousands long, could again merge the day with the whole audit.
     """
     async with conn.transaction():
         await conn.execute("set local plan_cache_mode = force_generic_plan")
-        kept: int = await conn.fetchval(carry_statement(part.name), ids, created)
+        kept: int = await conn.fetchval(carry_statement(day), ids, created)
     return kept
 
 

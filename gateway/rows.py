@@ -43,30 +43,17 @@ HISTORY = """case when jsonb_typeof(e.history) <> 'array' or e.history->0->>'eve
         || e.history end"""
 
 
-class _Unparsable:
-    """A history Postgres holds as jsonb but Python's json cannot read (nested past its recursion
-    limit, or a number of more than 4,300 digits)."""
-
-    def __init__(self, why: str) -> None:
-        self.why = why
-
-
-def _parsed(text: str | None) -> Any:
-    """The history, read as text by Store.get so that a history no one can parse is an answer too."""
-    if text is None:
-        return None
-    try:
-        return json.loads(text)
-    except (RecursionError, ValueError) as exc:
-        return _Unparsable(f"cannot be parsed: {type(exc).__name__}: {str(exc)[:100]}")
-
-
-def _events(history: Any) -> tuple[list[dict[str, Any]], str | None]:
+def _events(text: str | None) -> tuple[list[dict[str, Any]], str | None]:
     """The history's events, and why any could not be read: the gateway writes a list of objects, each
     with its kind and Postgres's time, and the views read them as such. What a hand changed into
-    something else is left out and named, instead of failing the operator's view of the effect."""
-    if isinstance(history, _Unparsable):
-        return [], history.why
+    something else is left out and named, instead of failing the operator's view of the effect.
+
+    ``text`` is the column as Store.get reads it, as text: Postgres keeps jsonb that Python's json
+    cannot read (nested past its recursion limit, a number of more than 4,300 digits)."""
+    try:
+        history = None if text is None else json.loads(text)
+    except (RecursionError, ValueError) as exc:
+        return [], f"cannot be parsed: {type(exc).__name__}: {str(exc)[:100]}"
     if not isinstance(history, list):
         return [], f"not a list of events but {_JSON_TYPES.get(type(history), 'a value')}"
     events, bad = [], []
@@ -202,7 +189,7 @@ def record_of(
             unreadable["request"] = str(exc)
     history: list[dict[str, Any]] = []
     if full:
-        history, why = _events(_parsed(row["history"]))
+        history, why = _events(row["history"])
         if why is not None:
             unreadable["history"] = why
     record = EffectRecord(
