@@ -17,8 +17,9 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from aiohttp import web
+from multidict import MultiDict
 
-from gateway import audit_page, effect_page, operators, problems
+from gateway import audit_page, effect_page, operators, problems, urlencoded
 from gateway.admin import (
     MAX_ID,
     find_page,
@@ -116,11 +117,30 @@ def _page(handler: Handler) -> Handler:
 
 
 async def _form(request: web.Request) -> Mapping[str, object]:
-    """The posted form; one whose fields are not UTF-8 text (a multipart part of other bytes) is a 400."""
+    """The posted form; one whose fields are not all UTF-8 text is a 400.
+
+    An urlencoded form is read here rather than by aiohttp, which reads an escape of bytes that are not
+    UTF-8 (``%FF``) as U+FFFD: an operator's name, or the response body of a verdict, would be kept as
+    other text than the one sent.
+    """
+    unreadable = PageError(400, "The form could not be read", "Its fields must be UTF-8 text.")
     try:
-        return await request.post()
+        if request.content_type != "application/x-www-form-urlencoded":
+            form = await request.post()  # multipart: a text part of other bytes fails to decode
+            if any(not isinstance(value, str) for value in form.values()):
+                raise unreadable  # a part sent as bytes or a file: read as text, it would be lost
+            return form
+        raw = await request.read()
+        urlencoded.check_size(raw)
+        return MultiDict(
+            (pair.name.decode(), (pair.value or b"").decode())
+            for pair in urlencoded.pairs(raw.rstrip())
+            if pair.name or pair.value is not None  # "a&&b": the empty pair is no field
+        )
     except UnicodeDecodeError:
-        raise PageError(400, "The form could not be read", "Its fields must be UTF-8 text.") from None
+        raise unreadable from None
+    except urlencoded.FormRefused as exc:
+        raise PageError(400, "The form could not be read", f"{str(exc)[:1].upper()}{str(exc)[1:]}.") from None
 
 
 def _now() -> datetime:

@@ -306,3 +306,53 @@ async def test_a_verdict_form_with_odd_fields_is_sent_back_with_the_error_and_ch
             assert resp.status == 400, await resp.text()
             assert 'class="notice error"' in await resp.text()
     assert [r["state"] for r in await effect_rows(dsn)] == ["needs_review"]
+
+
+def _multipart(fields: dict[str, str], last: bytes) -> tuple[bytes, dict[str, str]]:
+    """A multipart form of ``fields`` and a last part spelt out as ``last`` (its headers and content)."""
+    parts = [f'Content-Disposition: form-data; name="{k}"\r\n\r\n{v}'.encode() for k, v in fields.items()]
+    body = b"".join(b"--B\r\n" + part + b"\r\n" for part in [*parts, last]) + b"--B--\r\n"
+    return body, {"Content-Type": "multipart/form-data; boundary=B"}
+
+
+async def test_a_verdict_form_is_read_as_the_utf8_it_was_sent_in_and_nothing_else_is_taken(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
+) -> None:
+    """A name escaped as bytes that are not UTF-8 (%FF) is a 400 that changes nothing: it was kept as
+    U+FFFD, another name than the one sent. So is a multipart part that is not text (it was read as
+    left empty). The same name as UTF-8, with "+" for its space, is kept."""
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
+        cookie, csrf, judged = await _resolvable_page(http, gw.url, upstream)
+        fields = f"csrf={csrf}&attempt={judged['attempt']}&happened=no"
+        sent = {"Cookie": f"{COOKIE}={cookie}", "Origin": gw.url}
+        before = await effect_rows(dsn)
+        yes = {"csrf": csrf, **judged, "happened": "yes", "kind": "text"}
+        bad = [
+            (f"{fields}&by=Jos%E9".encode(), form),
+            (f"{fields}&by=%FF".encode(), form),
+            (f"{fields}&by=ok&note=%C3%28".encode(), form),
+            _multipart(yes, b'Content-Disposition: form-data; name="by"\r\n\r\nJos\xe9'),
+            _multipart(
+                yes,
+                b'Content-Disposition: form-data; name="body"\r\nContent-Type: application/octet-stream\r\n'
+                b"\r\n1",
+            ),
+            _multipart(yes, b'Content-Disposition: form-data; name="body"; filename="a.txt"\r\n\r\npaid'),
+        ]
+        for data, headers in bad:
+            async with http.post(
+                f"{gw.url}{AUDIT}/1/resolve", data=data, headers={**sent, **headers}
+            ) as resp:
+                refused = (resp.status, "Its fields must be UTF-8 text." in await resp.text())
+            assert refused == (400, True), data
+        assert await effect_rows(dsn) == before
+        async with http.post(
+            f"{gw.url}{AUDIT}/1/resolve",
+            data=f"{fields}&&by=Ana+Jos%C3%A9",
+            headers={**sent, **form},
+            allow_redirects=False,
+        ) as resp:
+            assert resp.status == 303, await resp.text()
+    [row] = await effect_rows(dsn)
+    assert (row["state"], row["history"][-1]["by"]) == ("retryable", "Ana José")
