@@ -63,3 +63,22 @@ async def test_a_quiet_tenants_pages_read_only_its_own_effects(dsn: str) -> None
     async with opened(dsn) as store:
         assert [r.id for r in await store.find(pages[0])] == list(range(1_000_009, 999_999, -1))
         assert [r.id for r in await store.find(pages[2])] == list(range(1_000_004, 999_999, -1))
+
+
+async def test_a_backlog_of_an_open_state_is_listed_a_page_at_a_time(dsn: str) -> None:
+    """The audit filtered by needs_review, with 60,000 of them among 260,000 effects, reads about its
+    page of 50 audit rows: the gateway's list and a tenant's.
+
+    Postgres guessed the join of open_effects with the audit at one row (nothing tells it that an open
+    effect has exactly one audit row), so the page's limit could not stop the read early: with 170,000
+    waiting among 1M effects, it hashed every row of the audit for each page (540 ms).
+    """
+    await fill_effects(dsn, "t", 1, 200_000)
+    await fill_effects(dsn, "t", 1_000_000, 40_000, "needs_review")
+    await fill_effects(dsn, "u", 2_000_000, 20_000, "needs_review")
+    for where in (EffectFilter(state=State.NEEDS_REVIEW), EffectFilter(tenant="u", state=State.NEEDS_REVIEW)):
+        plan = await plan_run(dsn, *find_statement(where))
+        assert rows_read(plan, "effects") <= 100, (where, rows_read(plan, "effects"))
+    async with opened(dsn) as store:
+        page = await store.find(EffectFilter(state=State.NEEDS_REVIEW, limit=3))
+        assert [(r.id, r.tenant) for r in page] == [(2_019_999, "u"), (2_019_998, "u"), (2_019_997, "u")]
