@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import heapq
-import warnings
+import inspect
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from concurrent.futures import Executor
 from contextvars import Context
@@ -43,8 +43,18 @@ OWNER: contextvars.ContextVar[Owner | None] = contextvars.ContextVar("sim_owner"
 REQUEST: contextvars.ContextVar[int] = contextvars.ContextVar("sim_request", default=0)
 
 
-# A task made for a gateway that was killed before its first step never starts: a SIGKILL, not a bug.
-warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+def _dropped(handle: asyncio.Handle) -> None:
+    """A ready callback dropped unrun: its owner was killed, or the run is over.
+
+    When it is the first step of a task, the task's coroutine never starts (a request a gateway took
+    just before its SIGKILL): it is closed here, as a killed process's memory is freed, instead of being
+    reported as never awaited when it is collected.
+    """
+    task = getattr(handle._callback, "__self__", None)  # type: ignore[attr-defined]
+    if isinstance(task, asyncio.Task):
+        coro = task.get_coro()
+        if inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+            coro.close()
 
 
 class Stalled(RuntimeError):
@@ -170,6 +180,7 @@ class SimLoop(asyncio.AbstractEventLoop):
             handle, owner = self._ready[index]
             if handle.cancelled() or (owner is not None and owner.dead):
                 del self._ready[index]
+                _dropped(handle)
                 continue
             if owner is not None and owner.frozen_until > now:
                 thaw = min(thaw, owner.frozen_until)
@@ -207,6 +218,8 @@ class SimLoop(asyncio.AbstractEventLoop):
 
     def close(self) -> None:
         self._closed = True
+        for handle, _ in self._ready:
+            _dropped(handle)
         self._ready.clear()
         self._timers.clear()
 
