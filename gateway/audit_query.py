@@ -98,16 +98,25 @@ def by_time(where: EffectFilter) -> bool:
 
 
 def _listed(where: EffectFilter) -> bool:
-    """Whether the page for ``where`` is a list of an open state, read from open_effects."""
-    return where.state is not None and where.state is not State.COMPLETED and where.key is None
+    """Whether the page for ``where`` is a list of an open state, read from open_effects.
+
+    Not a run's: its few effects are read down the run's index, each state checked on its audit row,
+    where the state's list could step through a backlog of other runs' effects to find them.
+    """
+    return (
+        where.state is not None
+        and where.state is not State.COMPLETED
+        and where.key is None
+        and where.run_id is None
+    )
 
 
-# An open effect's audit row, looked up for each effect of the page. Joined plainly, Postgres guesses
-# the join at one row (nothing tells it that every open effect has exactly one), so the page's limit
-# cannot stop the read early: with a backlog of 170,000 waiting among 1M effects it hashed the whole
-# audit for every page (540 ms). The limit keeps the subquery apart from the join, so the row is looked
-# up from each open effect in the index's order until the page is full.
-_AUDIT_ROW = "select * from effects e where e.id = o.id and e.created_at = o.created_at limit 1"
+# An open effect's audit row, looked up from each open effect in the index's order until the page is
+# full; (id, created_at) is the audit's primary key, so the limit drops nothing. It keeps the lookup out
+# of the join: joined plainly, Postgres guesses the join at one row (nothing tells it that every open
+# effect has exactly one audit row), so the page's limit stops nothing early, and with a backlog it
+# hashed the whole audit for every page instead.
+_AUDIT_ROW = "select * from effects a where a.id = o.id and a.created_at = o.created_at limit 1"
 
 
 def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:

@@ -116,31 +116,39 @@ def _page(handler: Handler) -> Handler:
     return page
 
 
+# Fields in one of the audit's own forms: a verdict has eight. aiohttp bounds a multipart form at 1,000.
+_MOST_FIELDS = 1000
+
+
 async def _form(request: web.Request) -> Mapping[str, object]:
-    """The posted form; one whose fields are not all UTF-8 text is a 400.
+    """The posted form with every field read as the text it was sent as, or a 400 page.
 
     An urlencoded form is read here rather than by aiohttp, which reads an escape of bytes that are not
-    UTF-8 (``%FF``) as U+FFFD: an operator's name, or the response body of a verdict, would be kept as
-    other text than the one sent.
+    text in the form's charset (``%FF`` in UTF-8) as U+FFFD: an operator's name, or the response body of
+    a verdict, would be kept as other text than the one sent.
     """
-    unreadable = PageError(400, "The form could not be read", "Its fields must be UTF-8 text.")
+    unreadable, not_text = (
+        "The form could not be read",
+        "Its fields must be text (UTF-8 or the charset named).",
+    )
     try:
-        if request.content_type != "application/x-www-form-urlencoded":
-            form = await request.post()  # multipart: a text part of other bytes fails to decode
-            if any(not isinstance(value, str) for value in form.values()):
-                raise unreadable  # a part sent as bytes or a file: read as text, it would be lost
-            return form
-        raw = await request.read()
-        urlencoded.check_size(raw)
-        return MultiDict(
-            (pair.name.decode(), (pair.value or b"").decode())
-            for pair in urlencoded.pairs(raw.rstrip())
-            if pair.name or pair.value is not None  # "a&&b": the empty pair is no field
-        )
-    except UnicodeDecodeError:
-        raise unreadable from None
+        if request.content_type == "application/x-www-form-urlencoded":
+            raw = await request.read()
+            return MultiDict(urlencoded.text_fields(raw, _MOST_FIELDS, request.charset or "utf-8"))
+        form = await request.post()  # multipart (a text part that does not decode raises), or empty
     except urlencoded.FormRefused as exc:
-        raise PageError(400, "The form could not be read", f"{str(exc)[:1].upper()}{str(exc)[1:]}.") from None
+        raise PageError(400, unreadable, _sentence(exc)) from None
+    except (ValueError, LookupError):  # text that does not decode, an unknown charset, a part unnamed
+        raise PageError(400, unreadable, not_text) from None
+    if not all(isinstance(value, str) for value in form.values()):
+        raise PageError(400, unreadable, not_text)  # a part sent as bytes or as a file: read as empty
+    return form
+
+
+def _sentence(exc: Exception) -> str:
+    """An error's message as a sentence of its own."""
+    why = str(exc)
+    return f"{why[:1].upper()}{why[1:]}."
 
 
 def _now() -> datetime:
@@ -377,8 +385,7 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
         try:
             operators.check_name(entered.by)
         except operators.BadName as exc:
-            why = str(exc)
-            raise problems.BadRequest(f"{why[:1].upper()}{why[1:]}.") from None
+            raise problems.BadRequest(_sentence(exc)) from None
         if happened == "yes":
             response = _response(entered)
     except problems.BadRequest as exc:

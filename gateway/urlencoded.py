@@ -56,6 +56,25 @@ def check_size(raw: bytes) -> None:
         raise FormRefused(f"the form has more than {MAX_FIELDS} fields")
 
 
+def text_fields(raw: bytes, most: int, charset: str = "utf-8") -> list[tuple[str, str]]:
+    """The fields of a form as text, each name and value decoded strictly in ``charset``.
+
+    For the gateway's own pages: a lossy decode keeps other text than the one sent. Pairs are read as
+    aiohttp reads them: an empty pair is no field, a pair without "=" has an empty value, and trailing
+    whitespace (the line break of ``curl -d @file``) is part of no value. Raises UnicodeDecodeError
+    (LookupError for an unknown charset), or FormRefused past ``most`` fields.
+    """
+    fields: list[tuple[str, str]] = []
+    for segment in raw.rstrip().split(b"&"):
+        if not segment:
+            continue
+        if len(fields) == most:
+            raise FormRefused(f"the form has more than {most} fields")
+        name, _, value = segment.partition(b"=")
+        fields.append((_decode(name).decode(charset), _decode(value).decode(charset)))
+    return fields
+
+
 def sets_name(raw: bytes, name: str, *, nested: bool = False) -> bool:
     """Whether a pair of ``raw`` is named ``name`` once decoded, ``;`` separating pairs too.
 

@@ -13,8 +13,12 @@ from datetime import UTC, datetime, timedelta
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
 
+from gateway import urlencoded
 from gateway.sessions import ADMIN, COOKIE, LIFETIME, Principal, SessionKeys, holder
+from tests.strategies import FORM_BYTES, spelled, whatwg_pairs
 from tests.support import Upstream, effect_rows, gateway_server
 
 AUDIT = "/_gateway/audit"
@@ -315,12 +319,13 @@ def _multipart(fields: dict[str, str], last: bytes) -> tuple[bytes, dict[str, st
     return body, {"Content-Type": "multipart/form-data; boundary=B"}
 
 
-async def test_a_verdict_form_is_read_as_the_utf8_it_was_sent_in_and_nothing_else_is_taken(
+async def test_a_verdict_form_is_read_as_the_text_it_was_sent_as_and_nothing_else_is_taken(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
 ) -> None:
     """A name escaped as bytes that are not UTF-8 (%FF) is a 400 that changes nothing: it was kept as
     U+FFFD, another name than the one sent. So is a multipart part that is not text (it was read as
-    left empty). The same name as UTF-8, with "+" for its space, is kept."""
+    left empty), a charset nobody knows, and a form of 1,001 fields. The same name as UTF-8, with "+"
+    for its space, is kept."""
     form = {"Content-Type": "application/x-www-form-urlencoded"}
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
         cookie, csrf, judged = await _resolvable_page(http, gw.url, upstream)
@@ -328,24 +333,34 @@ async def test_a_verdict_form_is_read_as_the_utf8_it_was_sent_in_and_nothing_els
         sent = {"Cookie": f"{COOKIE}={cookie}", "Origin": gw.url}
         before = await effect_rows(dsn)
         yes = {"csrf": csrf, **judged, "happened": "yes", "kind": "text"}
+        octets = b"Content-Type: application/octet-stream\r\n\r\n"
+        not_text = "Its fields must be text (UTF-8 or the charset named)."
         bad = [
-            (f"{fields}&by=Jos%E9".encode(), form),
-            (f"{fields}&by=%FF".encode(), form),
-            (f"{fields}&by=ok&note=%C3%28".encode(), form),
-            _multipart(yes, b'Content-Disposition: form-data; name="by"\r\n\r\nJos\xe9'),
-            _multipart(
-                yes,
-                b'Content-Disposition: form-data; name="body"\r\nContent-Type: application/octet-stream\r\n'
-                b"\r\n1",
+            (f"{fields}&by=Jos%E9".encode(), form, not_text),
+            (f"{fields}&by=%FF".encode(), form, not_text),
+            (f"{fields}&by=ok&note=%C3%28".encode(), form, not_text),
+            (
+                f"{fields}&by=x".encode(),
+                {"Content-Type": f"{form['Content-Type']}; charset=nosuch"},
+                not_text,
             ),
-            _multipart(yes, b'Content-Disposition: form-data; name="body"; filename="a.txt"\r\n\r\npaid'),
+            (f"{fields}{'&a' * 998}".encode(), form, "The form has more than 1000 fields."),
+            (*_multipart(yes, b'Content-Disposition: form-data; name="by"\r\n\r\nJos\xe9'), not_text),
+            (*_multipart(yes, b'Content-Disposition: form-data; name="body"\r\n' + octets + b"1"), not_text),
+            (
+                *_multipart(
+                    yes, b'Content-Disposition: form-data; name="body"; filename="a.txt"\r\n\r\npaid'
+                ),
+                not_text,
+            ),
+            (*_multipart(yes, b"Content-Disposition: form-data\r\n\r\nunnamed"), not_text),
         ]
-        for data, headers in bad:
+        for data, headers, why in bad:
             async with http.post(
                 f"{gw.url}{AUDIT}/1/resolve", data=data, headers={**sent, **headers}
             ) as resp:
-                refused = (resp.status, "Its fields must be UTF-8 text." in await resp.text())
-            assert refused == (400, True), data
+                refused = (resp.status, why in await resp.text())
+            assert refused == (400, True), data[-60:]
         assert await effect_rows(dsn) == before
         async with http.post(
             f"{gw.url}{AUDIT}/1/resolve",
@@ -356,3 +371,20 @@ async def test_a_verdict_form_is_read_as_the_utf8_it_was_sent_in_and_nothing_els
             assert resp.status == 303, await resp.text()
     [row] = await effect_rows(dsn)
     assert (row["state"], row["history"][-1]["by"]) == ("retryable", "Ana José")
+
+
+@given(st.lists(st.tuples(FORM_BYTES, FORM_BYTES), max_size=4), st.data())
+def test_a_form_reads_as_its_fields_say_or_not_at_all(
+    fields: list[tuple[bytes, bytes]], data: st.DataObject
+) -> None:
+    """Every spelling of a form's fields reads as those fields, as text; a form with bytes that are not
+    text in its charset does not read at all. Latin-1 reads %E9 as the é it is."""
+    raw = b"&".join(data.draw(spelled(n)) + b"=" + data.draw(spelled(v)) for n, v in fields)
+    try:
+        expected = [(n.decode(), v.decode()) for n, v in whatwg_pairs(raw.rstrip())]
+    except UnicodeDecodeError:
+        with pytest.raises(UnicodeDecodeError):
+            urlencoded.text_fields(raw, 10)
+        return
+    assert urlencoded.text_fields(raw, 10) == expected
+    assert urlencoded.text_fields(b"by=Jos%E9&&x\n", 10, "iso-8859-1") == [("by", "José"), ("x", "")]

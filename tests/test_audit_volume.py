@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import asyncpg
+
 from gateway.audit_query import EffectFilter, find_statement
 from gateway.states import State
 from gateway.store import opened
@@ -76,9 +78,22 @@ async def test_a_backlog_of_an_open_state_is_listed_a_page_at_a_time(dsn: str) -
     await fill_effects(dsn, "t", 1, 200_000)
     await fill_effects(dsn, "t", 1_000_000, 40_000, "needs_review")
     await fill_effects(dsn, "u", 2_000_000, 20_000, "needs_review")
-    for where in (EffectFilter(state=State.NEEDS_REVIEW), EffectFilter(tenant="u", state=State.NEEDS_REVIEW)):
+    conn = await asyncpg.connect(dsn)
+    try:  # a run with two effects waiting among the backlog, found from the run and not from the list
+        await conn.execute("update effects set run_id = 'r' where id in (1000005, 1000006)")
+        await conn.execute("analyze effects")
+    finally:
+        await conn.close()
+    lists = [
+        EffectFilter(state=State.NEEDS_REVIEW),
+        EffectFilter(tenant="u", state=State.NEEDS_REVIEW),
+        EffectFilter(run_id="r", state=State.NEEDS_REVIEW),
+    ]
+    for where in lists:
         plan = await plan_run(dsn, *find_statement(where))
-        assert rows_read(plan, "effects") <= 100, (where, rows_read(plan, "effects"))
+        read = rows_read(plan, "effects") + rows_read(plan, "open_effects")
+        assert read <= 100, (where, read)
     async with opened(dsn) as store:
         page = await store.find(EffectFilter(state=State.NEEDS_REVIEW, limit=3))
         assert [(r.id, r.tenant) for r in page] == [(2_019_999, "u"), (2_019_998, "u"), (2_019_997, "u")]
+        assert [r.id for r in await store.find(lists[2])] == [1_000_006, 1_000_005]

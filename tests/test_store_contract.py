@@ -742,6 +742,19 @@ async def test_find_filters_and_pages_newest_first(subject: Subject) -> None:
         r.id for r in await store.find(EffectFilter(since=a.created_at, until=c.created_at, limit=1))
     ] == [b.id]
     assert [r.id for r in await store.find(EffectFilter(until=b.created_at, upstream="shop"))] == [a.id]
+    # An open state with each other filter: the state's list, or the run's rows with their state checked.
+    with_state = [
+        ({"upstream": "mail"}, [c.id]),
+        ({"run_id": "run-1"}, [b.id]),
+        ({"run_id": "run-1", "tenant": "other"}, []),
+        ({"since": c.created_at}, [c.id]),
+        ({"until": c.created_at}, [b.id]),
+        ({"tenant": "other", "upstream": "shop"}, []),
+        ({"tenant": "default", "upstream": "shop", "before_id": c.id}, [b.id]),
+    ]
+    for given, expected in with_state:
+        assert [r.id for r in await store.find(EffectFilter(state=State.PENDING, **given))] == expected, given
+    assert await store.find(EffectFilter(state=State.COMPLETED, run_id="run-1")) == []
     page = await store.find(EffectFilter(limit=2))
     assert [r.id for r in page] == [c.id, b.id]
     assert not page[0].response_read
