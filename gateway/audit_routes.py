@@ -10,6 +10,7 @@ Content-Security-Policy that allows no script at all.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Awaitable, Callable, Mapping
@@ -118,31 +119,46 @@ def _page(handler: Handler) -> Handler:
 
 # Fields in one of the audit's own forms: a verdict has eight. aiohttp bounds a multipart form at 1,000.
 _MOST_FIELDS = 1000
+# Charsets a form may name (as codecs.lookup names them): the page sends UTF-8, a script may send Latin-1
+# or ASCII. Not every codec Python has: UTF-7 decodes into lone surrogates, which no later step can
+# encode, and the punycode decoder takes quadratic time (a megabyte held a worker for 12 s).
+_CHARSETS = frozenset({"utf-8", "iso8859-1", "ascii"})
 
 
 async def _form(request: web.Request) -> Mapping[str, object]:
     """The posted form with every field read as the text it was sent as, or a 400 page.
 
-    An urlencoded form is read here rather than by aiohttp, which reads an escape of bytes that are not
-    text in the form's charset (``%FF`` in UTF-8) as U+FFFD: an operator's name, or the response body of
-    a verdict, would be kept as other text than the one sent.
+    Read here rather than by aiohttp, which reads an escape of bytes that are not text in the form's
+    charset (``%FF`` in UTF-8) as U+FFFD: an operator's name, or the response body of a verdict, would
+    be kept as other text than the one sent. Only urlencoded forms, as the page sends them: aiohttp's
+    multipart reader takes any codec and transfer encoding a part names. A field given twice is refused
+    too: which of two verdicts or bodies was meant, the form does not say.
     """
-    unreadable, not_text = (
-        "The form could not be read",
-        "Its fields must be text (UTF-8 or the charset named).",
-    )
+    unreadable = "The form could not be read"
+    raw = await request.read()
+    if request.content_type != "application/x-www-form-urlencoded":
+        if not raw:
+            return MultiDict()
+        raise PageError(400, unreadable, "The audit's forms are sent urlencoded, as its page sends them.")
     try:
-        if request.content_type == "application/x-www-form-urlencoded":
-            raw = await request.read()
-            return MultiDict(urlencoded.text_fields(raw, _MOST_FIELDS, request.charset or "utf-8"))
-        form = await request.post()  # multipart (a text part that does not decode raises), or empty
+        charset = codecs.lookup(request.charset or "utf-8").name
+    except LookupError:
+        charset = ""
+    if charset not in _CHARSETS:
+        raise PageError(400, unreadable, "Its charset must be UTF-8 (or Latin-1, or ASCII).")
+    try:
+        fields = urlencoded.text_fields(raw, _MOST_FIELDS, charset)
     except urlencoded.FormRefused as exc:
         raise PageError(400, unreadable, _sentence(exc)) from None
-    except (ValueError, LookupError):  # text that does not decode, an unknown charset, a part unnamed
-        raise PageError(400, unreadable, not_text) from None
-    if not all(isinstance(value, str) for value in form.values()):
-        raise PageError(400, unreadable, not_text)  # a part sent as bytes or as a file: read as empty
-    return form
+    except UnicodeDecodeError:
+        raise PageError(
+            400, unreadable, "Its fields must be text in its charset (UTF-8 if none is named)."
+        ) from None
+    names = [name for name, _ in fields]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:
+        raise PageError(400, unreadable, f"The field {twice} is given more than once.")
+    return MultiDict(fields)
 
 
 def _sentence(exc: Exception) -> str:
@@ -336,13 +352,15 @@ def _response(entered: ResolveForm) -> StoredResponse:
     if whole_number(entered.status, 0, 999) is None:
         raise problems.BadRequest("The status must be a number from 200 to 599.")
     headers: list[list[str]] = []
-    for line in entered.headers.splitlines():
-        if not line.strip():
+    # Lines end at a line break only (splitlines would end one at U+2028 too, making two headers of
+    # one), and only spaces and tabs around a name or value are not part of it (HTTP's whitespace).
+    for line in entered.headers.replace("\r\n", "\n").split("\n"):
+        if not line.strip(" \t"):
             continue
         name, colon, value = line.partition(":")
-        if not colon or not _HEADER_NAME.match(name.strip()):
+        if not colon or not _HEADER_NAME.match(name.strip(" \t")):
             raise problems.BadRequest(f"The header line {line!r} is not 'Name: value'.")
-        headers.append([name.strip(), value.strip()])
+        headers.append([name.strip(" \t"), value.strip(" \t")])
     if entered.kind == "json":
         try:
             json.loads(entered.body)

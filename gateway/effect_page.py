@@ -193,6 +193,8 @@ def _resolve_forms(record: EffectRecord, verdict: Verdict) -> str:
         f'<input id="by-{{0}}" name="by" value="{{1}}" maxlength="{MAX_NAME}">'
     )
     problem = notice("error", escape(form.error)) if form.error else ""
+    # Each textarea's text starts after a line break: an HTML parser drops a line break right after
+    # the tag, which would take a body's own first one with it when the form comes back with an error.
     return f"""{problem}<div class="resolve">
 <form method="post" action="{action}" aria-label="did not happen">
 <h3>It did not happen</h3>
@@ -210,9 +212,9 @@ retry gets exactly this, and nothing is sent.</p>
 <label for="status">Status</label>
 <input id="status" name="status" type="number" min="200" max="599" value="{escape(form.status)}" required>
 <label for="headers">Headers <span class="muted">(one "Name: value" a line; optional)</span></label>
-<textarea id="headers" name="headers" rows="2">{escape(form.headers)}</textarea>
+<textarea id="headers" name="headers" rows="2">\n{escape(form.headers)}</textarea>
 <label for="body">Body</label> {kinds}
-<textarea id="body" name="body" rows="6">{escape(form.body)}</textarea>
+<textarea id="body" name="body" rows="6">\n{escape(form.body)}</textarea>
 {by.format("yes", escape(form.by))}
 <p><button class="primary" type="submit">Happened: record this response</button></p>
 </form>

@@ -115,7 +115,8 @@ class SessionKeys:
             claims = _unb64(encoded).decode()
         except (binascii.Error, UnicodeDecodeError, ValueError):
             return None
-        if not hmac.compare_digest(mac, self._mac("session", claims)):
+        # compare_digest takes text of ASCII only: a cookie of other text is no session.
+        if not mac.isascii() or not hmac.compare_digest(mac, self._mac("session", claims)):
             return None
         who, expires, session_id, fingerprint = claims.split("|")
         principal = Principal._parse(who)

@@ -323,9 +323,10 @@ async def test_a_verdict_form_is_read_as_the_text_it_was_sent_as_and_nothing_els
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
 ) -> None:
     """A name escaped as bytes that are not UTF-8 (%FF) is a 400 that changes nothing: it was kept as
-    U+FFFD, another name than the one sent. So is a multipart part that is not text (it was read as
-    left empty), a charset nobody knows, and a form of 1,001 fields. The same name as UTF-8, with "+"
-    for its space, is kept."""
+    U+FFFD, another name than the one sent. So is a field given twice (which verdict?), a charset that
+    is not UTF-8, Latin-1 or ASCII (UTF-7 gave a 500 and punycode held the worker), a form of 1,001
+    fields, and any multipart form (a part that was not text was read as left empty, and an unknown
+    transfer encoding was a 500). The same name as UTF-8, with "+" for its space, is kept."""
     form = {"Content-Type": "application/x-www-form-urlencoded"}
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
         cookie, csrf, judged = await _resolvable_page(http, gw.url, upstream)
@@ -333,27 +334,29 @@ async def test_a_verdict_form_is_read_as_the_text_it_was_sent_as_and_nothing_els
         sent = {"Cookie": f"{COOKIE}={cookie}", "Origin": gw.url}
         before = await effect_rows(dsn)
         yes = {"csrf": csrf, **judged, "happened": "yes", "kind": "text"}
-        octets = b"Content-Type: application/octet-stream\r\n\r\n"
-        not_text = "Its fields must be text (UTF-8 or the charset named)."
+        not_text = "Its fields must be text in its charset"
+        charset = "Its charset must be UTF-8 (or Latin-1, or ASCII)."
+        multipart = "forms are sent urlencoded, as its page sends them"
+
+        def named(name: str) -> dict[str, str]:
+            return {"Content-Type": f"{form['Content-Type']}; charset={name}"}
+
         bad = [
             (f"{fields}&by=Jos%E9".encode(), form, not_text),
             (f"{fields}&by=%FF".encode(), form, not_text),
             (f"{fields}&by=ok&note=%C3%28".encode(), form, not_text),
-            (
-                f"{fields}&by=x".encode(),
-                {"Content-Type": f"{form['Content-Type']}; charset=nosuch"},
-                not_text,
-            ),
+            (f"{fields}&happened=yes&status=201&body=x".encode(), form, "The field happened is given more"),
+            (f"{fields}&by=x".encode(), named("nosuch"), charset),
+            (f"{fields}&by=%2B2AA-".encode(), named("utf-7"), charset),
+            (f"{fields}&by=abc".encode(), named("punycode"), charset),
             (f"{fields}{'&a' * 998}".encode(), form, "The form has more than 1000 fields."),
-            (*_multipart(yes, b'Content-Disposition: form-data; name="by"\r\n\r\nJos\xe9'), not_text),
-            (*_multipart(yes, b'Content-Disposition: form-data; name="body"\r\n' + octets + b"1"), not_text),
+            (*_multipart(yes, b'Content-Disposition: form-data; name="by"\r\n\r\nJos\xe9'), multipart),
             (
                 *_multipart(
-                    yes, b'Content-Disposition: form-data; name="body"; filename="a.txt"\r\n\r\npaid'
+                    yes, b'Content-Disposition: form-data; name="by"\r\nContent-Transfer-Encoding: x\r\n\r\nx'
                 ),
-                not_text,
+                multipart,
             ),
-            (*_multipart(yes, b"Content-Disposition: form-data\r\n\r\nunnamed"), not_text),
         ]
         for data, headers, why in bad:
             async with http.post(
@@ -364,13 +367,56 @@ async def test_a_verdict_form_is_read_as_the_text_it_was_sent_as_and_nothing_els
         assert await effect_rows(dsn) == before
         async with http.post(
             f"{gw.url}{AUDIT}/1/resolve",
-            data=f"{fields}&&by=Ana+Jos%C3%A9",
-            headers={**sent, **form},
+            data=f"{fields}&&by=Ana+Jos%C3%A9".encode(),
+            headers={**sent, **named("UTF8")},
             allow_redirects=False,
         ) as resp:
             assert resp.status == 303, await resp.text()
     [row] = await effect_rows(dsn)
     assert (row["state"], row["history"][-1]["by"]) == ("retryable", "Ana José")
+
+
+async def test_a_verdicts_body_and_headers_are_replayed_as_typed(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
+) -> None:
+    """A body that starts with a line break keeps it when the form comes back with an error (a parser
+    drops a line break right after <textarea>), and a header value keeps its U+2028 and its no-break
+    spaces (they split it into two headers, and were stripped)."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
+        cookie, csrf, judged = await _resolvable_page(http, gw.url, upstream)
+        sent = {"Cookie": f"{COOKIE}={cookie}", "Origin": gw.url}
+        typed = {"csrf": csrf, **judged, "happened": "yes", "status": "201", "body": "\n  first\nsecond"}
+        async with http.post(
+            f"{gw.url}{AUDIT}/1/resolve", data={**typed, "kind": "json"}, headers=sent
+        ) as resp:
+            assert resp.status == 400
+            shown = await resp.text()
+        assert '<textarea id="body" name="body" rows="6">\n\n  first\nsecond</textarea>' in shown
+        headers = "X-A: \xa0one\u2028X-B: two\xa0\r\n"
+        async with http.post(
+            f"{gw.url}{AUDIT}/1/resolve",
+            data={**typed, "kind": "text", "headers": headers},
+            headers=sent,
+            allow_redirects=False,
+        ) as resp:
+            assert resp.status == 303, await resp.text()
+        async with http.post(
+            f"{gw.url}/shop/orders",
+            data=b"{}",
+            headers={"Idempotency-Key": "k1", "Effect-Gateway-Token": "tok-a"},
+        ) as resp:
+            replayed = (resp.status, resp.headers.getall("X-A"), "X-B" in resp.headers, await resp.text())
+    assert replayed == (201, ["\xa0one\u2028X-B: two\xa0"], False, "\n  first\nsecond")
+
+
+async def test_a_cookie_of_other_text_is_no_session(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
+) -> None:
+    """A session cookie whose signature is not ASCII is the sign-in page; it was a 500."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
+        status, page = await _page(http, f"{gw.url}{AUDIT}", "YQ.\u00e9")
+    assert status == 401
+    assert "Sign in" in page
 
 
 @given(st.lists(st.tuples(FORM_BYTES, FORM_BYTES), max_size=4), st.data())
