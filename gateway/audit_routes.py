@@ -13,7 +13,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
@@ -117,15 +117,16 @@ def _page(handler: Handler) -> Handler:
     return page
 
 
-# Fields in one of the audit's own forms: a verdict has eight. aiohttp bounds a multipart form at 1,000.
+# Fields in one of the audit's own forms: a verdict has eight; a thousand leaves room for any script.
 _MOST_FIELDS = 1000
 # Charsets a form may name (as codecs.lookup names them): the page sends UTF-8, a script may send Latin-1
 # or ASCII. Not every codec Python has: UTF-7 decodes into lone surrogates, which no later step can
 # encode, and the punycode decoder takes quadratic time (a megabyte held a worker for 12 s).
 _CHARSETS = frozenset({"utf-8", "iso8859-1", "ascii"})
+_UNREADABLE = "The form could not be read"
 
 
-async def _form(request: web.Request) -> Mapping[str, object]:
+async def _form(request: web.Request) -> Mapping[str, str]:
     """The posted form with every field read as the text it was sent as, or a 400 page.
 
     Read here rather than by aiohttp, which reads an escape of bytes that are not text in the form's
@@ -134,31 +135,43 @@ async def _form(request: web.Request) -> Mapping[str, object]:
     multipart reader takes any codec and transfer encoding a part names. A field given twice is refused
     too: which of two verdicts or bodies was meant, the form does not say.
     """
-    unreadable = "The form could not be read"
     raw = await request.read()
     if request.content_type != "application/x-www-form-urlencoded":
         if not raw:
             return MultiDict()
-        raise PageError(400, unreadable, "The audit's forms are sent urlencoded, as its page sends them.")
+        raise PageError(400, _UNREADABLE, "The audit's forms are sent urlencoded, as its page sends them.")
+    try:
+        fields = urlencoded.text_fields(raw, _MOST_FIELDS, _charset(request))
+    except urlencoded.FormRefused as exc:
+        raise PageError(400, _UNREADABLE, _sentence(exc)) from None
+    except UnicodeDecodeError:
+        raise PageError(
+            400, _UNREADABLE, "Its fields must be text in its charset (UTF-8 if none is named)."
+        ) from None
+    twice = _given_twice(name for name, _ in fields)
+    if twice is not None:
+        raise PageError(400, _UNREADABLE, f"The field {twice[:50]!r} is given more than once.")
+    return MultiDict(fields)
+
+
+def _charset(request: web.Request) -> str:
+    """The charset the form names, if it is one of :data:`_CHARSETS`; UTF-8 if it names none."""
     try:
         charset = codecs.lookup(request.charset or "utf-8").name
     except LookupError:
         charset = ""
     if charset not in _CHARSETS:
-        raise PageError(400, unreadable, "Its charset must be UTF-8 (or Latin-1, or ASCII).")
-    try:
-        fields = urlencoded.text_fields(raw, _MOST_FIELDS, charset)
-    except urlencoded.FormRefused as exc:
-        raise PageError(400, unreadable, _sentence(exc)) from None
-    except UnicodeDecodeError:
-        raise PageError(
-            400, unreadable, "Its fields must be text in its charset (UTF-8 if none is named)."
-        ) from None
-    names = [name for name, _ in fields]
-    twice = next((name for name in names if names.count(name) > 1), None)
-    if twice is not None:
-        raise PageError(400, unreadable, f"The field {twice} is given more than once.")
-    return MultiDict(fields)
+        raise PageError(400, _UNREADABLE, "Its charset must be UTF-8 (or Latin-1, or ASCII).")
+    return charset
+
+
+def _given_twice(names: Iterable[str]) -> str | None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
 
 
 def _sentence(exc: Exception) -> str:
@@ -347,16 +360,24 @@ def _entered(form: Mapping[str, object]) -> ResolveForm:
     )
 
 
+_NOT_IN_A_HEADER = re.compile("[\x00-\x08\x0a-\x1f\x7f\x85\u2028\u2029]")
+
+
 def _response(entered: ResolveForm) -> StoredResponse:
     """The response to replay, from the "happened" form: checked as the JSON route checks it."""
     if whole_number(entered.status, 0, 999) is None:
         raise problems.BadRequest("The status must be a number from 200 to 599.")
     headers: list[list[str]] = []
-    # Lines end at a line break only (splitlines would end one at U+2028 too, making two headers of
-    # one), and only spaces and tabs around a name or value are not part of it (HTTP's whitespace).
+    # Lines end at a line break only, and only spaces and tabs around a name or value are not part of
+    # it (HTTP's whitespace). Other controls and line separators are refused: splitlines made two
+    # headers of one at U+2028, and kept as typed they make a replay that HTTP clients refuse (h11).
     for line in entered.headers.replace("\r\n", "\n").split("\n"):
         if not line.strip(" \t"):
             continue
+        if _NOT_IN_A_HEADER.search(line):
+            raise problems.BadRequest(
+                f"The header line {line!r} holds a control character or line separator."
+            )
         name, colon, value = line.partition(":")
         if not colon or not _HEADER_NAME.match(name.strip(" \t")):
             raise problems.BadRequest(f"The header line {line!r} is not 'Name: value'.")

@@ -91,7 +91,8 @@ def _body(body: bytes | None, absent: str) -> str:
     if not body:
         return '<p class="muted">Empty body.</p>'
     try:
-        return f"<pre>{escape(body.decode('utf-8'))}</pre>"
+        # A line break right after <pre> is dropped by the HTML parser: a body's own first one stays.
+        return f"<pre>\n{escape(body.decode('utf-8'))}</pre>"
     except UnicodeDecodeError:
         return f'<p class="muted">Binary body, {len(body)} bytes: not shown (see the JSON API).</p>'
 
