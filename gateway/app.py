@@ -231,8 +231,7 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
     except problems.Problem as problem:
         instance = request.path_qs if request.path_qs.isascii() else None
         response = problems.render(problem, instance, _error_format(request))
-        if isinstance(problem, problems.RequestTimeout):
-            # What is left of the body may still come: it must not be read as the next request.
+        if problem.closes_connection:
             response.force_close()
         return response
     except web.HTTPRequestEntityTooLarge as exc:

@@ -34,7 +34,7 @@ from gateway.audit_page import BASE, Chrome, Listing
 from gateway.decision import NotAwaitingOperator, resolution
 from gateway.effect_page import ResolveForm, Verdict
 from gateway.record import EffectRecord, StoredResponse
-from gateway.runtime import RUNTIME, Runtime, is_admin, tenant_of
+from gateway.runtime import RUNTIME, Runtime, is_admin, read_request_body, tenant_of
 from gateway.sessions import ADMIN, COOKIE, LIFETIME, Principal, Session, SessionKeys, holder
 from gateway.settings import Settings
 
@@ -112,7 +112,10 @@ def _page(handler: Handler) -> Handler:
         except PageError as exc:
             return _html(audit_page.error_page(exc.title, exc.detail, None), exc.status)
         except problems.Problem as exc:
-            return _html(audit_page.error_page(exc.title, exc.detail, None), exc.status)
+            response = _html(audit_page.error_page(exc.title, exc.detail, None), exc.status)
+            if exc.closes_connection:
+                response.force_close()
+            return response
 
     return page
 
@@ -135,7 +138,7 @@ async def _form(request: web.Request) -> Mapping[str, str]:
     multipart reader takes any codec and transfer encoding a part names. A field given twice is refused
     too: which of two verdicts or bodies was meant, the form does not say.
     """
-    raw = await request.read()
+    raw = await read_request_body(request, _runtime(request).settings)
     if request.content_type != "application/x-www-form-urlencoded":
         if not raw:
             return MultiDict()

@@ -26,6 +26,8 @@ class Problem(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "internal"
     title: ClassVar[str] = "Internal gateway error"
+    # Whether the answer ends the connection: set where the request's bytes cannot be trusted to end.
+    closes_connection: ClassVar[bool] = False
 
     def __init__(self, detail: str, *, headers: dict[str, str] | None = None, **extra: Any) -> None:
         super().__init__(detail)
@@ -133,6 +135,8 @@ class MethodNotAllowed(Problem):
 
 class RequestTimeout(Problem):
     status, type, title = 408, "request-timeout", "The request body did not arrive in time"
+    # What is left of the body may still come: it must not be read as the next request.
+    closes_connection = True
 
 
 class InFlight(Problem):

@@ -6,6 +6,7 @@ make on its own (a foreign Origin, a forged token) and the session rules themsel
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -432,6 +433,29 @@ async def test_a_cookie_of_other_text_is_no_session(
         status, page = await _page(http, f"{gw.url}{AUDIT}", "YQ.\u00e9")
     assert status == 401
     assert "Sign in" in page
+
+
+async def test_a_form_that_does_not_arrive_in_time_is_408_and_closes_the_connection(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
+) -> None:
+    """A sign-in whose body stalls is answered within request_body_timeout; it held the connection."""
+    cfg = {"shop": {"base_url": upstream.url}}
+    async with gateway_server(dsn, upstreams=cfg, request_body_timeout="300ms", **tokens) as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        head = (
+            f"POST {AUDIT}/sign-in HTTP/1.1\r\nHost: {host}:{port}\r\nOrigin: {gw.url}\r\n"
+            "Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 100\r\n\r\n"
+        )
+        writer.write(head.encode() + b"token=adm-1&next=")
+        raw = await asyncio.wait_for(reader.read(), 5)  # the gateway closes the connection after it
+        writer.close()
+        assert (await _page(http, gw.url + AUDIT))[0] == 401  # the gateway still answers
+    status_line, _, rest = raw.partition(b"\r\n")
+    assert status_line.split(b" ", 2)[1] == b"408", raw
+    assert b"text/html" in rest
+    assert b"did not arrive" in rest
+    assert b"Set-Cookie" not in rest
 
 
 @given(st.lists(st.tuples(FORM_BYTES, FORM_BYTES), max_size=4), st.data())
