@@ -102,6 +102,7 @@ OPEN_COLUMNS: dict[str, str] = {
     "id": "g.id",
     "created_at": "g.created_at",
     "tenant": "g.tenant",
+    "upstream": "g.upstream",
 }
 
 # Column -> SQL over g and b (the row's bodies); one row per request, and one per response on record.

@@ -61,18 +61,28 @@ _OPEN_COUNTS = """
                  0)::bigint as estimate
     from unnest($1::text[]) as s(state)
 """
-# A tenant's: the exact count up to the bound, a range of open_effects_by_tenant (migration 007) that
-# reads none of the other tenants' rows. A statement of its own rather than "tenant = $2 or $2 is null",
-# for which the pool's generic plan read every open effect (174 ms at 1M). The range is spelt as one
-# on the index's leading columns, which only that index can read: as "tenant = $2 and state = ..."
-# Postgres could also read the state's range of the key and filter on the tenant, and does when one
-# tenant holds nearly every open effect (its statistics then see one tenant): the others' counts then
-# read that tenant's rows.
-TENANT_OPEN = "(o.tenant, o.state) >= ({tenant}, {state}) and (o.tenant, o.state) <= ({tenant}, {state})"
+
+
+def open_range(column: str, value: str, state: str) -> str:
+    """The open effects in ``state`` whose ``column`` (tenant or upstream) is ``value``: a range of the
+    index on (column, state, id), migration 007's or 011's.
+
+    The range is spelt as one on the index's leading columns, which only that index can read: as
+    "tenant = $2 and state = ..." Postgres could also read the state's range of the key and filter on
+    the tenant, and does when one tenant holds nearly every open effect (its statistics then see one
+    tenant): the others' counts then read that tenant's rows.
+    """
+    lead = f"(o.{column}, o.state)"
+    return f"{lead} >= ({value}, {state}) and {lead} <= ({value}, {state})"
+
+
+# A tenant's: the exact count up to the bound, a range of open_effects_by_tenant that reads none of the
+# other tenants' rows. A statement of its own rather than "tenant = $2 or $2 is null", for which the
+# pool's generic plan read every open effect (174 ms at 1M).
 _TENANT_OPEN_COUNTS = f"""
     select s.state,
         (select count(*) from (select from open_effects o
-                               where {TENANT_OPEN.format(tenant="$2", state="s.state")}
+                               where {open_range("tenant", "$2", "s.state")}
                                order by o.tenant, o.state, o.id limit $3) as c) as n
     from unnest($1::text[]) as s(state)
 """
@@ -124,13 +134,14 @@ def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
 
     A key is found through effect_keys (its digest leads that table's index); an open state is listed
     from open_effects (its key is (state, id): the page is a range of it; a tenant's, a range of
-    open_effects_by_tenant); either is joined to the audit rows and read in id order. Any other page
-    is read by time (see :func:`by_time` and :func:`_time_statement`).
+    open_effects_by_tenant; an upstream's, of open_effects_by_upstream); either is joined to the audit
+    rows and read in id order. Any other page is read by time (see :func:`by_time` and
+    :func:`_time_statement`).
     """
     if by_time(where):
         return _time_statement(where)
     listed = _listed(where)
-    # open_effects holds the tenant, id and creation time of an open effect: filtering there
+    # open_effects holds the tenant, upstream, id and creation time of an open effect: filtering there
     # leaves the audit to be read only for the rows of the page.
     holder = "o" if listed else "e"
     clauses: list[str] = []
@@ -141,15 +152,25 @@ def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
         return f"${len(args)}"
 
     order = f"{holder}.id desc"
-    if listed and where.tenant is not None and where.state is not None:
-        clauses.append(TENANT_OPEN.format(tenant=arg(where.tenant), state=arg(where.state.value)))
-        order = "o.tenant desc, o.state desc, o.id desc"  # the index's order: by id within the range
+    # A tenant's list is a range of open_effects_by_tenant, any upstream's of open_effects_by_upstream
+    # (migration 011); a tenant's list of one upstream reads the tenant's range and filters there.
+    lead: tuple[str, str] | None = None
+    if listed and where.tenant is not None:
+        lead = ("tenant", where.tenant)
+    elif listed and where.upstream is not None:
+        lead = ("upstream", where.upstream)
+    if lead is not None and where.state is not None:
+        lead_column, lead_value = lead
+        clauses.append(open_range(lead_column, arg(lead_value), arg(where.state.value)))
+        order = f"o.{lead_column} desc, o.state desc, o.id desc"  # the index's order: by id within the range
     else:
         if where.tenant is not None:
             clauses.append(f"{holder}.tenant = {arg(where.tenant)}")
         if where.state is not None:
             clauses.append(f"{holder}.state = {arg(where.state.value)}")
-    for column, value in (("e.upstream", where.upstream), ("e.run_id", where.run_id), ("e.key", where.key)):
+    if where.upstream is not None and (lead is None or lead[0] != "upstream"):
+        clauses.append(f"{holder}.upstream = {arg(where.upstream)}")
+    for column, value in (("e.run_id", where.run_id), ("e.key", where.key)):
         if value is not None:
             clauses.append(f"{column} = {arg(value)}")
     if where.key is not None:

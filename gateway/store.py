@@ -307,8 +307,8 @@ class Store:
                     insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
                     select effect_id, created_at, 'request', $9, $15, $10 from k
                 ), o as (
-                    insert into open_effects (state, id, created_at, tenant)
-                    select 'pending', effect_id, created_at, $1 from k
+                    insert into open_effects (state, id, created_at, tenant, upstream)
+                    select 'pending', effect_id, created_at, $1, $2 from k
                 )
                 select {RECORD_COLUMNS}, null::bytea as r_headers, null::bytea as r_content, null as r_coding
                 from e

@@ -484,13 +484,14 @@ async def fill_effects(
                 )
             if state != "completed":
                 await conn.execute(
-                    """insert into open_effects (state, id, created_at, tenant)
-                       select $4, $1 + n, now() + n * interval '1 millisecond', $2
+                    """insert into open_effects (state, id, created_at, tenant, upstream)
+                       select $4, $1 + n, now() + n * interval '1 millisecond', $2, $5
                        from generate_series(0, $3 - 1) as n""",
                     first_id,
                     tenant,
                     count,
                     state,
+                    upstream,
                 )
         await conn.execute("analyze effects, open_effects")
     finally:

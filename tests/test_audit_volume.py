@@ -69,13 +69,16 @@ async def test_a_quiet_tenants_pages_read_only_its_own_effects(dsn: str) -> None
 
 async def test_a_backlog_of_an_open_state_is_listed_a_page_at_a_time(dsn: str) -> None:
     """The audit filtered by needs_review, with 60,000 of them among 260,000 effects, reads about its
-    page of 50 audit rows: the gateway's list and a tenant's.
+    page of 50 audit rows: the gateway's list, a tenant's, and an upstream's with few waiting.
 
     Postgres guessed the join of open_effects with the audit at one row (nothing tells it that an open
     effect has exactly one audit row), so the page's limit could not stop the read early: with 170,000
-    waiting among 1M effects, it hashed every row of the audit for each page (540 ms).
+    waiting among 1M effects, it hashed every row of the audit for each page (540 ms). An upstream's
+    list then stepped through the whole state's backlog, looking up every other upstream's audit row
+    (195 ms with 95,000 waiting at another upstream).
     """
     await fill_effects(dsn, "t", 1, 200_000)
+    await fill_effects(dsn, "u", 500_000, 30, "needs_review", upstream="mail")
     await fill_effects(dsn, "t", 1_000_000, 40_000, "needs_review")
     await fill_effects(dsn, "u", 2_000_000, 20_000, "needs_review")
     conn = await asyncpg.connect(dsn)
@@ -88,12 +91,23 @@ async def test_a_backlog_of_an_open_state_is_listed_a_page_at_a_time(dsn: str) -
         EffectFilter(state=State.NEEDS_REVIEW),
         EffectFilter(tenant="u", state=State.NEEDS_REVIEW),
         EffectFilter(run_id="r", state=State.NEEDS_REVIEW),
+        EffectFilter(upstream="mail", state=State.NEEDS_REVIEW),
     ]
     for where in lists:
         plan = await plan_run(dsn, *find_statement(where))
         read = rows_read(plan, "effects") + rows_read(plan, "open_effects")
         assert read <= 100, (where, read)
+    # A tenant's list of one upstream steps through the tenant's open effects, not their audit rows.
+    of_tenant = EffectFilter(tenant="u", upstream="mail", state=State.NEEDS_REVIEW)
+    plan = await plan_run(dsn, *find_statement(of_tenant))
+    assert rows_read(plan, "effects") <= 100
     async with opened(dsn) as store:
         page = await store.find(EffectFilter(state=State.NEEDS_REVIEW, limit=3))
         assert [(r.id, r.tenant) for r in page] == [(2_019_999, "u"), (2_019_998, "u"), (2_019_997, "u")]
         assert [r.id for r in await store.find(lists[2])] == [1_000_006, 1_000_005]
+        mail = list(range(500_029, 499_999, -1))
+        assert [r.id for r in await store.find(lists[3])] == mail
+        assert [r.id for r in await store.find(of_tenant)] == mail
+        assert await store.find(EffectFilter(tenant="t", upstream="mail", state=State.NEEDS_REVIEW)) == []
+        shop = await store.find(EffectFilter(upstream="shop", state=State.NEEDS_REVIEW, limit=2))
+        assert [r.id for r in shop] == [2_019_999, 2_019_998]

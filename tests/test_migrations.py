@@ -112,8 +112,10 @@ async def test_a_database_migrated_by_a_newer_gateway_is_refused(
 
 
 async def before_010(conn: asyncpg.Connection) -> None:
-    """The bodies' table as it was before migration 010, which is pending again."""
-    await conn.execute("delete from effect_gateway_migrations where version = 10")
+    """The schema as it was before migration 010, which is pending again with those after it."""
+    await conn.execute("delete from effect_gateway_migrations where version >= 10")
+    await conn.execute("drop index open_effects_by_upstream")
+    await conn.execute("alter table open_effects drop column upstream")
     await conn.execute("alter table effect_bodies rename column content to body")
     await conn.execute("alter table effect_bodies alter column coding set default ''")
 
@@ -312,9 +314,9 @@ async def test_an_effects_table_with_rows_migrates_to_the_partitioned_layout(pos
     assert rows["k20"]["state"] == "needs_review"
 
 
-def _retry(tenant: str, key: str) -> NewEffect:
+def _retry(tenant: str, key: str, upstream: str = "shop") -> NewEffect:
     return NewEffect(
-        tenant, "shop", key, "eg_" + key, "POST", "/orders", "", "fp-" + key, {}, b"{}", None, None
+        tenant, upstream, key, "eg_" + key, "POST", "/orders", "", "fp-" + key, {}, b"{}", None, None
     )
 
 
@@ -347,6 +349,7 @@ async def test_effects_of_the_partitioned_layout_keep_their_keys_lists_and_count
     await admin.execute("create database upgraded_open")
     dsn = other_database(postgres_dsn, "upgraded_open")
     states = ["completed", "completed", "pending", "in_doubt", "needs_review", "needs_review", "completed"]
+    upstreams = ["shop", "shop", "shop", "shop", "shop", "mail", "mail"]
     try:
         await _migrated_to(dsn, 3)
         conn = await asyncpg.connect(dsn)
@@ -357,13 +360,13 @@ async def test_effects_of_the_partitioned_layout_keep_their_keys_lists_and_count
                     """
                     with k as (
                         insert into effect_keys (tenant, upstream, key, effect_id, created_at)
-                        values ($1, 'shop', $2, nextval('effect_ids'), now() - $4 * interval '1 day')
+                        values ($1, $5, $2, nextval('effect_ids'), now() - $4 * interval '1 day')
                         returning effect_id, created_at
                     ), e as (
                         insert into effects (id, created_at, tenant, upstream, key, derived_key, method,
                             path, fingerprint, state, attempt, may_have_sent, lease_expires_at,
                             response_status, response_at, completed_at, history)
-                        select effect_id, created_at, $1, 'shop', $2, 'eg_' || $2, 'POST', '/orders',
+                        select effect_id, created_at, $1, $5, $2, 'eg_' || $2, 'POST', '/orders',
                             'fp-' || $2, $3, 1, true, created_at,
                             case when $3 = 'completed' then 201 end,
                             case when $3 = 'completed' then created_at end,
@@ -377,6 +380,7 @@ async def test_effects_of_the_partitioned_layout_keep_their_keys_lists_and_count
                     f"k{n}",
                     state,
                     n,
+                    upstreams[n],
                 )
             index = await conn.fetchval("select to_regclass('effects_open')")
             assert index is not None, "migration 003 made the open-state index that 004 replaces"
@@ -385,7 +389,8 @@ async def test_effects_of_the_partitioned_layout_keep_their_keys_lists_and_count
         assert await migrate(dsn) == [name for version, name, _ in migration_files() if version > 3]
         async with opened(dsn) as store:
             for n, state in enumerate(states):
-                again, created = await store.claim(_retry(f"t{n % 2}", f"k{n}"), timedelta(seconds=30))
+                retry = _retry(f"t{n % 2}", f"k{n}", upstreams[n])
+                again, created = await store.claim(retry, timedelta(seconds=30))
                 assert again is not None
                 assert (again.key, again.state.value, created) == (f"k{n}", state, False)
                 full = await store.get(again.id)
@@ -407,6 +412,10 @@ async def test_effects_of_the_partitioned_layout_keep_their_keys_lists_and_count
             }
             review = await store.find(EffectFilter(state=State.NEEDS_REVIEW))
             assert [r.key for r in review] == ["k5", "k4"]
+            mail = await store.find(EffectFilter(state=State.NEEDS_REVIEW, upstream="mail"))
+            assert [r.key for r in mail] == ["k5"], "011 gives each open effect its upstream"
+            shop = await store.find(EffectFilter(tenant="t0", state=State.NEEDS_REVIEW, upstream="shop"))
+            assert [r.key for r in shop] == ["k4"]
             [pending] = await store.find(EffectFilter(state=State.PENDING))
             record = await store.reread(pending)
             done = settle(Answered(201, (), b"{}"), earlier_doubt=True)
