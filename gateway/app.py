@@ -230,10 +230,7 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
         return await handler(request)
     except problems.Problem as problem:
         instance = request.path_qs if request.path_qs.isascii() else None
-        response = problems.render(problem, instance, _error_format(request))
-        if problem.closes_connection:
-            response.force_close()
-        return response
+        return problems.render(problem, instance, _error_format(request))
     except web.HTTPRequestEntityTooLarge as exc:
         return _render(request, problems.BodyTooLarge(exc.text or "the request body is too large"))
     except web.HTTPMethodNotAllowed:

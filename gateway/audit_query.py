@@ -63,17 +63,22 @@ _OPEN_COUNTS = """
 """
 
 
-def open_range(column: str, value: str, state: str) -> str:
-    """The open effects in ``state`` whose ``column`` (tenant or upstream) is ``value``: a range of the
-    index on (column, state, id), migration 007's or 011's.
+def open_range(column: str, value: str, state: str, before: str | None = None) -> str:
+    """The open effects in ``state`` whose ``column`` (tenant or upstream) is ``value``, with ids below
+    ``before`` if given: a range of the index on (column, state, id), migration 007's or 011's.
 
     The range is spelt as one on the index's leading columns, which only that index can read: as
     "tenant = $2 and state = ..." Postgres could also read the state's range of the key and filter on
     the tenant, and does when one tenant holds nearly every open effect (its statistics then see one
-    tenant): the others' counts then read that tenant's rows.
+    tenant): the others' counts then read that tenant's rows. ``before`` is in the range's upper end:
+    as "id < $3" beside it, the index is not entered at that id but read down from the range's newest
+    (12 ms at the 95,000th of a backlog, for a page of 50).
     """
     lead = f"(o.{column}, o.state)"
-    return f"{lead} >= ({value}, {state}) and {lead} <= ({value}, {state})"
+    upper = f"{lead} <= ({value}, {state})"
+    if before is not None:
+        upper = f"(o.{column}, o.state, o.id) < ({value}, {state}, {before})"
+    return f"{lead} >= ({value}, {state}) and {upper}"
 
 
 # A tenant's: the exact count up to the bound, a range of open_effects_by_tenant that reads none of the
@@ -104,21 +109,18 @@ def by_time(where: EffectFilter) -> bool:
     any other from the index on (created_at, id): from the end of the span if one is given, so a page
     costs its own rows however wide the span and however many effects others have in it.
     """
-    return where.run_id is None and where.key is None and not _listed(where)
+    return where.run_id is None and where.key is None and _listed_state(where) is None
 
 
-def _listed(where: EffectFilter) -> bool:
-    """Whether the page for ``where`` is a list of an open state, read from open_effects.
+def _listed_state(where: EffectFilter) -> State | None:
+    """The open state whose list the page for ``where`` is, read from open_effects; else None.
 
     Not a run's: its few effects are read down the run's index, each state checked on its audit row,
     where the state's list could step through a backlog of other runs' effects to find them.
     """
-    return (
-        where.state is not None
-        and where.state is not State.COMPLETED
-        and where.key is None
-        and where.run_id is None
-    )
+    if where.state is State.COMPLETED or where.key is not None or where.run_id is not None:
+        return None
+    return where.state
 
 
 # An open effect's audit row, looked up from each open effect in the index's order until the page is
@@ -140,10 +142,10 @@ def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
     """
     if by_time(where):
         return _time_statement(where)
-    listed = _listed(where)
+    listed = _listed_state(where)
     # open_effects holds the tenant, upstream, id and creation time of an open effect: filtering there
     # leaves the audit to be read only for the rows of the page.
-    holder = "o" if listed else "e"
+    holder = "e" if listed is None else "o"
     clauses: list[str] = []
     args: list[Any] = []
 
@@ -152,24 +154,24 @@ def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
         return f"${len(args)}"
 
     order = f"{holder}.id desc"
-    # A tenant's list is a range of open_effects_by_tenant, any upstream's of open_effects_by_upstream
-    # (migration 011); a tenant's list of one upstream reads the tenant's range and filters there.
-    lead: tuple[str, str] | None = None
-    if listed and where.tenant is not None:
-        lead = ("tenant", where.tenant)
-    elif listed and where.upstream is not None:
-        lead = ("upstream", where.upstream)
-    if lead is not None and where.state is not None:
-        lead_column, lead_value = lead
-        clauses.append(open_range(lead_column, arg(lead_value), arg(where.state.value)))
-        order = f"o.{lead_column} desc, o.state desc, o.id desc"  # the index's order: by id within the range
+    before = arg(where.before_id) if where.before_id is not None else None
+    if listed is not None and where.tenant is not None:
+        # A range of open_effects_by_tenant; a tenant's list of one upstream filters the tenant's range.
+        clauses.append(open_range("tenant", arg(where.tenant), arg(listed.value), before))
+        order = "o.tenant desc, o.state desc, o.id desc"  # the index's order: by id within the range
+        if where.upstream is not None:
+            clauses.append(f"o.upstream = {arg(where.upstream)}")
+    elif listed is not None and where.upstream is not None:
+        clauses.append(open_range("upstream", arg(where.upstream), arg(listed.value), before))
+        order = "o.upstream desc, o.state desc, o.id desc"
     else:
-        if where.tenant is not None:
-            clauses.append(f"{holder}.tenant = {arg(where.tenant)}")
+        for column, value in (("tenant", where.tenant), ("upstream", where.upstream)):
+            if value is not None:
+                clauses.append(f"{holder}.{column} = {arg(value)}")
         if where.state is not None:
             clauses.append(f"{holder}.state = {arg(where.state.value)}")
-    if where.upstream is not None and (lead is None or lead[0] != "upstream"):
-        clauses.append(f"{holder}.upstream = {arg(where.upstream)}")
+        if before is not None:
+            clauses.append(f"{holder}.id < {before}")
     for column, value in (("e.run_id", where.run_id), ("e.key", where.key)):
         if value is not None:
             clauses.append(f"{column} = {arg(value)}")
@@ -179,12 +181,10 @@ def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
         clauses.append(f"{holder}.created_at >= {arg(where.since)}")
     if where.until is not None:
         clauses.append(f"{holder}.created_at < {arg(where.until)}")
-    if where.before_id is not None:
-        clauses.append(f"{holder}.id < {arg(where.before_id)}")
     where_sql = " where " + " and ".join(clauses) if clauses else ""
     if where.key is not None:
         source = "effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at"
-    elif listed:
+    elif listed is not None:
         source = f"open_effects o cross join lateral ({_AUDIT_ROW}) e"
     else:
         source = "effects e"

@@ -112,10 +112,9 @@ def _page(handler: Handler) -> Handler:
         except PageError as exc:
             return _html(audit_page.error_page(exc.title, exc.detail, None), exc.status)
         except problems.Problem as exc:
-            response = _html(audit_page.error_page(exc.title, exc.detail, None), exc.status)
-            if exc.closes_connection:
-                response.force_close()
-            return response
+            return problems.closing_if_asked(
+                _html(audit_page.error_page(exc.title, exc.detail, None), exc.status), exc
+            )
 
     return page
 
@@ -130,7 +129,8 @@ _UNREADABLE = "The form could not be read"
 
 
 async def _form(request: web.Request) -> Mapping[str, str]:
-    """The posted form with every field read as the text it was sent as, or a 400 page.
+    """The posted form with every field read as the text it was sent as, or a 400 page (a 408 page
+    when the body does not arrive within request_body_timeout).
 
     Read here rather than by aiohttp, which reads an escape of bytes that are not text in the form's
     charset (``%FF`` in UTF-8) as U+FFFD: an operator's name, or the response body of a verdict, would

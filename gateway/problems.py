@@ -82,6 +82,14 @@ def render(
             headers=problem.headers,
         )
     response[PROBLEM_TYPE] = problem.type
+    return closing_if_asked(response, problem)
+
+
+def closing_if_asked(response: web.Response, problem: Problem) -> web.Response:
+    """``response``, the answer to ``problem`` (as render makes it, or a page), set to close the
+    connection when the problem asks it to."""
+    if problem.closes_connection:
+        response.force_close()
     return response
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import asyncpg
@@ -9,7 +10,7 @@ import asyncpg
 from gateway.audit_query import EffectFilter, find_statement
 from gateway.states import State
 from gateway.store import opened
-from tests.support import fill_effects, plan_run, rows_read
+from tests.support import fill_effects, pages_read, plan_run, rows_read
 
 EVER = {"since": datetime(1, 1, 1, tzinfo=UTC), "until": datetime(9999, 12, 31, tzinfo=UTC)}
 
@@ -101,6 +102,16 @@ async def test_a_backlog_of_an_open_state_is_listed_a_page_at_a_time(dsn: str) -
     of_tenant = EffectFilter(tenant="u", upstream="mail", state=State.NEEDS_REVIEW)
     plan = await plan_run(dsn, *find_statement(of_tenant))
     assert rows_read(plan, "effects") <= 100
+    assert rows_read(plan, "open_effects") <= 20_030
+    # A page deep in a tenant's or an upstream's list is entered at its cursor: it costs what the first
+    # page does (it read down from the list's newest entry: 557 pages against 205).
+    for first in (
+        EffectFilter(tenant="t", state=State.NEEDS_REVIEW),
+        EffectFilter(upstream="shop", state=State.NEEDS_REVIEW),
+    ):
+        deep = replace(first, before_id=1_000_100)
+        first_pages = pages_read(await plan_run(dsn, *find_statement(first)))
+        assert pages_read(await plan_run(dsn, *find_statement(deep))) <= first_pages * 1.25, deep
     async with opened(dsn) as store:
         page = await store.find(EffectFilter(state=State.NEEDS_REVIEW, limit=3))
         assert [(r.id, r.tenant) for r in page] == [(2_019_999, "u"), (2_019_998, "u"), (2_019_997, "u")]
@@ -111,3 +122,7 @@ async def test_a_backlog_of_an_open_state_is_listed_a_page_at_a_time(dsn: str) -
         assert await store.find(EffectFilter(tenant="t", upstream="mail", state=State.NEEDS_REVIEW)) == []
         shop = await store.find(EffectFilter(upstream="shop", state=State.NEEDS_REVIEW, limit=2))
         assert [r.id for r in shop] == [2_019_999, 2_019_998]
+        deep = EffectFilter(upstream="shop", state=State.NEEDS_REVIEW, before_id=1_000_100, limit=3)
+        assert [r.id for r in await store.find(deep)] == [1_000_099, 1_000_098, 1_000_097]
+        deep = EffectFilter(tenant="u", state=State.NEEDS_REVIEW, before_id=2_000_001, limit=3)
+        assert [r.id for r in await store.find(deep)] == [2_000_000, 500_029, 500_028]

@@ -751,6 +751,10 @@ async def test_find_filters_and_pages_newest_first(subject: Subject) -> None:
         ({"until": c.created_at}, [b.id]),
         ({"tenant": "other", "upstream": "shop"}, []),
         ({"tenant": "default", "upstream": "shop", "before_id": c.id}, [b.id]),
+        ({"upstream": "shop", "before_id": c.id}, [b.id]),
+        ({"upstream": "shop", "before_id": b.id}, []),
+        ({"upstream": "mail", "until": c.created_at}, []),
+        ({"tenant": "other", "before_id": c.id + 1}, [c.id]),
     ]
     for given, expected in with_state:
         assert [r.id for r in await store.find(EffectFilter(state=State.PENDING, **given))] == expected, given
