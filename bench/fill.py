@@ -135,11 +135,7 @@ async def check_columns(conn: asyncpg.Connection) -> None:
         list(TABLES),
     )
     problems = []
-    for table, columns in (
-        ("effect_keys", KEY_COLUMNS),
-        ("effects", AUDIT_COLUMNS),
-        ("effect_bodies", BODY_COLUMNS),
-    ):
+    for table, columns in TABLES.items():
         have = {r["column_name"]: r["optional"] for r in rows if r["table_name"] == table}
         if not have:
             raise RuntimeError(f"no table {table}: run the migrations first")

@@ -152,7 +152,7 @@ class Load:
     def __init__(self, spec: LoadSpec) -> None:
         self.spec = spec
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-load-")
-        self._procs: list[subprocess.Popen[str]] = []
+        self._procs: list[tuple[subprocess.Popen[bytes], Path]] = []
         if generator() == "wrk":
             script = Path(self._tmp.name, "load.lua")
             script.write_text(_wrk_script(spec))
@@ -164,8 +164,14 @@ class Load:
         else:
             self._start_loadgen(spec)
 
-    def _spawn(self, argv: list[str]) -> subprocess.Popen[str]:
-        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def _spawn(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
+        # Into a file, not a pipe: bench.loadgen prints every latency it measured, which fills a pipe's
+        # 64 KiB long before a run of minutes ends, and the process would wait on its last write for
+        # result(), which waits for the process.
+        output = Path(self._tmp.name, f"output.{len(self._procs)}")
+        with output.open("wb") as sink:
+            proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT)
+        return proc, output
 
     def _start_loadgen(self, spec: LoadSpec) -> None:
         # One Python process cannot keep a fast server busy at high concurrency: share the connections
@@ -193,23 +199,29 @@ class Load:
 
     def stop(self) -> None:
         """End the load now; :meth:`result` then reports what was done until here."""
-        for proc in self._procs:
+        for proc, _ in self._procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
+
+    def kill(self) -> None:
+        """End the load's processes at once, for one that no longer answers SIGINT."""
+        for proc, _ in self._procs:
+            if proc.poll() is None:
+                proc.kill()
 
     def result(self) -> LoadResult:
         docs: list[dict[str, Any]] = []
         cpu = 0.0
-        for proc in self._procs:
+        for proc, path in self._procs:
             _, status, usage = os.wait4(proc.pid, 0)
             proc.returncode = os.waitstatus_to_exitcode(status)
             cpu += usage.ru_utime + usage.ru_stime
-            assert proc.stdout is not None
-            output = proc.stdout.read()
+            output = path.read_text(errors="replace")
             match = _RESULT.search(output)
             if match is None:
                 raise RuntimeError(
-                    f"the load generator printed no result (exit {proc.returncode}):\n{output}"
+                    f"the load generator printed no result (exit {proc.returncode}); it ended:\n"
+                    + output[-2000:]
                 )
             docs.append(json.loads(match.group(1)))
         self._tmp.cleanup()

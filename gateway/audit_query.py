@@ -63,9 +63,10 @@ _OPEN_COUNTS = """
 """
 
 
-def open_range(column: str, value: str, state: str, before: str | None = None) -> str:
-    """The open effects in ``state`` whose ``column`` (tenant or upstream) is ``value``, with ids below
-    ``before`` if given: a range of the index on (column, state, id), migration 007's or 011's.
+def _open_range(leading: list[tuple[str, str]], state: str, before: str | None = None) -> str:
+    """The open effects in ``state`` whose ``leading`` columns (tenant, upstream or both, in that order)
+    have the values given, with ids below ``before`` if given: a range of the index on (those columns,
+    state, id), migration 007's, 011's or 012's.
 
     The range is spelt as one on the index's leading columns, which only that index can read: as
     "tenant = $2 and state = ..." Postgres could also read the state's range of the key and filter on
@@ -74,11 +75,12 @@ def open_range(column: str, value: str, state: str, before: str | None = None) -
     as "id < $3" beside it, the index is not entered at that id but read down from the range's newest
     (12 ms at the 95,000th of a backlog, for a page of 50).
     """
-    lead = f"(o.{column}, o.state)"
-    upper = f"{lead} <= ({value}, {state})"
-    if before is not None:
-        upper = f"(o.{column}, o.state, o.id) < ({value}, {state}, {before})"
-    return f"{lead} >= ({value}, {state}) and {upper}"
+    columns = "".join(f"o.{column}, " for column, _ in leading)
+    values = "".join(f"{value}, " for _, value in leading)
+    lead = f"({columns}o.state) >= ({values}{state})"
+    if before is None:
+        return f"{lead} and ({columns}o.state) <= ({values}{state})"
+    return f"{lead} and ({columns}o.state, o.id) < ({values}{state}, {before})"
 
 
 # A tenant's: the exact count up to the bound, a range of open_effects_by_tenant that reads none of the
@@ -87,7 +89,7 @@ def open_range(column: str, value: str, state: str, before: str | None = None) -
 _TENANT_OPEN_COUNTS = f"""
     select s.state,
         (select count(*) from (select from open_effects o
-                               where {open_range("tenant", "$2", "s.state")}
+                               where {_open_range([("tenant", "$2")], "s.state")}
                                order by o.tenant, o.state, o.id limit $3) as c) as n
     from unnest($1::text[]) as s(state)
 """
@@ -136,9 +138,9 @@ def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
 
     A key is found through effect_keys (its digest leads that table's index); an open state is listed
     from open_effects (its key is (state, id): the page is a range of it; a tenant's, a range of
-    open_effects_by_tenant; an upstream's, of open_effects_by_upstream); either is joined to the audit
-    rows and read in id order. Any other page is read by time (see :func:`by_time` and
-    :func:`_time_statement`).
+    open_effects_by_tenant; an upstream's, of open_effects_by_upstream; a tenant's at one upstream, of
+    open_effects_by_tenant_upstream); either is joined to the audit rows and read in id order. Any other
+    page is read by time (see :func:`by_time` and :func:`_time_statement`).
     """
     if by_time(where):
         return _time_statement(where)
@@ -155,19 +157,16 @@ def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
 
     order = f"{holder}.id desc"
     before = arg(where.before_id) if where.before_id is not None else None
-    if listed is not None and where.tenant is not None:
-        # A range of open_effects_by_tenant; a tenant's list of one upstream filters the tenant's range.
-        clauses.append(open_range("tenant", arg(where.tenant), arg(listed.value), before))
-        order = "o.tenant desc, o.state desc, o.id desc"  # the index's order: by id within the range
-        if where.upstream is not None:
-            clauses.append(f"o.upstream = {arg(where.upstream)}")
-    elif listed is not None and where.upstream is not None:
-        clauses.append(open_range("upstream", arg(where.upstream), arg(listed.value), before))
-        order = "o.upstream desc, o.state desc, o.id desc"
+    # A tenant's or an upstream's list of an open state (or one upstream's of a tenant's) is a range of
+    # its own index, read in that index's order: by id within the range.
+    given = [(c, v) for c, v in (("tenant", where.tenant), ("upstream", where.upstream)) if v is not None]
+    if listed is not None and given:
+        leading = [(column, arg(named)) for column, named in given]
+        clauses.append(_open_range(leading, arg(listed.value), before))
+        order = "".join(f"o.{column} desc, " for column, _ in leading) + "o.state desc, o.id desc"
     else:
-        for column, value in (("tenant", where.tenant), ("upstream", where.upstream)):
-            if value is not None:
-                clauses.append(f"{holder}.{column} = {arg(value)}")
+        for column, named in given:
+            clauses.append(f"e.{column} = {arg(named)}")
         if where.state is not None:
             clauses.append(f"{holder}.state = {arg(where.state.value)}")
         if before is not None:
@@ -209,8 +208,8 @@ def _time_statement(where: EffectFilter) -> tuple[str, list[Any]]:
     looked up among all the viewer's effects, not the span's: a link kept from before the ``next``
     links named their span's times (gateway.admin.next_query) repeats a span such as since=1h, which
     starts later by the time it is followed, and its cursor may then lie before the span (the page is
-    empty) but must not be refused. It replaces the span's end as the range's upper bound: a cursor
-    after the span's end gives the span's first page.
+    empty) but must not be refused. The span's end still bounds the page: a cursor after it gives the
+    span's first page (a cursor of a ``next`` link lies inside the span, where the end changes nothing).
     """
     args: list[Any] = []
 
@@ -245,9 +244,9 @@ def _time_statement(where: EffectFilter) -> tuple[str, list[Any]]:
         within = f" and c.tenant = {values[0]}" if where.tenant is not None else ""
         ended = f"(select c.created_at from effects c where c.id = {before}{within})"
         clauses.append(f"{row(*columns, 'e.created_at', 'e.id')} < {row(*values, ended, before)}")
-    elif where.until is not None:
+    if where.until is not None:
         clauses.append(f"{row(*columns, 'e.created_at')} < {row(*values, arg(where.until))}")
-    else:
+    elif where.before_id is None:
         clauses.append(f"{row(*columns, 'e.created_at')} <= {row(*values, _ENDLESS)}")
     order = ", ".join(f"{column} desc" for column in [*columns, "e.created_at", "e.id"])
     sql = (

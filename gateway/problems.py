@@ -86,8 +86,8 @@ def render(
 
 
 def closing_if_asked(response: web.Response, problem: Problem) -> web.Response:
-    """``response``, the answer to ``problem`` (as render makes it, or a page), set to close the
-    connection when the problem asks it to."""
+    """Set ``response`` (render's, or a page answering ``problem``) to close its connection when
+    ``problem`` asks it to; returns it."""
     if problem.closes_connection:
         response.force_close()
     return response

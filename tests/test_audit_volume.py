@@ -68,57 +68,81 @@ async def test_a_quiet_tenants_pages_read_only_its_own_effects(dsn: str) -> None
         assert [r.id for r in await store.find(pages[2])] == list(range(1_000_004, 999_999, -1))
 
 
-async def test_a_backlog_of_an_open_state_is_listed_a_page_at_a_time(dsn: str) -> None:
-    """The audit filtered by needs_review, with 60,000 of them among 260,000 effects, reads about its
-    page of 50 audit rows: the gateway's list, a tenant's, and an upstream's with few waiting.
-
-    Postgres guessed the join of open_effects with the audit at one row (nothing tells it that an open
-    effect has exactly one audit row), so the page's limit could not stop the read early: with 170,000
-    waiting among 1M effects, it hashed every row of the audit for each page (540 ms). An upstream's
-    list then stepped through the whole state's backlog, looking up every other upstream's audit row
-    (195 ms with 95,000 waiting at another upstream).
-    """
+async def fill_backlog(dsn: str) -> None:
+    """200,000 completed effects of tenant t and 60,030 waiting for review: 40,000 of t's and 20,000 of
+    u's at upstream shop, u's 30 at mail (ids 500,000 to 500,029), and a run r with two of t's waiting."""
     await fill_effects(dsn, "t", 1, 200_000)
     await fill_effects(dsn, "u", 500_000, 30, "needs_review", upstream="mail")
     await fill_effects(dsn, "t", 1_000_000, 40_000, "needs_review")
     await fill_effects(dsn, "u", 2_000_000, 20_000, "needs_review")
     conn = await asyncpg.connect(dsn)
-    try:  # a run with two effects waiting among the backlog, found from the run and not from the list
+    try:
         await conn.execute("update effects set run_id = 'r' where id in (1000005, 1000006)")
         await conn.execute("analyze effects")
     finally:
         await conn.close()
-    lists = [
-        EffectFilter(state=State.NEEDS_REVIEW),
-        EffectFilter(tenant="u", state=State.NEEDS_REVIEW),
-        EffectFilter(run_id="r", state=State.NEEDS_REVIEW),
-        EffectFilter(upstream="mail", state=State.NEEDS_REVIEW),
-    ]
-    for where in lists:
+
+
+BACKLOG_LISTS = {
+    "the gateway's": EffectFilter(state=State.NEEDS_REVIEW),
+    "a tenant's": EffectFilter(tenant="u", state=State.NEEDS_REVIEW),
+    "a run's": EffectFilter(run_id="r", state=State.NEEDS_REVIEW),
+    "an upstream's": EffectFilter(upstream="mail", state=State.NEEDS_REVIEW),
+    "a tenant's at one upstream": EffectFilter(tenant="u", upstream="mail", state=State.NEEDS_REVIEW),
+}
+
+
+async def test_a_backlog_of_an_open_state_is_listed_a_page_at_a_time(dsn: str) -> None:
+    """The audit filtered by needs_review, with 60,000 of them among 260,000 effects, reads about its
+    page of 50 rows: the gateway's list, a tenant's, a run's, an upstream's with few waiting, and a
+    tenant's at that upstream.
+
+    Postgres guessed the join of open_effects with the audit at one row (nothing tells it that an open
+    effect has exactly one audit row), so the page's limit could not stop the read early: with 170,000
+    waiting among 1M effects, it hashed every row of the audit for each page (540 ms). An upstream's
+    list then stepped through the whole state's backlog, looking up every other upstream's audit row
+    (195 ms with 95,000 waiting at another upstream); a tenant's at one upstream, through the tenant's
+    (20,030 rows read here; 33 ms with 95,000).
+    """
+    await fill_backlog(dsn)
+    for name, where in BACKLOG_LISTS.items():
         plan = await plan_run(dsn, *find_statement(where))
         read = rows_read(plan, "effects") + rows_read(plan, "open_effects")
-        assert read <= 100, (where, read)
-    # A tenant's list of one upstream steps through the tenant's open effects, not their audit rows.
-    of_tenant = EffectFilter(tenant="u", upstream="mail", state=State.NEEDS_REVIEW)
-    plan = await plan_run(dsn, *find_statement(of_tenant))
-    assert rows_read(plan, "effects") <= 100
-    assert rows_read(plan, "open_effects") <= 20_030
-    # A page deep in a tenant's or an upstream's list is entered at its cursor: it costs what the first
-    # page does (it read down from the list's newest entry: 557 pages against 205).
-    for first in (
-        EffectFilter(tenant="t", state=State.NEEDS_REVIEW),
-        EffectFilter(upstream="shop", state=State.NEEDS_REVIEW),
+        assert read <= 100, (name, read)
+
+
+async def test_a_page_deep_in_an_open_list_costs_what_the_first_page_does(dsn: str) -> None:
+    """A page of a tenant's, an upstream's or a tenant's-at-one-upstream needs_review list after a cursor
+    40,000 entries down reads about as many pages as the list's first page.
+
+    The cursor was a separate "id <" beside the list's range, and Postgres read down from the list's
+    newest entry to it: 557 pages against 205.
+    """
+    await fill_backlog(dsn)
+    await fill_effects(dsn, "u", 3_000_000, 40_000, "needs_review", upstream="mail")
+    for first, cursor in (
+        (EffectFilter(tenant="t", state=State.NEEDS_REVIEW), 1_000_100),
+        (EffectFilter(upstream="shop", state=State.NEEDS_REVIEW), 1_000_100),
+        (EffectFilter(tenant="u", upstream="mail", state=State.NEEDS_REVIEW), 500_020),
     ):
-        deep = replace(first, before_id=1_000_100)
+        deep = replace(first, before_id=cursor)
         first_pages = pages_read(await plan_run(dsn, *find_statement(first)))
         assert pages_read(await plan_run(dsn, *find_statement(deep))) <= first_pages * 1.25, deep
+
+
+async def test_a_backlog_lists_the_rows_of_its_page(dsn: str) -> None:
+    """Each list of the needs_review backlog answers its own effects, newest first, and a page after a
+    cursor goes on from it: within an upstream's list, a tenant's, and a tenant's across its upstreams."""
+    await fill_backlog(dsn)
+    mail = list(range(500_029, 499_999, -1))
     async with opened(dsn) as store:
         page = await store.find(EffectFilter(state=State.NEEDS_REVIEW, limit=3))
         assert [(r.id, r.tenant) for r in page] == [(2_019_999, "u"), (2_019_998, "u"), (2_019_997, "u")]
-        assert [r.id for r in await store.find(lists[2])] == [1_000_006, 1_000_005]
-        mail = list(range(500_029, 499_999, -1))
-        assert [r.id for r in await store.find(lists[3])] == mail
-        assert [r.id for r in await store.find(of_tenant)] == mail
+        assert [r.id for r in await store.find(BACKLOG_LISTS["a run's"])] == [1_000_006, 1_000_005]
+        assert [r.id for r in await store.find(BACKLOG_LISTS["an upstream's"])] == mail
+        assert [r.id for r in await store.find(BACKLOG_LISTS["a tenant's at one upstream"])] == mail
+        at_mail = replace(BACKLOG_LISTS["a tenant's at one upstream"], before_id=500_010, limit=3)
+        assert [r.id for r in await store.find(at_mail)] == [500_009, 500_008, 500_007]
         assert await store.find(EffectFilter(tenant="t", upstream="mail", state=State.NEEDS_REVIEW)) == []
         shop = await store.find(EffectFilter(upstream="shop", state=State.NEEDS_REVIEW, limit=2))
         assert [r.id for r in shop] == [2_019_999, 2_019_998]

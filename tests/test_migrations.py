@@ -433,3 +433,67 @@ async def test_effects_of_the_partitioned_layout_keep_their_keys_lists_and_count
     finally:
         await admin.execute("drop database upgraded_open with (force)")
         await admin.close()
+
+
+async def _open_in_january(conn: asyncpg.Connection, key: str, upstream: str) -> None:
+    """An effect waiting for review since January 2025, as a gateway at migration 010 wrote it."""
+    await conn.execute(
+        """
+        with k as (
+            insert into effect_keys (digest, tenant, upstream, effect_id, created_at)
+            values (effect_key_digest($1), 'default', $2, nextval('effect_ids'), '2025-01-15 10:00+00')
+            returning effect_id, created_at
+        ), e as (
+            insert into effects (id, created_at, tenant, upstream, key, derived_key, method, path,
+                                 fingerprint, state, attempt, may_have_sent, lease_expires_at, history)
+            select effect_id, created_at, 'default', $2, $1, 'eg_' || $1, 'POST', '/orders', 'fp',
+                   'needs_review', 2, true, created_at, '[]'::jsonb from k
+        )
+        insert into open_effects (state, id, created_at, tenant)
+        select 'needs_review', effect_id, created_at, 'default' from k
+        """,
+        key,
+        upstream,
+    )
+
+
+async def test_011_upgrades_a_database_whose_month_was_archived_with_effects_still_open(
+    postgres_dsn: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A month of the audit archived as the operations guide says, with two effects of it still waiting
+    for review: 011 takes the upstream of the one whose key was kept from the key; for the one whose key
+    was deleted too, `migrate` says in one line how many such effects there are and what to do, and
+    applies nothing until they are dealt with.
+
+    011 took each open effect's upstream from its audit row only, and failed on a null with Postgres's
+    words alone: the upgrade was blocked, and the message named neither the rows nor a way out.
+    """
+    async with own_database(postgres_dsn, "archived_open") as dsn:
+        await _migrated_to(dsn, 10)
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(
+                "create table effects_2025_01 partition of effects"
+                " for values from ('2025-01-01') to ('2025-02-01')"
+            )
+            await _open_in_january(conn, "kept", "mail")
+            await _open_in_january(conn, "lost", "shop")
+            await conn.execute("delete from effect_keys where upstream = 'shop'")
+            await conn.execute("alter table effects detach partition effects_2025_01 concurrently")
+            await conn.execute("drop table effects_2025_01")
+            monkeypatch.setenv("EFFECT_GATEWAY_DATABASE_URL", dsn)
+            assert await asyncio.to_thread(main, ["migrate"]) == FIX
+            [line] = capsys.readouterr().err.splitlines()
+            assert "1 open effects have neither an audit row nor a key" in line, line
+            assert "delete those rows if you know how each ended" in line, line
+            assert await conn.fetchval("select max(version) from effect_gateway_migrations") == 10
+            await conn.execute(
+                "delete from open_effects o"
+                " where not exists (select from effect_keys k where k.effect_id = o.id)"
+            )
+            assert await asyncio.to_thread(main, ["migrate"]) == 0
+            assert await conn.fetch("select upstream, state from open_effects") == [("mail", "needs_review")]
+        finally:
+            await conn.close()
+        async with opened(dsn) as store:
+            assert (await store.state_counts())["needs_review"] == 1

@@ -26,6 +26,24 @@ update open_effects o set upstream = (
     select e.upstream from effects e where e.id = o.id and e.created_at = o.created_at
 );
 
+-- An open effect whose month of the audit was archived while it was still open has no audit row to
+-- take its upstream from; its key (effect_keys, which archiving keeps) has it. One pass over the keys
+-- for all such effects, and only when there are any: effect_keys has no index by effect.
+do $$
+declare
+    lost bigint;
+begin
+    if exists (select from open_effects where upstream is null) then
+        update open_effects o set upstream = k.upstream
+        from effect_keys k
+        where o.upstream is null and k.effect_id = o.id and k.created_at = o.created_at;
+        select count(*) into lost from open_effects where upstream is null;
+        if lost > 0 then
+            raise exception '% open effects have neither an audit row nor a key (archived with their month while still open: the rows of open_effects whose id is in neither effects nor effect_keys); restore that month and its keys, or delete those rows if you know how each ended, then migrate again', lost;
+        end if;
+    end if;
+end $$;
+
 alter table open_effects alter column upstream set not null;
 
 create index open_effects_by_upstream on open_effects (upstream, state, id);
