@@ -189,8 +189,10 @@ class ServerLog(logging.LoggerAdapter[logging.Logger]):
     def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
         exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
         if isinstance(exc, HttpProcessingError):
-            first_line = (exc.message or "").strip().splitlines()[:1]
-            self.info("refused a malformed request (%s %s)", exc.code, " ".join(first_line).rstrip(":"))
+            # Only the kind of mistake: after its first colon aiohttp quotes the peer's bytes (a line too
+            # long: the start of that line, which may be a token or an Authorization header).
+            kind = (exc.message or "").strip().split("\n", 1)[0].split(":", 1)[0]
+            self.info("refused a malformed request (%s %s)", exc.code, kind)
             return
         super().exception(msg, *args, exc_info=exc_info, **kwargs)
 

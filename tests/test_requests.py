@@ -107,6 +107,31 @@ async def test_malformed_requests_and_clients_that_go_away_are_not_logged_as_our
     assert any("went away" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize(
+    "head",
+    [
+        POST.replace(b"/shop/orders", b"/shop/orders?t=" + b"SECRET" * 1400),
+        POST + KEY + b"Effect-Gateway-Token: " + b"SECRET" * 1400 + b"\r\n",
+        POST + KEY + TOKEN + b"Authorization: Bearer " + b"SECRET" * 1400 + b"\r\n",
+        POST + KEY + TOKEN + b"X-" + b"SECRET" * 10 + b"\x01: y\r\n",
+    ],
+    ids=["request-line", "token", "authorization", "header-name"],
+)
+async def test_a_malformed_request_is_logged_without_the_bytes_it_carried(
+    gateway: Gateway, caplog: pytest.LogCaptureFixture, head: bytes
+) -> None:
+    """A header or request line too long for the parser, or a bad header name, is logged as the kind of
+    mistake alone: none of what the peer sent (a token, an Authorization header) reaches the log.
+
+    The log line quoted aiohttp's message, which for a line too long holds its first 100 bytes.
+    """
+    caplog.set_level(logging.DEBUG)
+    assert (await raw(gateway, head)).startswith(b"HTTP/1.")
+    [line] = [r.getMessage() for r in caplog.records if "malformed request" in r.getMessage()]
+    assert "SECRET" not in "\n".join(r.getMessage() for r in caplog.records), line
+    assert line.startswith("refused a malformed request (400 "), line
+
+
 def test_the_readme_lists_every_problem_type() -> None:
     """Clients branch on problem types, so the README's list of them is kept whole and true."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
