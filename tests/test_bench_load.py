@@ -11,8 +11,10 @@ import pytest
 from bench.harness import running, start_server
 from bench.load import Load, LoadResult, LoadSpec
 
-# Each of the two processes prints more than the 64 KiB a pipe holds: a latency is about 9 characters.
+# Requests asked for, and the fewest that show the fix: each of the two processes must have more than
+# the 64 KiB a pipe holds to print (a latency is about 9 characters: 7,300 each).
 MANY_SAMPLES = 24_000
+ENOUGH = 16_000
 
 
 def test_a_python_load_reports_its_latencies_when_they_are_more_than_a_pipe_holds(
@@ -28,8 +30,9 @@ def test_a_python_load_reports_its_latencies_when_they_are_more_than_a_pipe_hold
     with running([]) as servers:
         upstream = start_server("upstream", [sys.executable, "-m", "bench.upstream"], tmp_path / "up.log")
         servers.append(upstream)
-        # At a fixed rate the number of requests is known: 2 connections, MANY_SAMPLES in all.
-        spec = LoadSpec(upstream.url + "/orders", concurrency=2, duration=MANY_SAMPLES / 6000, rate=6000)
+        # At a fixed rate the number of requests is known: 2 connections, MANY_SAMPLES in all. The rate
+        # is well below what one process sends here with the whole suite running (4,600/s).
+        spec = LoadSpec(upstream.url + "/orders", concurrency=2, duration=MANY_SAMPLES / 3000, rate=3000)
         load = Load(spec)
         results: list[LoadResult] = []
         waiting = threading.Thread(target=lambda: results.append(load.result()), daemon=True)
@@ -41,5 +44,5 @@ def test_a_python_load_reports_its_latencies_when_they_are_more_than_a_pipe_hold
     [result] = results
     assert result.failed == 0
     assert result.not_2xx == 0
-    assert result.requests >= MANY_SAMPLES * 0.9
+    assert result.requests >= ENOUGH
     assert 0 < result.p50_ms <= result.p99_ms <= result.max_ms
