@@ -32,13 +32,13 @@ async def test_a_page_of_the_widest_span_reads_about_its_own_rows(dsn: str) -> N
         assert [r.id for r in await store.find(after)] == list(range(199_950, 199_900, -1))
     plan = await plan_run(dsn, *find_statement(after))
     assert rows_read(plan, "effects") <= 100
-    # Deep down, the span's end (which bounds the page too) does not make it read down from there.
-    for deep in (
-        EffectFilter(**EVER, before_id=100_000),
-        EffectFilter(tenant="t", **EVER, before_id=100_000),
-    ):
-        plan = await plan_run(dsn, *find_statement(deep))
-        assert rows_read(plan, "effects") <= 100, deep
+    # Deep down, with the span's end given too (a second upper bound beside the cursor), the page is
+    # entered at the cursor: it reads about the pages of the same page without the end, not the span's
+    # newest down to the cursor (index entries skipped by its own bounds are not counted as rows).
+    for ended in (EffectFilter(**EVER), EffectFilter(tenant="t", **EVER)):
+        deep = replace(ended, before_id=100_000)
+        open_ended = pages_read(await plan_run(dsn, *find_statement(replace(deep, until=None))))
+        assert pages_read(await plan_run(dsn, *find_statement(deep))) <= open_ended * 1.25, deep
 
 
 async def test_a_tenants_list_of_an_open_state_reads_only_its_own_open_effects(dsn: str) -> None:

@@ -484,7 +484,7 @@ async def test_011_upgrades_a_database_whose_month_was_archived_with_effects_sti
             monkeypatch.setenv("EFFECT_GATEWAY_DATABASE_URL", dsn)
             assert await asyncio.to_thread(main, ["migrate"]) == FIX
             [line] = capsys.readouterr().err.splitlines()
-            assert "1 open effects have neither an audit row nor a key" in line, line
+            assert "open effects with neither an audit row nor a key: 1 (" in line, line
             assert "delete those rows if you know how each ended" in line, line
             assert await conn.fetchval("select max(version) from effect_gateway_migrations") == 10
             await conn.execute(

@@ -36,10 +36,10 @@ begin
     if exists (select from open_effects where upstream is null) then
         update open_effects o set upstream = k.upstream
         from effect_keys k
-        where o.upstream is null and k.effect_id = o.id and k.created_at = o.created_at;
+        where o.upstream is null and k.effect_id = o.id;
         select count(*) into lost from open_effects where upstream is null;
         if lost > 0 then
-            raise exception '% open effects have neither an audit row nor a key (archived with their month while still open: the rows of open_effects whose id is in neither effects nor effect_keys); restore that month and its keys, or delete those rows if you know how each ended, then migrate again', lost;
+            raise exception 'open effects with neither an audit row nor a key: % (archived with their month while still open: the rows of open_effects whose id is in neither effects nor effect_keys); restore that month and its keys, or delete those rows if you know how each ended, then migrate again', lost;
         end if;
     end if;
 end $$;

@@ -15,7 +15,8 @@
 -- after it unharmed: the index changes what a list reads, not what a claim writes.
 
 -- A concurrent build that failed or was cancelled leaves an invalid index of that name, which the
--- planner never uses and "if not exists" would take for done: it is built again.
+-- planner never uses and "if not exists" would take for done: it is built again. (A build still running
+-- counts as invalid too: migrate after it has ended.)
 do $$
 begin
     if exists (select from pg_index i join pg_class c on c.oid = i.indexrelid
