@@ -172,14 +172,19 @@ class Supervisor:
 
     def _fork(self) -> None:
         # Held back across the fork: a worker that got SIGTERM before it dropped the parent's handler
-        # would run that handler instead of stopping, and the parent would wait for it forever.
+        # would run that handler instead of stopping, and the parent would wait for it forever. The
+        # parent records the worker before they are let through, so that a stop passes them on to it.
         stopping = {signal.SIGTERM, signal.SIGINT}
         signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
         try:
+            if self._stopping:  # asked during a restart's backoff: no replacement
+                return
             pid = os.fork()
             if pid == 0:  # the worker stops on them, from now on
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
+            else:
+                self._children[pid] = time.monotonic()
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
         if pid == 0:  # the worker
@@ -193,7 +198,6 @@ class Supervisor:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
-        self._children[pid] = time.monotonic()
 
     def _stop(self, signum: int, _frame: object) -> None:
         self._stopping = True

@@ -6,6 +6,9 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -88,3 +91,64 @@ async def test_sigterm_lets_every_worker_finish_its_calls(
     rows = await effect_rows(dsn)
     assert sorted(r["state"] for r in rows) == ["completed"] * 6
     assert all(json.loads(r["response_body"]) == {"order": "slow"} for r in rows)
+
+
+# A supervisor of its own in a child process, with the race forced: the test process is never forked.
+_SUPERVISED = """
+import os, signal, sys, time
+from pathlib import Path
+from gateway.serve import Supervisor
+
+race, marks = sys.argv[1], Path(sys.argv[2])
+parent = os.getpid()
+real_fork = os.fork
+started = []
+
+
+def work():
+    if race == "backoff" and not started[1:]:
+        os._exit(3)  # the first worker dies as it starts; its replacement waits out the backoff
+    (marks / str(os.getpid())).touch()
+    time.sleep(30)  # a worker that serves until it is stopped
+
+
+def fork():
+    started.append(time.monotonic())
+    if race == "fork":
+        os.kill(parent, signal.SIGTERM)  # arrives while the supervisor holds the signals back
+    elif race == "backoff" and len(started) == 1:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)  # SIGTERM in the middle of the backoff
+    return real_fork()
+
+
+signal.signal(signal.SIGALRM, lambda *_: os.kill(parent, signal.SIGTERM))
+os.fork = fork
+print(Supervisor(work, 1).run(lambda: None), len(started), flush=True)
+"""
+
+
+def _supervise(race: str, marks: Path) -> tuple[str, float]:
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _SUPERVISED, race, str(marks)],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        cwd=Path(__file__).parent.parent,
+    )
+    return done.stdout.strip(), time.monotonic() - began
+
+
+def test_sigterm_while_a_worker_is_forked_stops_that_worker_too(tmp_path: Path) -> None:
+    """SIGTERM as a worker is being forked: the new worker is stopped with the rest and serve exits."""
+    said, took = _supervise("fork", tmp_path)
+    assert said == "0 1"  # exit status 0, one worker forked
+    assert took < 10, "serve waited for the worker to end on its own"
+
+
+def test_sigterm_during_a_restart_backoff_starts_no_replacement(tmp_path: Path) -> None:
+    """SIGTERM while serve waits to replace a worker that died at start: serve exits, no new worker."""
+    said, took = _supervise("backoff", tmp_path)
+    assert said == "0 1"  # the replacement was never forked
+    assert not list(tmp_path.iterdir())
+    assert took < 10
