@@ -226,26 +226,23 @@ class Store:
     async def _attempts(self, op: Callable[[Conn], Awaitable[T]]) -> T:
         """Retry only what Postgres says is retryable; map the rest to our own errors."""
         for attempt in range(3):
-            try:
-                conn = await self._pool.acquire(timeout=self._limits.acquire.total_seconds())
-            except TimeoutError:
-                raise StoreUnavailable(
-                    f"no Postgres connection free within {self._limits.acquire.total_seconds():g}s"
-                ) from None
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-                # Whatever stops a new connection (server gone, refusing, out of slots) is an outage.
-                raise StoreUnavailable(f"Postgres is unavailable: {exc}") from exc
+            conn = await self._acquire()
+            behind = False
             try:
                 return await op(conn)
-            except RETRYABLE_SQLSTATES:
+            except RETRYABLE_SQLSTATES as exc:
                 if attempt == 2:
-                    raise
+                    # Each try was rolled back whole: nothing of it is stored, and a later one may pass.
+                    raise StoreUnavailable(
+                        f"Postgres aborted the statement {attempt + 1} times: {type(exc).__name__}: {exc}"
+                    ) from exc
             except asyncpg.exceptions.CheckViolationError as exc:
                 # "no partition of relation ... found for row": the maintenance fell behind. Make the
-                # partitions now and try the statement once more.
+                # partitions (below, out of this handler, so that an outage there is mapped as well)
+                # and try the statement once more.
                 if "no partition" not in str(exc) or attempt:
                     raise StoreRejected(f"Postgres refused the write: {exc}") from exc
-                await partitions.ensure(conn)
+                behind = True
             except OUTAGE as exc:
                 raise StoreUnavailable(f"Postgres is unavailable: {type(exc).__name__}: {exc}") from exc
             except asyncpg.PostgresError as exc:
@@ -254,7 +251,35 @@ class Store:
                 raise StoreRejected(f"Postgres refused the write: {type(exc).__name__}: {exc}") from exc
             finally:
                 await self._pool.release(conn)
+            if behind:
+                await self._catch_up_partitions()
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _acquire(self) -> Conn:
+        try:
+            conn: Conn = await self._pool.acquire(timeout=self._limits.acquire.total_seconds())
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"no Postgres connection free within {self._limits.acquire.total_seconds():g}s"
+            ) from None
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            # Whatever stops a new connection (server gone, refusing, out of slots) is an outage.
+            raise StoreUnavailable(f"Postgres is unavailable: {exc}") from exc
+        return conn
+
+    async def _catch_up_partitions(self) -> None:
+        conn = await self._acquire()
+        try:
+            made = await partitions.ensure(conn)
+        except OUTAGE as exc:
+            raise StoreUnavailable(f"Postgres is unavailable: {type(exc).__name__}: {exc}") from exc
+        except asyncpg.PostgresError as exc:
+            raise StoreUnavailable(f"the partitions for new rows could not be made: {exc}") from exc
+        finally:
+            await self._pool.release(conn)
+        if not made:
+            # The retention holds the lock while it detaches a day, and makes them itself once done.
+            raise StoreUnavailable("the partitions for new rows are being made; try again")
 
     async def _one(self, kind: str, sql: str, *args: Any, response: bool = False) -> EffectRecord | None:
         """One statement that returns at most one effect row (None: no row matched, e.g. fenced out)."""
@@ -499,7 +524,9 @@ class Store:
         """Add to the replay counters of many effects at once (the counts are kept in memory between)."""
         if not counts:
             return
-        ids, times, ns = zip(*((i, t, n) for (i, t), n in counts.items()), strict=True)
+        # In one order in every worker: two flushes that share effects then lock their rows in the same
+        # order and one waits for the other, where in the order each first counted them they deadlock.
+        ids, times, ns = zip(*((i, t, n) for (i, t), n in sorted(counts.items())), strict=True)
         await self._execute(
             "add_replays",
             """

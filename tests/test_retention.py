@@ -18,6 +18,7 @@ import pytest
 
 from gateway import partitions
 from gateway.decision import Policy, settle, take_over, too_soon
+from gateway.errors import StoreUnavailable
 from gateway.outcome import Answered
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State
@@ -302,3 +303,107 @@ async def test_carrying_a_days_bodies_looks_up_only_the_open_effects_with_bodies
         await conn.close()
     assert carried == 5
     assert rows_read(json.loads(doc)[0]["Plan"], "effects") <= 10
+
+
+async def _drop_todays_body_partitions(conn: asyncpg.Connection) -> None:
+    """Today's and tomorrow's days of bodies gone, as if the maintenance had fallen behind."""
+    days = await conn.fetch(
+        "select 'effect_bodies_' || to_char(d, 'YYYY_MM_DD') as day"
+        " from generate_series(date_trunc('day', now() at time zone 'UTC'),"
+        " date_trunc('day', now() at time zone 'UTC') + interval '1 day', interval '1 day') as d"
+    )
+    for row in days:
+        await conn.execute(f'drop table if exists "{row["day"]}"')
+
+
+async def test_a_new_effect_with_no_day_to_go_into_makes_the_day_and_is_kept(dsn: str, store: Store) -> None:
+    """The maintenance fell behind and today has no partition: the claim makes it and goes through."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await _drop_todays_body_partitions(conn)
+    finally:
+        await conn.close()
+
+    record, created = await store.claim(effect("behind"), LEASE)
+
+    assert created
+    assert record is not None
+    kept = await store.get(record.id)
+    assert kept is not None
+    assert kept.request_body == effect("behind").request_body
+
+
+async def test_a_day_that_cannot_be_made_now_is_a_wait_and_nothing_is_kept(dsn: str, store: Store) -> None:
+    """Today has no partition and another session holds the lock making one needs: the claim is
+    unavailable for now (a 503 to try again), not refused as if the request were at fault, and the key
+    stays free for that retry."""
+    holder = await asyncpg.connect(dsn)
+    try:
+        await _drop_todays_body_partitions(holder)
+        tx = holder.transaction()
+        await tx.start()
+        # The lock a detach holds, which new rows do not wait for and a new partition does.
+        await holder.execute("lock table effect_bodies in share update exclusive mode")
+        with pytest.raises(StoreUnavailable, match="being made"):
+            await store.claim(effect("behind"), LEASE)
+        await tx.rollback()
+    finally:
+        await holder.close()
+
+    record, created = await store.claim(effect("behind"), LEASE)
+
+    assert created
+    assert record is not None
+
+
+async def test_a_statement_postgres_aborts_every_time_is_unavailable_not_a_crash(store: Store) -> None:
+    """A deadlock or serialization failure on every try: a StoreUnavailable (503), not asyncpg's own."""
+    tries = 0
+
+    async def aborted(conn: object) -> None:
+        nonlocal tries
+        tries += 1
+        raise asyncpg.exceptions.DeadlockDetectedError("deadlock detected")
+
+    with pytest.raises(StoreUnavailable, match="aborted the statement 3 times"):
+        await store._run("claim", aborted)
+    assert tries == 3
+
+
+async def test_two_workers_adding_replay_counts_for_the_same_effects_never_deadlock(
+    dsn: str, store: Store
+) -> None:
+    """Workers flush replay counts of the same effects, each counted in its own order: no deadlock.
+
+    A deadlock costs both flushes a second (Postgres's deadlock_timeout) and a retry, and after three the
+    counts are lost. Here one session holds the first effect while two flushes queue behind it, one of
+    them holding the second effect already if the flushes lock in the order they counted.
+    """
+    # An audit of some size, where each count's row is looked up by its key (as in production) rather
+    # than the few rows hashed in the order they lie.
+    await fill_effects(dsn, "others", 10**9, 20_000)
+    first, second = await completed(store, "first"), await completed(store, "second")
+    one = {(first.id, first.created_at): 1, (second.id, second.created_at): 1}
+    other = {(second.id, second.created_at): 1, (first.id, first.created_at): 1}
+    holder = await asyncpg.connect(dsn)
+    try:
+        deadlocks = "select deadlocks from pg_stat_database where datname = current_database()"
+        before = await holder.fetchval(deadlocks)
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("select from effects where id = $1 for update", first.id)
+        flushes = [asyncio.create_task(store.add_replays(one)), asyncio.create_task(store.add_replays(other))]
+        for _ in range(200):  # until both wait on a row
+            waiting = await holder.fetchval("select count(*) from pg_locks where not granted")
+            if waiting >= 2:
+                break
+            await asyncio.sleep(0.01)
+        await tx.rollback()
+        await asyncio.wait_for(asyncio.gather(*flushes), timeout=10)
+        await asyncio.sleep(0.6)  # the statistics are sent at most twice a second
+        after = await holder.fetchval(deadlocks)
+    finally:
+        await holder.close()
+    assert after == before
+    assert (await store.reread(first)).replays == 2
+    assert (await store.reread(second)).replays == 2
