@@ -63,10 +63,11 @@ class ReplayCache:
         self._entries.move_to_end(scope)
         return found
 
-    def put(self, scope: Scope, effect: Completed) -> None:
-        # One response larger than a sixteenth of the cache would push out many small ones for little.
+    def put(self, scope: Scope, effect: Completed, now: float) -> None:
+        # One response larger than a sixteenth of the cache would push out many small ones for little;
+        # one already past its expiry would take room until somebody asked for it.
         cost = size(scope, effect)
-        if cost * 16 > self._capacity or scope in self._entries:
+        if cost * 16 > self._capacity or effect.expires <= now or scope in self._entries:
             return
         self._entries[scope] = effect
         self._bytes += cost

@@ -192,21 +192,23 @@ class EffectService:
         self._count_replay(known.id, known.created_at)
         return Reply(known.response, replayed=True, effect_id=known.id)
 
-    def _remember(self, record: EffectRecord, response: StoredResponse) -> None:
+    def _remember(
+        self, record: EffectRecord, response: StoredResponse, *, stored: datetime | None = None
+    ) -> None:
         """Keep a completed effect for replays from memory (a keyless one is never replayed).
 
-        ``record`` is as read with (or just after) its response was stored: the store keeps the
-        response for the retention from then, and so does the copy.
+        ``record`` is as read with (or just after) its response was stored, at ``stored`` (else its
+        ``response_at``): the store keeps the response for the retention from then, and so does the copy.
         """
         if record.keyless or record.read_at is None:
             return
-        stored = record.response_at or record.read_at
+        stored = stored or record.response_at or record.read_at
         left = self._retention - (record.read_at - stored)
+        now = _clock()
         self._cache.put(
             (record.tenant, record.upstream, record.key),
-            Completed(
-                record.id, record.created_at, record.fingerprint, response, _clock() + left.total_seconds()
-            ),
+            Completed(record.id, record.created_at, record.fingerprint, response, now + left.total_seconds()),
+            now,
         )
 
     def _count_replay(self, effect_id: int, created_at: datetime) -> None:
@@ -217,12 +219,15 @@ class EffectService:
             self._flusher = self._spawn(self._flush_replays())
 
     async def _flush_replays(self) -> None:
-        await asyncio.sleep(REPLAY_FLUSH)
-        counts = self._tally.take()
-        try:
-            await self._store.add_replays(counts)
-        except (StoreUnavailable, StoreRejected) as exc:
-            log.warning("%d replay counts not written: %s", sum(counts.values()), exc)
+        # Until none are left: replays counted while a batch was being written go in the next, and a
+        # drain at shutdown waits for this task, so they are not left behind with nobody to write them.
+        while self._tally:
+            await asyncio.sleep(REPLAY_FLUSH)
+            counts = self._tally.take()
+            try:
+                await self._store.add_replays(counts)
+            except (StoreUnavailable, StoreRejected) as exc:
+                log.warning("%d replay counts not written: %s", sum(counts.values()), exc)
 
     async def _keyless(self, inbound: Inbound) -> Reply:
         """A request without an Idempotency-Key: passed through, audited once, or refused."""
@@ -568,7 +573,9 @@ class EffectService:
             case Found(response=response):
                 await self._store.restore(record, restore(record), response)
                 trail.recovered("probe")
-                self._remember(record, response)
+                # Stored again just now: its retention starts over (from when the record was read, at
+                # the latest), where the record still carries the time of the response it lost.
+                self._remember(record, response, stored=record.read_at)
                 return Reply(response, replayed=True, effect_id=record.id)
             case NotFound():
                 raise _purged(record, "the probe no longer finds it")

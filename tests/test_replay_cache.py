@@ -3,15 +3,20 @@ close to the memory a worker really spends on it (what ``replay_cache_bytes`` pr
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tracemalloc
 from datetime import UTC, datetime
 
+import aiohttp
+import asyncpg
 import pytest
 
+from gateway import service
 from gateway.record import StoredResponse
 from gateway.replays import Completed, ReplayCache, Scope
 from gateway.upstream import storable_headers
+from tests.support import Upstream, gateway_server
 
 
 def _entry(i: int, body_bytes: int, headers: int, expires: float = 1e12) -> tuple[Scope, Completed]:
@@ -32,7 +37,7 @@ def test_the_bound_in_bytes_is_close_to_the_memory_the_entries_take(body_bytes: 
         before = tracemalloc.get_traced_memory()[0]
         cache = ReplayCache(10**12)
         for scope, effect in made:
-            cache.put(scope, effect)
+            cache.put(scope, effect, 0.0)
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
@@ -54,15 +59,15 @@ def test_the_least_recently_used_entry_goes_first_and_the_bound_holds() -> None:
     """Past its capacity the cache drops what was used longest ago, and never holds more than it may."""
     entries = [_entry(i, 40, 2) for i in range(10)]
     probe = ReplayCache(10**9)
-    probe.put(*entries[0])
+    probe.put(*entries[0], 0.0)
     cost = probe.bytes
     cache = ReplayCache(cost * 16 + cost // 2)  # room for 16 such entries and a half, never 17
     for scope, effect in entries[:10]:
-        cache.put(scope, effect)
+        cache.put(scope, effect, 0.0)
     assert cache.get(entries[0][0], 0.0) is not None  # used: now the most recent
     more = [_entry(100 + i, 40, 2) for i in range(7)]
     for scope, effect in more:
-        cache.put(scope, effect)
+        cache.put(scope, effect, 0.0)
     assert cache.bytes <= cost * 16 + cost // 2
     assert cache.get(entries[0][0], 0.0) is not None
     assert cache.get(entries[1][0], 0.0) is None  # the oldest unused went first
@@ -73,7 +78,7 @@ def test_an_answer_past_its_expiry_is_never_served() -> None:
     """A copy whose retention has run out is dropped when asked for, not replayed."""
     scope, effect = _entry(1, 40, 2, expires=100.0)
     cache = ReplayCache(10**9)
-    cache.put(scope, effect)
+    cache.put(scope, effect, 0.0)
     assert cache.get(scope, 99.0) is effect
     assert cache.get(scope, 100.0) is None
     assert (len(cache), cache.bytes) == (0, 0)
@@ -83,6 +88,50 @@ def test_an_answer_larger_than_a_sixteenth_of_the_cache_is_not_kept() -> None:
     """One large answer is not allowed to push out many small ones."""
     scope, effect = _entry(1, 64 * 1024, 2)
     cache = ReplayCache(512 * 1024)
-    cache.put(scope, effect)
+    cache.put(scope, effect, 0.0)
     assert cache.get(scope, 0.0) is None
     assert cache.bytes == 0
+
+
+def test_an_answer_already_past_its_expiry_is_not_kept() -> None:
+    """A copy that could never be served takes no room from the ones that can."""
+    scope, effect = _entry(1, 40, 2, expires=100.0)
+    cache = ReplayCache(10**9)
+    cache.put(scope, effect, 100.0)
+    assert (len(cache), cache.bytes) == (0, 0)
+
+
+async def test_replays_counted_while_a_batch_is_written_are_written_too(
+    dsn: str, upstream: Upstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replays that come while the last batch of counts waits on Postgres reach the audit as well."""
+    monkeypatch.setattr(service, "REPLAY_FLUSH", 0.1)
+    headers = {"Idempotency-Key": "counted", "Content-Type": "application/json"}
+    holder = await asyncpg.connect(dsn)
+    try:
+        async with (
+            gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw,
+            aiohttp.ClientSession() as http,
+        ):
+
+            async def post(times: int) -> None:
+                for _ in range(times):
+                    async with http.post(f"{gw.url}/shop/orders", data=b"{}", headers=headers) as resp:
+                        assert resp.status == 201
+
+            await post(1)
+            tx = holder.transaction()
+            await tx.start()
+            await holder.execute("select from effects where key = 'counted' for update")
+            await post(5)  # their batch is written in a moment, and waits on the row
+            await asyncio.sleep(0.5)
+            await post(7)  # counted while that batch waits
+            await tx.rollback()
+            for _ in range(100):
+                replays = await holder.fetchval("select replays from effects where key = 'counted'")
+                if replays == 12:
+                    break
+                await asyncio.sleep(0.05)
+    finally:
+        await holder.close()
+    assert replays == 12
