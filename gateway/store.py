@@ -87,6 +87,16 @@ class StoreLimits:
     # Waiting for a row lock: rows are locked for one statement at a time, never across a call.
     lock: timedelta = timedelta(seconds=2)
 
+    @property
+    def answer(self) -> float:
+        """Seconds the gateway waits for Postgres to answer a statement, whatever the server does.
+
+        statement_timeout is the server's own: a backend or a network that stops answering never fires
+        it. This bound does, a second later, so that the server's timeout and its clearer message come
+        first whenever the server can still give them.
+        """
+        return self.statement.total_seconds() + 1.0
+
 
 def _event(kind: str, **data: Any) -> list[dict[str, Any]]:
     """One entry of a row's history, as an array to append; the SQL stamps it with the database's time."""
@@ -210,6 +220,7 @@ class Store:
                 # plan in that connection's backend, a few KB.
                 statement_cache_size=512,
                 server_settings=session_settings(limits),
+                command_timeout=limits.answer,
             )
         except (OSError, asyncpg.PostgresError) as exc:
             raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
@@ -250,7 +261,7 @@ class Store:
                 # failed): retrying the same statement cannot help.
                 raise StoreRejected(f"Postgres refused the write: {type(exc).__name__}: {exc}") from exc
             finally:
-                await self._pool.release(conn)
+                await self._release(conn)
             if behind:
                 await self._catch_up_partitions()
         raise AssertionError("unreachable")  # pragma: no cover
@@ -267,6 +278,15 @@ class Store:
             raise StoreUnavailable(f"Postgres is unavailable: {exc}") from exc
         return conn
 
+    async def _release(self, conn: Conn) -> None:
+        try:
+            await self._pool.release(conn)
+        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            # A statement cut short by the client-side bound leaves a cancellation the server has to
+            # confirm; one that never does has its connection closed here (the pool opens another).
+            # What the statement returned or raised stands either way.
+            log.debug("a Postgres connection could not be reset and was closed", exc_info=True)
+
     async def _catch_up_partitions(self) -> None:
         conn = await self._acquire()
         try:
@@ -276,7 +296,7 @@ class Store:
         except asyncpg.PostgresError as exc:
             raise StoreUnavailable(f"the partitions for new rows could not be made: {exc}") from exc
         finally:
-            await self._pool.release(conn)
+            await self._release(conn)
         if not made:
             # The retention holds the lock while it detaches a day, and makes them itself once done.
             raise StoreUnavailable("the partitions for new rows are being made; try again")
