@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -34,6 +35,8 @@ EARLY_DEATH = 5.0
 EARLY_DEATHS_TO_STOP = 5
 # Between restarts of a worker that keeps dying: enough not to spin, short enough to serve again soon.
 RESTART_BACKOFF = 0.5
+# prctl's option (linux/prctl.h): the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
 # The kernel's queue of connections not yet accepted: a burst of agents connecting at once waits here.
 BACKLOG = 1024
 # At shutdown, once the calls under way have finished (gateway.app drains them first), how long an agent
@@ -179,10 +182,12 @@ class Supervisor:
         try:
             if self._stopping:  # asked during a restart's backoff: no replacement
                 return
+            parent = os.getpid()
             pid = os.fork()
             if pid == 0:  # the worker stops on them, from now on
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
+                _stop_with(parent)
             else:
                 self._children[pid] = time.monotonic()
         finally:
@@ -204,6 +209,22 @@ class Supervisor:
         for pid in list(self._children):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
+
+
+def _stop_with(parent: int) -> None:
+    """Have the kernel SIGTERM this worker when ``parent`` dies (Linux; elsewhere nothing).
+
+    A serve killed outright (SIGKILL, the OOM killer) cannot pass a stop on: its workers would go on
+    serving with nobody to replace one that dies, and hold the port against the serve restarted after
+    it. Stopped like this they finish the calls under way, record them, and exit.
+    """
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _death(code: int) -> str:

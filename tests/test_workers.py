@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -19,8 +20,8 @@ from tests.support import Upstream, children, effect_rows, start_gateway_process
 
 def _config(tmp_path: Path, dsn: str, upstream: Upstream, **extra: str) -> Path:
     config = tmp_path / "gateway.toml"
-    lines = [f'database_url = "{dsn}"', 'listen = "127.0.0.1:0"', "workers = 3"]
-    lines += [f"{name} = {value}" for name, value in extra.items()]
+    settings = {"database_url": f'"{dsn}"', "listen": '"127.0.0.1:0"', "workers": "3", **extra}
+    lines = [f"{name} = {value}" for name, value in settings.items()]
     config.write_text("\n".join(lines) + f'\n[upstreams.shop]\nbase_url = "{upstream.url}"\ntimeout = "5s"\n')
     return config
 
@@ -152,3 +153,39 @@ def test_sigterm_during_a_restart_backoff_starts_no_replacement(tmp_path: Path) 
     assert said == "0 1"  # the replacement was never forked
     assert not list(tmp_path.iterdir())
     assert took < 10
+
+
+def _running(pids: set[int]) -> set[int]:
+    return {pid for pid in pids if Path(f"/proc/{pid}").exists()}
+
+
+async def test_workers_of_a_serve_killed_outright_stop_and_free_the_port(
+    dsn: str, upstream: Upstream, tmp_path: Path
+) -> None:
+    """SIGKILL the serve process itself: its workers stop too, and a serve started again takes the port."""
+    gateway = start_gateway_process(_config(tmp_path, dsn, upstream, workers="2"))
+    try:
+        for _ in range(100):
+            if len(workers := children(gateway.proc.pid)) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(workers) == 2
+        gateway.kill()
+        for _ in range(200):
+            alive = _running(workers)
+            if not alive:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        gateway.stop()
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert not alive, "workers went on serving with nobody to replace or stop them"
+    port = gateway.url.rsplit(":", 1)[1]
+    again = start_gateway_process(_config(tmp_path, dsn, upstream, listen=f'"127.0.0.1:{port}"'))
+    try:
+        async with aiohttp.ClientSession() as http:
+            assert await _order(http, again.url, "after") == 201
+    finally:
+        again.stop()
