@@ -170,12 +170,13 @@ class EffectService:
         record, created = await self._store.claim(
             _new_effect(inbound, inbound.key, derived, request.fingerprint), policy.lease
         )
-        if record is not None:
-            trail.saw(record, created=created)
         if record is None:
+            # Its month was archived: whatever state it was left in (completed, or even open) is not
+            # here to decide on, and sending again could repeat it.
             raise problems.ResponsePurged(
-                "the effect happened and is never sent again; its audit row has been archived"
+                "this key's audit row has been archived; nothing is sent for it again"
             )
+        trail.saw(record, created=created)
         if record.derived_key != derived:
             # First sent under another derived key (an older derivation, or another key_secret): every
             # attempt at one effect carries the key of its first, or the upstream and a probe could not

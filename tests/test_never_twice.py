@@ -17,6 +17,7 @@ import asyncpg
 import pytest
 from aiohttp import web
 
+from gateway import partitions
 from gateway.body import read_body
 from gateway.decision import settle, take_over
 from gateway.fingerprint import fingerprint
@@ -416,3 +417,28 @@ async def _execute(dsn: str, sql: str) -> None:
         await conn.execute(sql)
     finally:
         await conn.close()
+
+
+async def test_a_key_whose_month_of_the_audit_was_archived_is_never_sent_again(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """The month holding a key's audit row is detached for archive: a retry of it gets 410, nothing sent.
+
+    Whether it had completed or was still open, its row is not there to decide on; the key is.
+    """
+    cfg = {"shop": {"base_url": upstream.url}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        assert (await call(http, gw.url, key="done"))[0] == 201
+    conn = await asyncpg.connect(dsn)
+    month = await conn.fetchval("select tableoid::regclass::text from effects")
+    await conn.execute(f'alter table effects detach partition "{month}"')
+    try:
+        async with gateway_server(dsn, upstreams=cfg) as gw:  # a fresh one: nothing of the key in memory
+            status, _, body = await call(http, gw.url, key="done")
+    finally:
+        await conn.execute(f'drop table "{month}"')
+        await partitions.ensure(conn)
+        await conn.close()
+    assert (status, body["type"].rsplit("/", 1)[1]) == (410, "response-purged")
+    assert "archived" in body["detail"]
+    assert len(upstream.effects()) == 1
