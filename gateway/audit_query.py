@@ -197,7 +197,8 @@ _BEGINNING, _ENDLESS = "'-infinity'::timestamptz", "'infinity'::timestamptz"
 
 def _time_statement(where: EffectFilter) -> tuple[str, list[Any]]:
     """A page read by time: a range of the index on (tenant, created_at, id) for a tenant's, on
-    (upstream, created_at, id) for an upstream's, and on (created_at, id) for any other.
+    (upstream, created_at, id) for an upstream's, on (tenant, upstream, created_at, id) for a tenant's
+    at one upstream, and on (created_at, id) for any other.
 
     The range is spelt as row comparisons on the index's leading columns, which only that index can
     read: spelt "tenant = $1 and created_at >= $2", the pool's generic plan guesses a share of the rows
@@ -217,16 +218,12 @@ def _time_statement(where: EffectFilter) -> tuple[str, list[Any]]:
         args.append(value)
         return f"${len(args)}"
 
-    lead: list[tuple[str, str]] = []  # the index's leading column and its value
+    lead: list[tuple[str, str]] = []  # the index's leading columns and their values
     clauses: list[str] = []
     if where.tenant is not None:
         lead.append(("e.tenant", arg(where.tenant)))
     if where.upstream is not None:
-        upstream = arg(where.upstream)
-        if lead:
-            clauses.append(f"e.upstream = {upstream}")
-        else:
-            lead.append(("e.upstream", upstream))
+        lead.append(("e.upstream", arg(where.upstream)))
     if where.state is not None:  # only completed: an open state is listed from open_effects
         clauses.append(f"e.state = {arg(where.state.value)}")
     since = arg(where.since) if where.since is not None else _BEGINNING
