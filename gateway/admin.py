@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
 import re
 from datetime import UTC, datetime
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway import jsonbody, operators, problems
+from gateway import jsonbody, operators, problems, process
 from gateway.audit_query import EffectFilter
 from gateway.decision import NotAwaitingOperator
 from gateway.errors import CursorUnknown, StoreUnavailable
@@ -68,8 +67,9 @@ async def health(request: web.Request) -> web.Response:
 
     Up means this worker serves and Postgres answers; the effect tables are not read for it, so a
     readiness probe costs the same at a billion effects as at none. The counts (open states exact up to
-    1,000 each, completed estimated; a tenant sees its own open ones) need a token, and are the ones the
-    metrics show: read at most every few seconds for each viewer, however many ask.
+    audit_query.EXACT_OPEN_COUNT each, completed estimated; a tenant sees its own open ones) need a
+    token, and are the ones the metrics show: read at most every few seconds for each viewer, however
+    many ask.
     """
     runtime = _runtime(request)
     await runtime.store.ping()  # down (503) when the store is
@@ -86,7 +86,7 @@ async def health(request: web.Request) -> web.Response:
             "effects": counts,
             "needs_review": counts[State.NEEDS_REVIEW.value],
             "upstreams": sorted(runtime.policies),
-            "worker": os.getpid(),
+            "worker": process.pid(),
         }
     )
 

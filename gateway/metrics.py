@@ -35,6 +35,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway import process
+from gateway.audit_query import EXACT_OPEN_COUNT
 from gateway.errors import StoreRejected, StoreUnavailable
 
 log = logging.getLogger("effect_gateway")
@@ -226,8 +227,8 @@ class _StateGauge:
     def _family(self) -> GaugeMetricFamily:
         return GaugeMetricFamily(
             "effect_gateway_effects",
-            "Effect records by state: open states exact up to 1,000 each and estimated above, completed"
-            " from Postgres's estimate on large tables.",
+            f"Effect records by state: open states exact up to {EXACT_OPEN_COUNT:,} each and estimated"
+            " above, completed from Postgres's estimate on large tables.",
             labels=["state"],
         )
 

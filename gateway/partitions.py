@@ -11,14 +11,17 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TypeAlias
 
 import asyncpg
+
+# The store's pooled connections and the retention's own (gateway.store.Store.maintain).
+Conn: TypeAlias = "asyncpg.Connection[asyncpg.Record] | asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
 
 AUDIT = "effects"
 BODIES = "effect_bodies"
 # Made ahead of need, so that an insert never finds no partition for its row even if the periodic
-# maintenance stops for a while: a week of days, and the next month once the current one is half gone.
+# maintenance stops for a while: the days of the coming week, and the current and next month.
 BODY_DAYS_AHEAD = 7
 AUDIT_MONTHS_AHEAD = 1
 # A day of bodies is named by its first day (see _ENSURE).
@@ -28,6 +31,7 @@ _BODY_DAY = re.compile(r"effect_bodies_(\d{4})_(\d{2})_(\d{2})")
 # A partition up to this size is counted exactly (a few milliseconds to read); above it, Postgres's
 # row estimate stands in (before the first ANALYZE there is none: the size over a guessed row size).
 EXACT_COUNT_BYTES = 8 * 1024 * 1024
+# An audit row with its indexes' share, rounded up from the growth benchmark's (about 510 bytes a row).
 ROW_BYTES_GUESS = 600
 # A detach that loses a deadlock is finished by the next try; three losses in a row mean something
 # holds the table on purpose, and the next round of the retention tries again.
@@ -59,7 +63,7 @@ def _quiet(_: str) -> None:
 MAKE_LOCK_WAIT = "250ms"
 
 
-async def ensure(conn: Any, at: datetime | None = None) -> bool:
+async def ensure(conn: Conn, at: datetime | None = None) -> bool:
     """The partitions that rows stored now (or at ``at``) and soon will go into.
 
     False when they could not be made now because the retention is detaching a day (it makes them).
@@ -94,7 +98,7 @@ from (
 """
 
 
-async def listed(conn: Any, parent: str) -> list[Partition]:
+async def listed(conn: Conn, parent: str) -> list[Partition]:
     """The partitions of ``parent``, oldest first."""
     rows = await conn.fetch(
         """
@@ -116,7 +120,7 @@ async def listed(conn: Any, parent: str) -> list[Partition]:
     return found
 
 
-async def row_count(conn: Any, table: str, estimate: int, heap_bytes: int, where: str = "true") -> int:
+async def row_count(conn: Conn, table: str, estimate: int, heap_bytes: int, where: str = "true") -> int:
     """Rows of ``table`` (matching ``where``): counted when the table is small, else estimated."""
     if heap_bytes <= EXACT_COUNT_BYTES:
         return int(await conn.fetchval(f"select count(*) from {table} where {where}"))
@@ -163,7 +167,7 @@ def _bounds(bound: str) -> tuple[datetime, datetime]:
 
 
 async def drop_expired_bodies(
-    conn: Any, retention: timedelta, progress: Progress = _quiet
+    conn: Conn, retention: timedelta, progress: Progress = _quiet
 ) -> list[Partition]:
     """Drop every day of bodies wholly older than the retention; returns what was dropped.
 
@@ -184,7 +188,7 @@ async def drop_expired_bodies(
     return dropped
 
 
-async def finish_interrupted(conn: Any, progress: Progress = _quiet) -> list[Partition]:
+async def finish_interrupted(conn: Conn, progress: Progress = _quiet) -> list[Partition]:
     """Finish (and drop) a day whose detach was cut short: a gateway stopped mid-way, or a deadlock lost.
 
     Postgres allows one such day per table and no other detach while it lasts; its rows are already out
@@ -196,7 +200,7 @@ async def finish_interrupted(conn: Any, progress: Progress = _quiet) -> list[Par
     return interrupted
 
 
-async def _drop(conn: Any, part: Partition, progress: Progress) -> None:
+async def _drop(conn: Conn, part: Partition, progress: Progress) -> None:
     # An open effect's request is carried into today, and its response if it is the latest attempt's
     # answer (stored since its claim): its new time is later than the answer was, which only makes a
     # probe's lag count from later. An earlier attempt's answer is not carried, and the record stops
@@ -209,19 +213,21 @@ async def _drop(conn: Any, part: Partition, progress: Progress) -> None:
     # Postgres misjudged how many there are and merged the day with the whole audit in id order, which
     # grew with the audit and with each day dropped (bench.growth). The carry then looks each one up
     # (see _carry); one that has completed since is left where it is.
-    ids, created = await conn.fetchrow(
+    found = await conn.fetchrow(
         f"""
         select array_agg(o.id), array_agg(o.created_at) from open_effects o
         where exists (select from "{part.name}" b where b.effect_id = o.id)
         """
     )
+    assert found is not None  # an aggregate without group by returns its one row
+    ids, created = found
     kept = await _carry(conn, part.name, ids, created) if ids else 0
     await _detach(conn, part.name)
     await conn.execute(f'drop table "{part.name}"')
     progress(f"dropped {part.name}: about {part.rows} bodies" + (f", {kept} carried forward" if kept else ""))
 
 
-async def _carry(conn: Any, day: str, ids: list[int], created: list[datetime]) -> int:
+async def _carry(conn: Conn, day: str, ids: list[int], created: list[datetime]) -> int:
     """Carry the bodies the open effects ``ids`` (created at ``created``) keep from ``day`` into today.
 
     With the generic plan: it cannot know the list's length, so it looks each effect up in its month.
@@ -266,7 +272,7 @@ def carry_statement(day: str) -> str:
         """
 
 
-async def _cut_short(conn: Any, cutoff: datetime) -> list[str]:
+async def _cut_short(conn: Conn, cutoff: datetime) -> list[str]:
     """Days of bodies past ``cutoff`` that a round detached and then never dropped.
 
     A gateway stopped between a day's detach and its drop (SIGTERM cancels the round) leaves the day as
@@ -293,7 +299,7 @@ async def _cut_short(conn: Any, cutoff: datetime) -> list[str]:
     return found
 
 
-async def _detach(conn: Any, name: str) -> None:
+async def _detach(conn: Conn, name: str) -> None:
     for _ in range(DETACH_TRIES):
         pending = await conn.fetchval(
             "select inhdetachpending from pg_inherits where inhrelid = $1::regclass", name

@@ -162,13 +162,18 @@ OUTAGE = (
 _CURSOR = """
     select exists (select from effects c where c.id = $1 and ($2::text is null or c.tenant = $2))
 """
+# Each month of the audit with Postgres's row estimate and its size: small ones are counted exactly,
+# large ones estimated (partitions.row_count), so the counts never scan a large month.
 _PARTITION_SIZES = """
     select c.oid::regclass::text as part, c.reltuples::bigint as rows, pg_relation_size(c.oid) as bytes
     from pg_inherits i join pg_class c on c.oid = i.inhrelid
     where i.inhparent = 'effects'::regclass
 """
-# Held (per session) by the one gateway maintaining partitions; any constant no other application uses.
+# Held (per session) by the one gateway maintaining partitions; any constant no other application uses:
+# "effects" in ASCII and 1, beside the migrations' lock (gateway.schema), which is "effects" alone.
 MAINTENANCE_LOCK = 0x6566666563747301
+# What Postgres rolls back whole and says to try again: the same statement can then succeed. Anything
+# else it refuses would be refused again.
 RETRYABLE_SQLSTATES = (asyncpg.exceptions.SerializationError, asyncpg.exceptions.DeadlockDetectedError)
 
 
