@@ -19,6 +19,9 @@ from urllib.parse import urlsplit
 
 from bench.load import STEPS_PER_RUN
 
+# Between tries to reconnect to a server that refuses: a benchmark's server restarting takes longer.
+RECONNECT_PAUSE = 0.05
+
 
 class Client:
     def __init__(self, args: argparse.Namespace, body: bytes) -> None:
@@ -69,20 +72,39 @@ class Client:
                 if interval is not None:
                     next_send += interval
                     await asyncio.sleep(max(0.0, next_send - time.perf_counter()))
-                start = time.perf_counter()
+                    # Timed from when it was due, not from when a slow answer before it let it go: a
+                    # server that falls behind a fixed rate shows in the latencies, as in wrk2.
+                    start = next_send
+                else:
+                    start = time.perf_counter()
                 writer.write(self.request())
                 try:
                     status = await asyncio.wait_for(_response(reader), self.args.timeout)
                 except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError):
                     self.failed += 1
                     writer.close()
-                    reader, writer = await asyncio.open_connection(self.host, self.port)
+                    connected = await self._reconnect(stop)
+                    if connected is None:  # the run ended while the server refused
+                        return
+                    reader, writer = connected
                     continue
                 self.samples.append((time.perf_counter() - start) * 1000)
                 if not 200 <= status < 300:
                     self.not_2xx += 1
         finally:
             writer.close()
+
+    async def _reconnect(
+        self, stop: asyncio.Event
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A new connection, tried again while the server refuses one (each refusal counts as failed)."""
+        while not stop.is_set():
+            try:
+                return await asyncio.open_connection(self.host, self.port)
+            except OSError:
+                self.failed += 1
+                await asyncio.sleep(RECONNECT_PAUSE)
+        return None
 
 
 async def _response(reader: asyncio.StreamReader) -> int:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -46,3 +48,43 @@ def test_a_python_load_reports_its_latencies_when_they_are_more_than_a_pipe_hold
     assert result.not_2xx == 0
     assert result.requests >= ENOUGH
     assert 0 < result.p50_ms <= result.p99_ms <= result.max_ms
+
+
+def _stalling_server(stall_at: int, stall: float) -> tuple[int, threading.Thread]:
+    """An HTTP/1.1 server on loopback that answers at once, but waits ``stall`` s before request
+    ``stall_at``'s answer (one connection, then it ends)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with listener, listener.accept()[0] as conn:
+            buffered, served = b"", 0
+            while chunk := conn.recv(65536):
+                buffered += chunk
+                while b"\r\n\r\n" in buffered:
+                    _, buffered = buffered.split(b"\r\n\r\n", 1)
+                    served += 1
+                    if served == stall_at:
+                        time.sleep(stall)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener.getsockname()[1], thread
+
+
+def test_at_a_fixed_rate_a_stall_shows_in_the_latencies_of_the_requests_it_held_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At 20 requests a second, a server that stalls 1.2 s once holds up the two dozen requests due
+    meanwhile: each is timed from when it was due, so the median is the stall's, not a quick answer's.
+
+    They were timed from when they were sent, after the stall: only the stalled request showed it, and
+    a server that fell behind a fixed rate looked as fast as one that kept it.
+    """
+    monkeypatch.setenv("BENCH_LOADGEN", "python")
+    port, server = _stalling_server(stall_at=3, stall=1.2)
+    result = Load(LoadSpec(f"http://127.0.0.1:{port}/", concurrency=1, duration=2.0, rate=20)).result()
+    server.join(timeout=10)
+    assert result.failed == 0
+    assert result.max_ms >= 1200
+    assert result.p50_ms >= 100, result
