@@ -69,3 +69,10 @@ class Transition:
 
     def __post_init__(self) -> None:
         check_transition(self.source, self.target)
+
+    def fenced_on(self, state: State) -> State:
+        """The state a write of this move fences on: ``state``, the record's as read, which the move
+        must start from (a move asked of a record in another state is a bug, not a race)."""
+        if self.source is not state:
+            raise ValueError(f"a move from {self.source} was asked of a record in {state}")
+        return state

@@ -125,13 +125,6 @@ def _open_moved(source: str, target: str) -> str:
         )"""
 
 
-def _source(record: EffectRecord, move: Transition) -> str:
-    """The state a write fences on: the one the record was read in, which the move must start from."""
-    if move.source is not record.state:
-        raise ValueError(f"a move from {move.source} was asked of a record in {record.state}")
-    return record.state.value
-
-
 async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
@@ -447,7 +440,7 @@ class Store:
             record.id,
             record.created_at,
             record.attempt,
-            _source(record, move),
+            move.fenced_on(record.state).value,
             lease,
             sends,
             _event("reclaimed", attempt=record.attempt + 1, reason=reason, was=record.state.value),
@@ -491,7 +484,7 @@ class Store:
             record.id,
             record.created_at,
             record.attempt,
-            _source(record, settlement.transition),
+            settlement.transition.fenced_on(record.state).value,
             settlement.state.value,
             settlement.may_have_sent,
             settlement.ends_lease,
@@ -541,7 +534,7 @@ class Store:
             record.id,
             record.created_at,
             record.attempt,
-            _source(record, move),
+            move.fenced_on(record.state).value,
             _event("needs_review", attempt=record.attempt, why=why),
         )
 
@@ -585,7 +578,7 @@ class Store:
             record.id,
             record.created_at,
             record.attempt,
-            _source(record, move),
+            move.fenced_on(record.state).value,
             response.status,
             head_bytes(response.headers),
             body,
@@ -630,7 +623,7 @@ class Store:
             record.id,
             record.created_at,
             record.attempt,
-            _source(record, move),
+            move.fenced_on(record.state).value,
             move.target.value,
             happened,
             response.status if response else None,

@@ -7,6 +7,11 @@ database's clock. Each write is fenced exactly as its SQL is (``id``, ``created_
 ``state``, and the lease for an operator's verdict). It is not a mock: it answers what the data says,
 and tests/test_store_contract.py runs the same tests against it and against Postgres.
 
+Where the two differ on purpose, the contract holds only what both promise: the admin's count of an
+open state above EXACT_OPEN_COUNT is Postgres's estimate there and exact here; the retention reports
+every day it dropped there, empty ones too, and here only the days that held bodies; and a filter by
+key finds the effect through the key table there and by the row's key here.
+
 :class:`SimStore` is one connection's view of it, with the same methods as ``Store``: each statement
 travels to the database (a delay), is applied there atomically (or not: an outage), and its answer
 travels back (a delay, or lost after the commit). The :class:`Weather` decides those delays and
@@ -104,13 +109,6 @@ def _with_claim(row: Row) -> list[dict[str, Any]]:
     if history and history[0].get("event") == "claimed":
         return history  # a row written as earlier versions wrote them
     return [_event("claimed", row.created_at, attempt=1), *history]
-
-
-def _source(record: EffectRecord, move: Transition) -> State:
-    """As gateway.store's: the state a write fences on, which the move must start from."""
-    if move.source is not record.state:
-        raise ValueError(f"a move from {move.source} was asked of a record in {record.state}")
-    return record.state
 
 
 class SimDatabase:
@@ -608,7 +606,7 @@ class SimStore:
         sends: bool,
         renew: bool = False,
     ) -> EffectRecord | None:
-        source = _source(record, move)
+        source = move.fenced_on(record.state)
         return await self._statement(
             "reclaim",
             lambda: self.db.reclaim(record, source, lease, reason, sends=sends, renew=renew),
@@ -623,7 +621,7 @@ class SimStore:
         recovered_by: str | None,
         note: str | None = None,
     ) -> EffectRecord | None:
-        source = _source(record, settlement.transition)
+        source = settlement.transition.fenced_on(record.state)
         return await self._statement(
             "settle",
             lambda: self.db.settle(
@@ -636,7 +634,7 @@ class SimStore:
         await self._statement("note_fenced", lambda: self.db.note_fenced(record, saw))
 
     async def send_to_review(self, record: EffectRecord, move: Transition, why: str) -> EffectRecord | None:
-        source = _source(record, move)
+        source = move.fenced_on(record.state)
         return await self._statement("send_to_review", lambda: self.db.send_to_review(record, source, why))
 
     async def add_replays(self, counts: Mapping[tuple[int, datetime], int]) -> None:
@@ -645,7 +643,7 @@ class SimStore:
         await self._statement("add_replays", lambda: self.db.add_replays(counts))
 
     async def restore(self, record: EffectRecord, move: Transition, response: StoredResponse) -> None:
-        source = _source(record, move)
+        source = move.fenced_on(record.state)
         await self._statement(
             "restore",
             lambda: self.db.restore(record, source, response),
@@ -655,7 +653,7 @@ class SimStore:
     async def resolve(
         self, record: EffectRecord, move: Transition, response: StoredResponse | None, by: str | None
     ) -> EffectRecord | None:
-        source = _source(record, move)
+        source = move.fenced_on(record.state)
         return await self._statement("resolve", lambda: self.db.resolve(record, move, source, response, by))
 
     async def key_secret(self) -> bytes:

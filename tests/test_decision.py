@@ -333,6 +333,17 @@ def test_too_soon(rec: EffectRecord, policy: Policy, expected: timedelta | None)
         )
 
 
+def test_a_write_fences_on_the_state_its_move_starts_from_and_no_other() -> None:
+    """A move is written fenced on the record's state as read; asked of a record in another state it is
+    refused before anything is written."""
+    move = Transition(State.PENDING, State.IN_DOUBT)
+    assert move.fenced_on(State.PENDING) is State.PENDING
+    with pytest.raises(ValueError, match="was asked of a record in") as refused:
+        move.fenced_on(State.RETRYABLE)
+    assert str(State.PENDING) in str(refused.value)
+    assert str(State.RETRYABLE) in str(refused.value)
+
+
 def test_a_completed_record_is_never_taken_over() -> None:
     """No attempt (send or probe) can be started on a completed record: the table has no such move."""
     with pytest.raises(IllegalTransition):
