@@ -1,4 +1,4 @@
-"""aiohttp wiring, kept thin: HTTP in, :class:`gateway.service.Inbound` to the service, HTTP out."""
+"""aiohttp wiring, kept thin: HTTP in, :class:`gateway.inbound.Inbound` to the service, HTTP out."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ from gateway import admin, audit_routes, codings, openapi, problems
 from gateway.body import RequestBody, read_body
 from gateway.errors import BodyUnreadable, StoreRejected, StoreUnavailable
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
+from gateway.inbound import Inbound
 from gateway.jsonbody import JsonRefused
 from gateway.keys import MAX_LABEL, KeySyntaxError, LogHash, looks_made_up, parse_key
 from gateway.metrics import CachedCounts, Metrics
 from gateway.policy import UpstreamPolicy, upstream_policies
 from gateway.probes import Prober
 from gateway.record import StoredResponse
+from gateway.replies import Reply
 from gateway.runtime import (
     RUNTIME,
     ClientGone,
@@ -34,7 +36,7 @@ from gateway.runtime import (
     tenant_of,
 )
 from gateway.schema import migrate
-from gateway.service import EffectService, Inbound, Reply
+from gateway.service import EffectService
 from gateway.settings import ErrorFormat, Settings
 from gateway.stamp import reserved_use
 from gateway.store import Store, StoreLimits

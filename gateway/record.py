@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -72,3 +73,23 @@ class EffectRecord:
             and self.response is None
             and "response" not in self.unreadable
         )
+
+
+@dataclass(frozen=True, slots=True)
+class NewEffect:
+    """An effect as its claim first records it."""
+
+    tenant: str
+    upstream: str
+    key: str
+    derived_key: str
+    method: str
+    path: str
+    query: str
+    fingerprint: str
+    request_headers: Mapping[str, str]
+    request_body: bytes
+    run_id: str | None
+    step: str | None
+    # Sent without a key under the upstream's "audit" policy: the key is made up and never looked up.
+    keyless: bool = False

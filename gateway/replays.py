@@ -7,11 +7,22 @@ bounded in bytes, and scoped like the store: by (tenant, upstream, key).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
+from typing import Any
 
-from gateway.record import StoredResponse
+from gateway.errors import StoreRejected, StoreUnavailable
+from gateway.record import EffectRecord, StoredResponse
+
+log = logging.getLogger("effect_gateway")
+
+# Replay counts gather this long before one statement writes them: a second of counts is what a crash
+# can cost, and a busy key's replays cost Postgres one write a second instead of one each.
+REPLAY_FLUSH = 1.0
 
 # What CPython spends beyond the characters and bytes themselves, measured with tracemalloc on 64-bit
 # CPython 3.11 (tests/test_replay_cache.py holds the total to the measured memory): per entry, the
@@ -98,3 +109,68 @@ class ReplayTally:
 
     def __bool__(self) -> bool:
         return bool(self._counts)
+
+
+Counts = Mapping[tuple[int, datetime], int]  # (effect id, created_at) -> replays
+
+
+class Replays:
+    """One worker's replays from memory: the completed effects it keeps and the counts it owes the audit.
+
+    ``write`` adds counts to the audit (Store.add_replays); ``spawn`` runs a task the worker waits for
+    when it drains, so that counts still in memory at a shutdown are written.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        retention: timedelta,
+        write: Callable[[Counts], Awaitable[None]],
+        spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
+    ) -> None:
+        self._cache = ReplayCache(capacity)
+        self._tally = ReplayTally()
+        self._retention = retention
+        self._write = write
+        self._spawn = spawn
+        self._flusher: asyncio.Task[None] | None = None
+
+    def known(self, scope: Scope, now: float) -> Completed | None:
+        return self._cache.get(scope, now)
+
+    def remember(
+        self, record: EffectRecord, response: StoredResponse, now: float, *, stored: datetime | None = None
+    ) -> None:
+        """Keep a completed effect for replays from memory (a keyless one is never replayed).
+
+        ``record`` is as read with (or just after) its response was stored, at ``stored`` (else its
+        ``response_at``): the store keeps the response for the retention from then, and so does the copy.
+        ``now`` is this process's monotonic clock.
+        """
+        if record.keyless or record.read_at is None:
+            return
+        stored = stored or record.response_at or record.read_at
+        left = self._retention - (record.read_at - stored)
+        self._cache.put(
+            (record.tenant, record.upstream, record.key),
+            Completed(record.id, record.created_at, record.fingerprint, response, now + left.total_seconds()),
+            now,
+        )
+
+    def count(self, effect_id: int, created_at: datetime) -> None:
+        # Off the agent's path: the counter is for the audit, and a commit of its own would be most of a
+        # replay's time. Counts gather for a moment and go to Postgres in one statement.
+        self._tally.add(effect_id, created_at)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = self._spawn(self._flush())
+
+    async def _flush(self) -> None:
+        # Until none are left: replays counted while a batch was being written go in the next, and a
+        # drain at shutdown waits for this task, so they are not left behind with nobody to write them.
+        while self._tally:
+            await asyncio.sleep(REPLAY_FLUSH)
+            counts = self._tally.take()
+            try:
+                await self._write(counts)
+            except (StoreUnavailable, StoreRejected) as exc:
+                log.warning("%d replay counts not written: %s", sum(counts.values()), exc)

@@ -1,8 +1,8 @@
 """The driver: carries out what :func:`gateway.decision.decide` says, against the store and upstream.
 
 This is the only module that sequences I/O for an effect: claim, send, settle, probe, wait. It knows
-nothing about aiohttp's server side; :mod:`gateway.app` turns HTTP into an :class:`Inbound` and a
-:class:`Reply` back into HTTP.
+nothing about aiohttp's server side; :mod:`gateway.app` turns HTTP into an :class:`gateway.inbound.Inbound`
+and a :class:`gateway.replies.Reply` back into HTTP.
 """
 
 from __future__ import annotations
@@ -12,13 +12,11 @@ import contextlib
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Coroutine, Mapping
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from collections.abc import Awaitable, Coroutine
+from datetime import timedelta
 from typing import Any, TypeVar, assert_never
 
-from gateway import problems, trail
-from gateway.body import RequestBody
+from gateway import problems, replies, trail
 from gateway.decision import (
     Busy,
     Late,
@@ -38,7 +36,6 @@ from gateway.decision import (
     Unknown,
     before_sending,
     decide,
-    repeats_request,
     restore,
     review,
     settle,
@@ -49,19 +46,20 @@ from gateway.decision import (
 )
 from gateway.errors import ProbeFailed, StoreRejected, StoreUnavailable
 from gateway.faults import fault
-from gateway.fingerprint import NEVER_FINGERPRINTED, fingerprint
+from gateway.fingerprint import fingerprint
+from gateway.inbound import Inbound, to_record, to_send
 from gateway.keys import ScopedKey
-from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, Outcome, ProbeError, ProbeResult
+from gateway.outcome import Answered, Found, NotFound, NotSent, Outcome, ProbeError, ProbeResult
 from gateway.policy import UpstreamPolicy, keyless_mode
 from gateway.probes import Prober
 from gateway.record import EffectRecord, StoredResponse
-from gateway.replays import Completed, ReplayCache, ReplayTally
+from gateway.replays import Completed, Replays
+from gateway.replies import Reply
 from gateway.settings import SAFE_METHODS
-from gateway.stamp import StampError
 from gateway.states import State
-from gateway.store import NewEffect, Store
+from gateway.store import Store
 from gateway.telemetry import Telemetry
-from gateway.upstream import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP, Outbound, UpstreamClient, build_outbound
+from gateway.upstream import Outbound, UpstreamClient
 
 log = logging.getLogger("effect_gateway")
 
@@ -70,37 +68,14 @@ T = TypeVar("T")
 # Times a gateway that fell behind its lease before sending takes the record again; more means it is
 # too overloaded to keep any lease, and the request is settled as never sent.
 RENEWALS = 3
-# Replay counts gather this long before one statement writes them: a second of counts is what a crash
-# can cost, and a busy key's replays cost Postgres one write a second instead of one each.
-REPLAY_FLUSH = 1.0
 # Waiting for a twin: start fast (most upstream calls end in tens of ms), back off to spare Postgres.
 FIRST_POLL = 0.01
 MAX_POLL = 0.2
 
 
-@dataclass(frozen=True, slots=True)
-class Inbound:
-    tenant: str
-    upstream: UpstreamPolicy
-    method: str
-    path: str  # as the agent sent it, still percent-encoded, starting with "/"
-    query: str
-    headers: Mapping[str, str]
-    body: RequestBody
-    key: str | None
-    wait: float
-    run_id: str | None = None
-    step: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    response: StoredResponse
-    replayed: bool
-    effect_id: int | None
-
-
 class EffectService:
+    """Each request with a key to its end: claimed, sent, recorded, replayed, recovered or refused."""
+
     def __init__(
         self,
         store: Store,
@@ -114,14 +89,11 @@ class EffectService:
     ) -> None:
         self._store = store
         self._telemetry = telemetry or Telemetry()
-        self._retention = retention
         self._key_secret = key_secret
-        self._cache = ReplayCache(replay_cache_bytes)
-        self._tally = ReplayTally()
-        self._flusher: asyncio.Task[None] | None = None
         self._client = client
         self._prober = prober
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._replays = Replays(replay_cache_bytes, retention, store.add_replays, self._spawn)
         # Twins waiting in this process are woken as soon as the record is written here; twins of a
         # request another gateway holds fall back to polling the row.
         self._waiters: dict[int, asyncio.Event] = {}
@@ -159,16 +131,16 @@ class EffectService:
             )
         )
         scope = (inbound.tenant, policy.name, inbound.key)
-        known = self._cache.get(scope, _clock())
+        known = self._replays.known(scope, _clock())
         self._telemetry.replay_cache(hit=known is not None)
         if known is not None:
             return self._replay_known(known, request)
         derived = ScopedKey(*scope).derived(self._key_secret)
         # Built before the claim: a request that cannot be sent must leave no record behind.
-        outbound = _outbound(inbound, derived)
+        outbound = to_send(inbound, derived)
         took = _clock()
         record, created = await self._store.claim(
-            _new_effect(inbound, inbound.key, derived, request.fingerprint), policy.lease
+            to_record(inbound, inbound.key, derived, request.fingerprint), policy.lease
         )
         if record is None:
             # Its month was archived: whatever state it was left in (completed, or even open) is not
@@ -181,7 +153,7 @@ class EffectService:
             # First sent under another derived key (an older derivation, or another key_secret): every
             # attempt at one effect carries the key of its first, or the upstream and a probe could not
             # tell that they are the same effect.
-            outbound = _outbound(inbound, record.derived_key)
+            outbound = to_send(inbound, record.derived_key)
         if created:
             return await self._attempt(record, took, policy, outbound, reason=None)
         return await self._follow(record, request, policy, outbound, inbound.wait)
@@ -189,51 +161,14 @@ class EffectService:
     def _replay_known(self, known: Completed, request: Request) -> Reply:
         trail.replayed_from_memory(known.id)
         if known.fingerprint != request.fingerprint:
-            raise _key_reused(known.id)
-        self._count_replay(known.id, known.created_at)
+            raise replies.key_reused(known.id)
+        self._replays.count(known.id, known.created_at)
         return Reply(known.response, replayed=True, effect_id=known.id)
-
-    def _remember(
-        self, record: EffectRecord, response: StoredResponse, *, stored: datetime | None = None
-    ) -> None:
-        """Keep a completed effect for replays from memory (a keyless one is never replayed).
-
-        ``record`` is as read with (or just after) its response was stored, at ``stored`` (else its
-        ``response_at``): the store keeps the response for the retention from then, and so does the copy.
-        """
-        if record.keyless or record.read_at is None:
-            return
-        stored = stored or record.response_at or record.read_at
-        left = self._retention - (record.read_at - stored)
-        now = _clock()
-        self._cache.put(
-            (record.tenant, record.upstream, record.key),
-            Completed(record.id, record.created_at, record.fingerprint, response, now + left.total_seconds()),
-            now,
-        )
-
-    def _count_replay(self, effect_id: int, created_at: datetime) -> None:
-        # Off the agent's path: the counter is for the audit, and a commit of its own would be most of a
-        # replay's time. Counts gather for a moment and go to Postgres in one statement.
-        self._tally.add(effect_id, created_at)
-        if self._flusher is None or self._flusher.done():
-            self._flusher = self._spawn(self._flush_replays())
-
-    async def _flush_replays(self) -> None:
-        # Until none are left: replays counted while a batch was being written go in the next, and a
-        # drain at shutdown waits for this task, so they are not left behind with nobody to write them.
-        while self._tally:
-            await asyncio.sleep(REPLAY_FLUSH)
-            counts = self._tally.take()
-            try:
-                await self._store.add_replays(counts)
-            except (StoreUnavailable, StoreRejected) as exc:
-                log.warning("%d replay counts not written: %s", sum(counts.values()), exc)
 
     async def _keyless(self, inbound: Inbound) -> Reply:
         """A request without an Idempotency-Key: passed through, audited once, or refused."""
         policy = inbound.upstream
-        outbound = _outbound(inbound, None)
+        outbound = to_send(inbound, None)
         mode = "forward" if inbound.method in SAFE_METHODS else keyless_mode(policy, inbound.method)
         if mode == "refuse":
             raise problems.KeyMissing(
@@ -243,12 +178,12 @@ class EffectService:
         if mode == "forward":
             outcome = await self._client.send(outbound, policy.timeout.total_seconds())
             if inbound.method not in SAFE_METHODS:
-                _refuse_redirect(outcome, policy, None, inbound.method)
-            return _reply(outcome, None)
+                replies.refuse_redirect(outcome, policy, None, inbound.method)
+            return replies.reply(outcome, None)
         # "audit": one row for the audit, under a made-up key that no request can ever present again.
         took = _clock()
         record, created = await self._store.claim(
-            _new_effect(inbound, f"keyless:{uuid.uuid4().hex}", "", "", keyless=True), policy.lease
+            to_record(inbound, f"keyless:{uuid.uuid4().hex}", "", "", keyless=True), policy.lease
         )
         assert record is not None, "a made-up key of 128 random bits is new"
         assert created
@@ -277,11 +212,11 @@ class EffectService:
             match action:
                 case Replay():
                     assert record.response is not None
-                    self._remember(record, record.response)
-                    self._count_replay(record.id, record.created_at)
+                    self._replays.remember(record, record.response, _clock())
+                    self._replays.count(record.id, record.created_at)
                     return Reply(record.response, replayed=True, effect_id=record.id)
                 case Mismatch():
-                    raise _key_reused(record.id)
+                    raise replies.key_reused(record.id)
                 case Busy(retry_after=retry_after):
                     remaining = deadline - loop.time()
                     if remaining <= 0:
@@ -332,13 +267,13 @@ class EffectService:
                         continue
                     self._took(record, reviewed)
                     log.warning("effect %s needs review (%s %s)", record.id, record.upstream, record.path)
-                    raise _outcome_unknown(record)
+                    raise replies.outcome_unknown(record)
                 case Unknown():
-                    raise _outcome_unknown(record)
+                    raise replies.outcome_unknown(record)
                 case Restore():
                     return await self._restore(record, policy)
                 case Purged():
-                    raise _purged(record, "this upstream has no probe to ask for it")
+                    raise replies.purged(record, "this upstream has no probe to ask for it")
                 case _:
                     assert_never(action)
 
@@ -395,7 +330,7 @@ class EffectService:
             # What came of a request that may have left could not be written (here or in the fallback
             # to review): the record stays as it was until its lease runs out, and the retry recovers it
             # like a gateway crash at this very point. Never "nothing was sent".
-            log.error("effect %s: %s; could not record it: %s", record.id, _describe(outcome), exc)
+            log.error("effect %s: %s; could not record it: %s", record.id, replies.describe(outcome), exc)
             raise problems.StoreDown(
                 f"the upstream was called but its outcome could not be recorded ({exc}); retry with the same "
                 "key to recover it",
@@ -413,14 +348,14 @@ class EffectService:
             saved = await self._settle(
                 record,
                 settled,
-                response=_stored(outcome),
+                response=replies.stored(outcome),
                 recovered_by=recovered_by if settled.state is State.COMPLETED else None,
-                note=_describe(outcome),
+                note=replies.describe(outcome),
             )
         except StoreRejected as exc:
             return await self._unrecorded(record, settled, outcome, exc)
         if saved is None:
-            await self._store.note_fenced(record, _describe(outcome))
+            await self._store.note_fenced(record, replies.describe(outcome))
             raise problems.Fenced(
                 "this gateway's attempt was taken over by a newer one; retry to get the recorded outcome",
                 headers={"Retry-After": "1"},
@@ -430,9 +365,11 @@ class EffectService:
         if settled.state is State.COMPLETED and recovered_by is not None:
             trail.recovered(recovered_by)
         if settled.state is State.COMPLETED and isinstance(outcome, Answered):
-            self._remember(saved, StoredResponse(outcome.status, outcome.headers, outcome.body))
-        _refuse_redirect(outcome, policy, record.id, record.method)
-        return _reply(outcome, record.id)
+            self._replays.remember(
+                saved, StoredResponse(outcome.status, outcome.headers, outcome.body), _clock()
+            )
+        replies.refuse_redirect(outcome, policy, record.id, record.method)
+        return replies.reply(outcome, record.id)
 
     async def _ready_to_send(
         self, record: EffectRecord, took: float, policy: UpstreamPolicy, reason: SendReason | None
@@ -473,16 +410,16 @@ class EffectService:
         A pending record would be taken over when its lease runs out and, lacking an answer, sent again
         (possibly forever). It goes to review instead, with what the gateway saw in its history.
         """
-        seen = f"{_describe(outcome)}, but the answer could not be recorded: {exc}"
+        seen = f"{replies.describe(outcome)}, but the answer could not be recorded: {exc}"
         log.error("effect %s: %s", record.id, seen)
         instead = unrecorded(settled)
         saved = await self._settle(record, instead, response=None, recovered_by=None, note=seen)
         if saved is None:
             await self._store.note_fenced(record, seen)
         if instead.state is not State.NEEDS_REVIEW:
-            return _reply(outcome, record.id)  # nothing reached the upstream: say what stopped it
+            return replies.reply(outcome, record.id)  # nothing reached the upstream: say what stopped it
         raise problems.OutcomeUnknown(
-            f"the upstream {_describe(outcome)} but the gateway could not record the answer ({exc}); "
+            f"the upstream {replies.describe(outcome)} but the gateway could not record the answer ({exc}); "
             f"nothing will be sent again for this key until an operator resolves effect {record.id}",
             effect_id=record.id,
         )
@@ -540,11 +477,11 @@ class EffectService:
             case State.COMPLETED:
                 assert found is not None
                 trail.recovered("probe")
-                self._remember(saved, found)
+                self._replays.remember(saved, found, _clock())
                 return Reply(found, replayed=True, effect_id=record.id)
             case State.NEEDS_REVIEW:
                 log.warning("effect %s needs review: %s", record.id, note)
-                raise _outcome_unknown(record)
+                raise replies.outcome_unknown(record)
         raise problems.ProbeUnavailable(
             f"{note}; the record is unchanged, retry later", headers={"Retry-After": "5"}, effect_id=record.id
         )
@@ -576,10 +513,10 @@ class EffectService:
                 trail.recovered("probe")
                 # Stored again just now: its retention starts over (from when the record was read, at
                 # the latest), where the record still carries the time of the response it lost.
-                self._remember(record, response, stored=record.read_at)
+                self._replays.remember(record, response, _clock(), stored=record.read_at)
                 return Reply(response, replayed=True, effect_id=record.id)
             case NotFound():
-                raise _purged(record, "the probe no longer finds it")
+                raise replies.purged(record, "the probe no longer finds it")
             case ProbeError(reason=reason):
                 raise problems.ProbeUnavailable(
                     f"probe failed: {reason}; the effect happened and nothing will be sent again, retry "
@@ -588,13 +525,6 @@ class EffectService:
                     effect_id=record.id,
                 )
         raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _key_reused(effect_id: int) -> problems.Problem:
-    return problems.KeyReused(
-        "this Idempotency-Key was first used with a different method, path, query or body",
-        effect_id=effect_id,
-    )
 
 
 def _clock() -> float:
@@ -612,133 +542,3 @@ def _left_to_leave(policy: UpstreamPolicy, took: float) -> float | None:
     window = policy.decision.send_window
     # At least a millisecond: aiohttp reads a timeout of 0 as none at all.
     return None if window is None else max(0.001, window.total_seconds() - (_clock() - took))
-
-
-def _purged(record: EffectRecord, why: str) -> problems.Problem:
-    return problems.ResponsePurged(
-        f"the effect happened and is never sent again; its response was dropped after the retention and "
-        f"{why}",
-        effect_id=record.id,
-    )
-
-
-def _outbound(inbound: Inbound, derived_key: str | None) -> Outbound:
-    try:
-        return build_outbound(
-            inbound.upstream,
-            derived_key,
-            inbound.method,
-            inbound.path,
-            inbound.query,
-            inbound.headers,
-            inbound.body,
-        )
-    except StampError as exc:
-        raise problems.CannotStamp(str(exc)) from None
-
-
-def _new_effect(
-    inbound: Inbound, key: str, derived_key: str, fingerprint: str, *, keyless: bool = False
-) -> NewEffect:
-    return NewEffect(
-        tenant=inbound.tenant,
-        upstream=inbound.upstream.name,
-        key=key,
-        derived_key=derived_key,
-        method=inbound.method,
-        path=inbound.path,
-        query=inbound.query,
-        fingerprint=fingerprint,
-        request_headers=redacted(inbound.headers, inbound.upstream),
-        request_body=inbound.body.raw,
-        run_id=inbound.run_id,
-        step=inbound.step,
-        keyless=keyless,
-    )
-
-
-def _outcome_unknown(record: EffectRecord) -> problems.Problem:
-    return problems.OutcomeUnknown(
-        "the effect may have happened and nothing can tell; resolve it with "
-        f"`effect-gateway resolve {record.id}` or POST /_gateway/effects/{record.id}/resolve",
-        effect_id=record.id,
-    )
-
-
-# Credentials, hop-by-hop headers and the gateway's own: never in the audit, whatever the upstream.
-NEVER_AUDITED = NEVER_FINGERPRINTED | HOP_BY_HOP | GATEWAY_REQUEST_HEADERS
-
-
-def redacted(headers: Mapping[str, str], policy: UpstreamPolicy) -> dict[str, str]:
-    """Request headers as the audit keeps them: credentials and secrets never reach the database."""
-    never = policy.never_stored
-    return {
-        name: value
-        for name, value in headers.items()
-        if name.lower() not in never and name.lower() not in NEVER_AUDITED
-    }
-
-
-def _stored(outcome: Outcome) -> StoredResponse | None:
-    if isinstance(outcome, Answered):
-        return StoredResponse(outcome.status, outcome.headers, outcome.body)
-    return None
-
-
-def _describe(outcome: Outcome) -> str:
-    match outcome:
-        case Answered(status=status):
-            return f"answered {status}"
-        case NotSent(reason=reason) | NoAnswer(reason=reason):
-            return reason
-    assert_never(outcome)
-
-
-def _refuse_redirect(outcome: Outcome, policy: UpstreamPolicy, effect_id: int | None, method: str) -> None:
-    """A redirect that keeps the method is never relayed for a request that may have an effect.
-
-    A client that follows it (requests and aiohttp do by default) would send the request again to
-    wherever Location points, past the gateway: on the first answer and on every replay, with the
-    agent's Effect-Gateway-Token. The upstream did not act (the record is retryable): say so instead.
-    """
-    if not (isinstance(outcome, Answered) and repeats_request(outcome.status, method)):
-        return
-    location = next((value for name, value in outcome.headers if name.lower() == "location"), "")
-    # Stored header text stands for the upstream's bytes (surrogate-escaped): shown here as text.
-    shown = location.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    raise problems.UpstreamRedirected(
-        f"the upstream answered {outcome.status} with Location {shown or '(none)'}: it did not act on the "
-        "request and asks for it there. The gateway relays no redirect that repeats a request, which a "
-        "client following it would send past the gateway. Nothing was done; once "
-        f"upstreams.{policy.name}.base_url points where it moved, retry with the same key",
-        effect_id=effect_id,
-        location=shown,
-    )
-
-
-def _reply(outcome: Outcome, effect_id: int | None) -> Reply:
-    match outcome:
-        case Answered():
-            return Reply(StoredResponse(outcome.status, outcome.headers, outcome.body), False, effect_id)
-        case NotSent(reason=reason):
-            raise problems.UpstreamUnreachable(
-                f"{reason}; nothing was sent, retry with the same key",
-                headers={"Retry-After": "1"},
-                effect_id=effect_id,
-            )
-        case NoAnswer(reason=reason, too_large=True):
-            raise problems.ResponseTooLarge(
-                f"{reason}; the effect may have happened, retry with the same key to recover it",
-                effect_id=effect_id,
-            )
-        case NoAnswer(reason=reason, timed_out=True):
-            raise problems.UpstreamTimeout(
-                f"{reason}; the effect may have happened, retry with the same key to recover it",
-                effect_id=effect_id,
-            )
-        case NoAnswer(reason=reason):
-            raise problems.UpstreamBroken(
-                f"{reason}; the effect may have happened, retry with the same key to recover it",
-                effect_id=effect_id,
-            )
-    assert_never(outcome)

@@ -1,8 +1,9 @@
 """The one Postgres seam: claim, take over, settle, read. asyncpg errors become the gateway's own here.
 
-Every phase is one statement (so one transaction), and every write that follows a claim is fenced by
-the state and attempt it was read in: ``where id = $1 and attempt = $2 and state = $3``. Times that
-decide anything come from Postgres's clock so that several gateways agree.
+Every phase is one statement (so one transaction; the statements are in gateway/phases.py), run on a
+pooled connection and retried only when Postgres says so; every write that follows a claim is fenced
+by the state and attempt it was read in. Times that decide anything come from Postgres's clock so that
+several gateways agree.
 
 The tables (gateway/migrations/003_partitioned.sql and after): ``effect_keys`` keeps each key unique for
 ever (by a digest of the key, 005), ``effects`` is the audit (a row per effect, partitioned by month),
@@ -19,12 +20,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Self, TypeVar
+from typing import Self, TypeVar
 
 import asyncpg
 import asyncpg.pool
 
-from gateway import packing, partitions
+from gateway import partitions, phases
 from gateway.audit_query import (
     EXACT_OPEN_COUNT,
     OPEN_STATES,
@@ -36,13 +37,12 @@ from gateway.audit_query import (
 )
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
-from gateway.record import EffectRecord, StoredResponse
+from gateway.record import EffectRecord, NewEffect, StoredResponse
 from gateway.rows import (
     HISTORY,
     RESPONSE,
     WITH_RESPONSE,
     Conn,
-    head_bytes,
     read_with_response,
     record_of,
 )
@@ -51,29 +51,6 @@ from gateway.telemetry import Telemetry
 
 log = logging.getLogger("effect_gateway")
 T = TypeVar("T")
-
-
-def _in_month(created_at: datetime) -> str:
-    """SQL keeping ``e`` (the audit) to the month's partition that holds a row created at ``created_at``."""
-    return partitions.within("e.created_at", partitions.month_of(created_at))
-
-
-@dataclass(frozen=True, slots=True)
-class NewEffect:
-    tenant: str
-    upstream: str
-    key: str
-    derived_key: str
-    method: str
-    path: str
-    query: str
-    fingerprint: str
-    request_headers: Mapping[str, str]
-    request_body: bytes
-    run_id: str | None
-    step: str | None
-    # Sent without a key under the upstream's "audit" policy: the key is made up and never looked up.
-    keyless: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,33 +73,6 @@ class StoreLimits:
         first whenever the server can still give them.
         """
         return self.statement.total_seconds() + 1.0
-
-
-def _event(kind: str, **data: Any) -> list[dict[str, Any]]:
-    """One entry of a row's history, as an array to append; the SQL stamps it with the database's time."""
-    return [{"event": kind, **{k: v for k, v in data.items() if v is not None}}]
-
-
-def _stamped(param: int) -> str:
-    """SQL for history entry ``$param`` with the database's time added (``at``)."""
-    return f"jsonb_set(${param}::jsonb, '{{0,at}}', to_jsonb(now()))"
-
-
-def _open_moved(source: str, target: str) -> str:
-    """CTEs keeping open_effects in step with the audit row that the CTE ``e`` just moved.
-
-    ``source`` and ``target`` are SQL for the states before and after (parameters or literals). The
-    effect leaves open_effects when it completes and changes its row there when it moves between open
-    states; a move from a state to itself writes nothing.
-    """
-    return f"""
-        o_gone as (
-            delete from open_effects o using e
-            where {target} = 'completed' and o.state = {source} and o.id = e.id
-        ), o_moved as (
-            update open_effects o set state = {target} from e
-            where {target} <> 'completed' and {target} <> {source} and o.state = {source} and o.id = e.id
-        )"""
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -299,22 +249,6 @@ class Store:
             # The retention holds the lock while it detaches a day, and makes them itself once done.
             raise StoreUnavailable("the partitions for new rows are being made; try again")
 
-    async def _one(self, kind: str, sql: str, *args: Any, response: bool = False) -> EffectRecord | None:
-        """One statement that returns at most one effect row (None: no row matched, e.g. fenced out)."""
-
-        async def op(conn: Conn) -> EffectRecord | None:
-            row = await conn.fetchrow(sql, *args)
-            return record_of(row, response=response) if row is not None else None
-
-        return await self._run(kind, op)
-
-    async def _execute(self, kind: str, sql: str, *args: Any) -> str:
-        async def op(conn: Conn) -> str:
-            status: str = await conn.execute(sql, *args)
-            return status
-
-        return await self._run(kind, op)
-
     # --- the idempotency phases -------------------------------------------------------------------
 
     async def claim(self, new: NewEffect, lease: timedelta) -> tuple[EffectRecord | None, bool]:
@@ -324,83 +258,7 @@ class Store:
         audit row was archived (its partition detached). The insert is committed before it returns: the
         claim is durable before the request leaves.
         """
-        request_coding, request_body = packing.pack(new.request_body)
-
-        async def op(conn: Conn) -> tuple[EffectRecord | None, bool]:
-            # A new key: one round trip. A known one is read by statements of their own, which find its
-            # partitions first: a read joined into this statement would lock every partition of the
-            # audit on each claim (see partitions.within). They also run after this statement, so they
-            # see a twin's row that committed while this one waited for it on the key.
-            row = await conn.fetchrow(
-                f"""
-                with k as (
-                    insert into effect_keys (digest, tenant, upstream, effect_id, created_at)
-                    values (effect_key_digest($3), $1, $2, nextval('effect_ids'), now())
-                    on conflict do nothing
-                    returning effect_id, created_at
-                ), e as (
-                    insert into effects (id, created_at, tenant, upstream, key, derived_key, method, path,
-                        query, fingerprint, state, lease_expires_at, first_sent_at, last_sent_at, run_id,
-                        step, keyless)
-                    select effect_id, created_at, $1, $2, $3, $4, $5, $6, $7, $8, 'pending',
-                        now() + $11::interval, now(), now(), $12, $13, $14
-                    from k
-                    returning *
-                ), b as (
-                    insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
-                    select effect_id, created_at, 'request', $9, $15, $10 from k
-                ), o as (
-                    insert into open_effects (state, id, created_at, tenant, upstream)
-                    select 'pending', effect_id, created_at, $1, $2 from k
-                )
-                select {RECORD_COLUMNS}, null::bytea as r_headers, null::bytea as r_content, null as r_coding
-                from e
-                """,
-                new.tenant,
-                new.upstream,
-                new.key,
-                new.derived_key,
-                new.method,
-                new.path,
-                new.query,
-                new.fingerprint,
-                head_bytes(new.request_headers),
-                request_body,
-                lease,
-                new.run_id,
-                new.step,
-                new.keyless,
-                request_coding,
-            )
-            if row is not None:
-                return record_of(row, response=True), True
-            known = await conn.fetchrow(
-                """
-                select effect_id, created_at from effect_keys
-                where digest = effect_key_digest($3) and tenant = $1 and upstream = $2
-                """,
-                new.tenant,
-                new.upstream,
-                new.key,
-            )
-            if known is None:
-                # The insert found the key taken, and keys are never deleted.
-                raise StoreRejected(f"the key {new.key!r} was taken but is not on record")
-            row = await conn.fetchrow(
-                f"select {RECORD_COLUMNS} from effects e "
-                f"where e.id = $1 and e.created_at = $2 and {_in_month(known['created_at'])}",
-                known["effect_id"],
-                known["created_at"],
-            )
-            if row is None:
-                return None, False  # its month of the audit was archived (detached)
-            if row["key"] != new.key:
-                # Two keys with one digest: never by chance (see migration 005), so refuse rather than
-                # answer for another effect.
-                raise StoreRejected(f"the key {new.key!r} shares its digest with the key {row['key']!r}")
-            return await read_with_response(conn, row), False
-
-        return await self._run("claim", op)
+        return await self._run("claim", lambda conn: phases.claim(conn, new, lease))
 
     async def reclaim(
         self,
@@ -418,33 +276,9 @@ class Store:
         ``renew`` is the holder taking its own record again before its request left: no attempt of its
         reached the upstream, so the take-over adds no doubt.
         """
-        return await self._one(
+        return await self._run(
             "reclaim",
-            f"""
-            with e as (
-                update effects e set
-                    attempt = attempt + 1,
-                    state = 'pending',
-                    -- a pending record whose lease ran out may have been sent by the gateway that held it
-                    may_have_sent = may_have_sent or (state = 'pending' and not $8),
-                    lease_expires_at = now() + $5::interval,
-                    last_sent_at = case when $6 then now() else last_sent_at end,
-                    first_sent_at = coalesce(first_sent_at, now()),
-                    history = history || {_stamped(7)}
-                where id = $1 and created_at = $2 and attempt = $3 and state = $4
-                  and {_in_month(record.created_at)}
-                returning {RECORD_COLUMNS}
-            ), {_open_moved("$4", "'pending'")}
-            select * from e
-            """,
-            record.id,
-            record.created_at,
-            record.attempt,
-            move.fenced_on(record.state).value,
-            lease,
-            sends,
-            _event("reclaimed", attempt=record.attempt + 1, reason=reason, was=record.state.value),
-            renew,
+            lambda conn: phases.reclaim(conn, record, move, lease, reason, sends=sends, renew=renew),
         )
 
     async def settle(
@@ -457,134 +291,29 @@ class Store:
         note: str | None = None,
     ) -> EffectRecord | None:
         """Write what the current attempt saw; None when a newer attempt fenced this one out."""
-        coding, body = packing.pack(response.body) if response else (None, None)
-        return await self._one(
+        return await self._run(
             "settle",
-            f"""
-            with e as (
-                update effects e set
-                    state = $5,
-                    may_have_sent = $6,
-                    lease_expires_at = case when $7 then least(lease_expires_at, now())
-                                            else lease_expires_at end,
-                    response_status = coalesce($8, response_status),
-                    response_at = case when $9::bytea is null then response_at else now() end,
-                    recovered_by = coalesce($11, recovered_by),
-                    completed_at = case when $5 = 'completed' then now() else completed_at end,
-                    history = history || {_stamped(12)}
-                where id = $1 and created_at = $2 and attempt = $3 and state = $4
-                  and {_in_month(record.created_at)}
-                returning {RECORD_COLUMNS}
-            ), stored as (
-                insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
-                select id, now(), 'response', $9, $13, $10 from e where $9::bytea is not null
-            ), {_open_moved("$4", "$5")}
-            select * from e
-            """,
-            record.id,
-            record.created_at,
-            record.attempt,
-            settlement.transition.fenced_on(record.state).value,
-            settlement.state.value,
-            settlement.may_have_sent,
-            settlement.ends_lease,
-            response.status if response else None,
-            head_bytes(response.headers) if response else None,
-            body,
-            recovered_by,
-            _event(
-                "settled",
-                attempt=record.attempt,
-                state=settlement.state.value,
-                status=response.status if response else None,
-                recovered_by=recovered_by,
-                note=note,
+            lambda conn: phases.settle(
+                conn, record, settlement, response=response, recovered_by=recovered_by, note=note
             ),
-            coding,
         )
 
     async def note_fenced(self, record: EffectRecord, saw: str) -> None:
         """A fenced-out holder adds what it saw to the history, and changes nothing else."""
-        await self._execute(
-            "note_fenced",
-            f"update effects e set history = history || {_stamped(3)} "
-            f"where id = $1 and created_at = $2 and {_in_month(record.created_at)}",
-            record.id,
-            record.created_at,
-            _event("fenced", attempt=record.attempt, saw=saw),
-        )
+        await self._run("note_fenced", lambda conn: phases.note_fenced(conn, record, saw))
 
     async def send_to_review(self, record: EffectRecord, move: Transition, why: str) -> EffectRecord | None:
         """Give up on recovery; fenced so that a record someone just re-claimed is left alone."""
-        return await self._one(
-            "send_to_review",
-            f"""
-            -- A new attempt number: a stalled holder that wakes up now is fenced out, and what it
-            -- saw goes to the history for the operator instead of over their head.
-            with e as (
-                update effects e set state = 'needs_review', attempt = attempt + 1,
-                    lease_expires_at = least(lease_expires_at, now()),
-                    history = history || {_stamped(5)}
-                where id = $1 and created_at = $2 and attempt = $3 and state = $4
-                  and {_in_month(record.created_at)}
-                returning {RECORD_COLUMNS}
-            ), {_open_moved("$4", "'needs_review'")}
-            select * from e
-            """,
-            record.id,
-            record.created_at,
-            record.attempt,
-            move.fenced_on(record.state).value,
-            _event("needs_review", attempt=record.attempt, why=why),
-        )
+        return await self._run("send_to_review", lambda conn: phases.send_to_review(conn, record, move, why))
 
     async def add_replays(self, counts: Mapping[tuple[int, datetime], int]) -> None:
         """Add to the replay counters of many effects at once (the counts are kept in memory between)."""
-        if not counts:
-            return
-        # In one order in every worker: two flushes that share effects then lock their rows in the same
-        # order and one waits for the other, where in the order each first counted them they deadlock.
-        ids, times, ns = zip(*((i, t, n) for (i, t), n in sorted(counts.items())), strict=True)
-        await self._execute(
-            "add_replays",
-            """
-            update effects e set replays = replays + c.n
-            from unnest($1::bigint[], $2::timestamptz[], $3::int[]) as c(id, created_at, n)
-            where e.id = c.id and e.created_at = c.created_at
-            """,
-            list(ids),
-            list(times),
-            list(ns),
-        )
+        if counts:
+            await self._run("add_replays", lambda conn: phases.add_replays(conn, counts))
 
     async def restore(self, record: EffectRecord, move: Transition, response: StoredResponse) -> None:
         """Put back the response of a completed effect whose response was purged (a probe found it)."""
-        coding, body = packing.pack(response.body)
-        await self._execute(
-            "restore",
-            f"""
-            with e as (
-                update effects e set response_status = $5, response_at = now(),
-                    history = history || {_stamped(8)}
-                where id = $1 and created_at = $2 and attempt = $3 and state = $4
-                  and {_in_month(record.created_at)}
-                  and not exists (select from effect_bodies r where r.effect_id = e.id and r.kind = 'response'
-                                  and r.stored_at = e.response_at)
-                returning id
-            )
-            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
-            select id, now(), 'response', $6, $9, $7 from e
-            """,
-            record.id,
-            record.created_at,
-            record.attempt,
-            move.fenced_on(record.state).value,
-            response.status,
-            head_bytes(response.headers),
-            body,
-            _event("restored", status=response.status, note="the probe found the effect"),
-            coding,
-        )
+        await self._run("restore", lambda conn: phases.restore(conn, record, move, response))
 
     async def resolve(
         self, record: EffectRecord, move: Transition, response: StoredResponse | None, by: str | None
@@ -593,45 +322,7 @@ class Store:
 
         Fenced on the state and attempt the operator saw, and refused while a lease still runs.
         """
-        happened = move.target is State.COMPLETED
-        coding, body = packing.pack(response.body) if response else (packing.AS_SENT, b"")
-        return await self._one(
-            "resolve",
-            f"""
-            with e as (
-                update effects e set
-                    state = $5,
-                    -- "did not happen" is the operator's word that no attempt reached the upstream
-                    may_have_sent = $6,
-                    lease_expires_at = least(lease_expires_at, now()),
-                    response_status = $7,
-                    response_at = case when $6 then now() end,
-                    recovered_by = 'operator',
-                    attempt = attempt + 1,
-                    completed_at = case when $6 then now() end,
-                    history = history || {_stamped(10)}
-                where id = $1 and created_at = $2 and attempt = $3 and state = $4
-                  and {_in_month(record.created_at)}
-                  and (lease_expires_at is null or lease_expires_at <= now())
-                returning {RECORD_COLUMNS}
-            ), stored as (
-                insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
-                select id, now(), 'response', $8, $11, $9 from e where $6
-            ), {_open_moved("$4", "$5")}
-            select * from e
-            """,
-            record.id,
-            record.created_at,
-            record.attempt,
-            move.fenced_on(record.state).value,
-            move.target.value,
-            happened,
-            response.status if response else None,
-            head_bytes(response.headers) if response else b"",
-            body,
-            _event("resolved", happened=happened, by=by, was=record.state.value),
-            coding,
-        )
+        return await self._run("resolve", lambda conn: phases.resolve(conn, record, move, response, by))
 
     async def key_secret(self) -> bytes:
         """The secret of the keyed MAC for derived keys, made once by the migrations."""
@@ -676,7 +367,7 @@ class Store:
         async def op(conn: Conn) -> EffectRecord:
             row = await conn.fetchrow(
                 f"select {RECORD_COLUMNS} from effects e "
-                f"where e.id = $1 and e.created_at = $2 and {_in_month(record.created_at)}",
+                f"where e.id = $1 and e.created_at = $2 and {phases.in_month(record.created_at)}",
                 record.id,
                 record.created_at,
             )

@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING
 from gateway import problems
 from gateway.errors import StoreRejected, StoreUnavailable
 from gateway.record import StoredResponse
-from gateway.service import Reply
+from gateway.replies import Reply
 from gateway.states import TRANSITIONS, State
 from sim.store import Write
 from sim.upstreams import Call, Effect, Kind, SimUpstream

@@ -30,7 +30,8 @@ from gateway.outcome import Outcome as Sent
 from gateway.outcome import ProbeError, ProbeResult
 from gateway.policy import UpstreamPolicy
 from gateway.record import EffectRecord
-from gateway.service import EffectService, Reply
+from gateway.replies import Reply
+from gateway.service import EffectService
 from gateway.states import State, Transition
 from gateway.upstream import Outbound
 from sim.invariants import USER_VISIBLE, checking_only

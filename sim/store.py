@@ -32,10 +32,9 @@ from gateway import partitions
 from gateway.audit_query import EXACT_OPEN_COUNT, EffectFilter, by_time
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
-from gateway.record import EffectRecord, StoredResponse
+from gateway.record import EffectRecord, NewEffect, StoredResponse
 from gateway.rows import head_bytes, head_pairs
 from gateway.states import State, Transition
-from gateway.store import NewEffect
 from sim.loop import OWNER, REQUEST
 
 T = TypeVar("T")

@@ -29,10 +29,12 @@ from gateway.audit_query import EffectFilter
 from gateway.body import read_body
 from gateway.decision import NotAwaitingOperator
 from gateway.errors import StoreRejected, StoreUnavailable
+from gateway.inbound import Inbound
 from gateway.policy import UpstreamPolicy, upstream_policy
 from gateway.probes import Prober
 from gateway.record import StoredResponse
-from gateway.service import EffectService, Inbound, Reply
+from gateway.replies import Reply
+from gateway.service import EffectService
 from gateway.settings import NativeKeySettings, ProbeSettings, StampSettings, UpstreamSettings
 from gateway.states import State
 from gateway.store import Store

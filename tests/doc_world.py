@@ -25,7 +25,8 @@ import asyncpg
 
 from agent_example.processes import Service, start_service
 from gateway.decision import review, take_over
-from gateway.store import NewEffect, opened
+from gateway.record import NewEffect
+from gateway.store import opened
 from tests.doc_blocks import ROOT, NoRule
 from tests.support import empty_effects, other_database
 

@@ -19,9 +19,9 @@ from agent_example.processes import Service, start_service
 from gateway import packing
 from gateway.app import PROXY_ROUTE, make_app
 from gateway.decision import review as review_move
-from gateway.record import EffectRecord
+from gateway.record import EffectRecord, NewEffect
 from gateway.settings import load_settings
-from gateway.store import NewEffect, Store, StoreLimits, opened, session_settings
+from gateway.store import Store, StoreLimits, opened, session_settings
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Rows of the crash matrix, filled by tests/test_crash.py and printed at the end of the run.

@@ -14,8 +14,8 @@ from aiohttp import web
 
 from gateway.decision import settle, take_over
 from gateway.outcome import Answered
-from gateway.record import StoredResponse
-from gateway.store import NewEffect, opened
+from gateway.record import NewEffect, StoredResponse
+from gateway.store import opened
 from tests.support import Upstream, effect_rows, start_gateway_process
 
 NEW = NewEffect(

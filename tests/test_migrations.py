@@ -17,9 +17,10 @@ from gateway.cli import FIX, main
 from gateway.decision import settle
 from gateway.errors import SchemaNewer, StoreUnavailable
 from gateway.outcome import Answered
+from gateway.record import NewEffect
 from gateway.schema import migrate, migration_files
 from gateway.states import State
-from gateway.store import NewEffect, opened
+from gateway.store import opened
 from tests.support import effect_rows, other_database
 
 

@@ -22,8 +22,8 @@ from gateway.body import read_body
 from gateway.decision import settle, take_over
 from gateway.fingerprint import fingerprint
 from gateway.outcome import Answered
-from gateway.record import StoredResponse
-from gateway.store import NewEffect, opened
+from gateway.record import NewEffect, StoredResponse
+from gateway.store import opened
 from tests.support import (
     RETAINED,
     Upstream,

@@ -24,9 +24,9 @@ import pytest
 
 from gateway.decision import settle
 from gateway.outcome import Answered
-from gateway.record import StoredResponse
+from gateway.record import NewEffect, StoredResponse
 from gateway.schema import migrate
-from gateway.store import Conn, NewEffect, Store
+from gateway.store import Conn, Store
 from tests.support import other_database
 
 T = TypeVar("T")

@@ -12,7 +12,7 @@ import aiohttp
 import asyncpg
 import pytest
 
-from gateway import service
+from gateway import replays
 from gateway.record import StoredResponse
 from gateway.replays import Completed, ReplayCache, Scope
 from gateway.upstream import storable_headers
@@ -105,7 +105,7 @@ async def test_replays_counted_while_a_batch_is_written_are_written_too(
     dsn: str, upstream: Upstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Replays that come while the last batch of counts waits on Postgres reach the audit as well."""
-    monkeypatch.setattr(service, "REPLAY_FLUSH", 0.1)
+    monkeypatch.setattr(replays, "REPLAY_FLUSH", 0.1)
     headers = {"Idempotency-Key": "counted", "Content-Type": "application/json"}
     holder = await asyncpg.connect(dsn)
     try:
@@ -128,10 +128,10 @@ async def test_replays_counted_while_a_batch_is_written_are_written_too(
             await post(7)  # counted while that batch waits
             await tx.rollback()
             for _ in range(100):
-                replays = await holder.fetchval("select replays from effects where key = 'counted'")
-                if replays == 12:
+                counted = await holder.fetchval("select replays from effects where key = 'counted'")
+                if counted == 12:
                     break
                 await asyncio.sleep(0.05)
     finally:
         await holder.close()
-    assert replays == 12
+    assert counted == 12

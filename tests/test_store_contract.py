@@ -20,9 +20,9 @@ from gateway.audit_query import EffectFilter
 from gateway.decision import Policy, Send, Settlement, review, settle, settle_probe, take_over, too_soon
 from gateway.errors import CursorUnknown, StoreRejected
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError
-from gateway.record import EffectRecord, StoredResponse
+from gateway.record import EffectRecord, NewEffect, StoredResponse
 from gateway.states import State, Transition
-from gateway.store import NewEffect, Store, opened
+from gateway.store import Store, opened
 from sim.store import Row, SimDatabase, SimStore
 from tests.support import backdate_bodies, empty_effects
 

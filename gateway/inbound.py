@@ -1,0 +1,82 @@
+"""The request as the agent sent it: what of it the audit records, and what is sent upstream."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gateway import problems
+from gateway.body import RequestBody
+from gateway.fingerprint import NEVER_FINGERPRINTED
+from gateway.policy import UpstreamPolicy
+from gateway.record import NewEffect
+from gateway.stamp import StampError
+from gateway.upstream import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP, Outbound, build_outbound
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """A request to an upstream as gateway.app read it off the wire, before anything is decided."""
+
+    tenant: str
+    upstream: UpstreamPolicy
+    method: str
+    path: str  # as the agent sent it, still percent-encoded, starting with "/"
+    query: str
+    headers: Mapping[str, str]
+    body: RequestBody
+    key: str | None
+    wait: float
+    run_id: str | None = None
+    step: str | None = None
+
+
+# Credentials, hop-by-hop headers and the gateway's own: never in the audit, whatever the upstream.
+NEVER_AUDITED = NEVER_FINGERPRINTED | HOP_BY_HOP | GATEWAY_REQUEST_HEADERS
+
+
+def redacted(headers: Mapping[str, str], policy: UpstreamPolicy) -> dict[str, str]:
+    """Request headers as the audit keeps them: credentials and secrets never reach the database."""
+    never = policy.never_stored
+    return {
+        name: value
+        for name, value in headers.items()
+        if name.lower() not in never and name.lower() not in NEVER_AUDITED
+    }
+
+
+def to_send(inbound: Inbound, derived_key: str | None) -> Outbound:
+    """The request as it goes upstream: under ``derived_key`` (stamped, or as the upstream's native key)."""
+    try:
+        return build_outbound(
+            inbound.upstream,
+            derived_key,
+            inbound.method,
+            inbound.path,
+            inbound.query,
+            inbound.headers,
+            inbound.body,
+        )
+    except StampError as exc:
+        raise problems.CannotStamp(str(exc)) from None
+
+
+def to_record(
+    inbound: Inbound, key: str, derived_key: str, fingerprint: str, *, keyless: bool = False
+) -> NewEffect:
+    """The effect as the audit records it, with the headers it may keep."""
+    return NewEffect(
+        tenant=inbound.tenant,
+        upstream=inbound.upstream.name,
+        key=key,
+        derived_key=derived_key,
+        method=inbound.method,
+        path=inbound.path,
+        query=inbound.query,
+        fingerprint=fingerprint,
+        request_headers=redacted(inbound.headers, inbound.upstream),
+        request_body=inbound.body.raw,
+        run_id=inbound.run_id,
+        step=inbound.step,
+        keyless=keyless,
+    )

@@ -1,0 +1,365 @@
+"""The idempotency phases as Postgres statements: each a function of the connection it runs on.
+
+:class:`gateway.store.Store` runs each on a pooled connection, retries what Postgres says is
+retryable, and maps asyncpg's errors to the gateway's own; here is only what each statement writes
+and reads. Every write that follows a claim is fenced by the state and attempt it was read in
+(``where id = $1 and created_at = $2 and attempt = $3 and state = $4``), and is kept to the one month
+of the audit that holds the row (a statement that may touch every month locks them all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+from gateway import packing, partitions
+from gateway.audit_query import RECORD_COLUMNS
+from gateway.decision import Settlement
+from gateway.errors import StoreRejected
+from gateway.record import EffectRecord, NewEffect, StoredResponse
+from gateway.rows import Conn, head_bytes, read_with_response, record_of
+from gateway.states import State, Transition
+
+
+async def _one(conn: Conn, sql: str, *args: Any) -> EffectRecord | None:
+    """One statement that returns at most one effect row (None: no row matched, e.g. fenced out)."""
+    row = await conn.fetchrow(sql, *args)
+    return record_of(row) if row is not None else None
+
+
+def in_month(created_at: datetime) -> str:
+    """SQL keeping ``e`` (the audit) to the month's partition that holds a row created at ``created_at``."""
+    return partitions.within("e.created_at", partitions.month_of(created_at))
+
+
+def _event(kind: str, **data: Any) -> list[dict[str, Any]]:
+    """One entry of a row's history, as an array to append; the SQL stamps it with the database's time."""
+    return [{"event": kind, **{k: v for k, v in data.items() if v is not None}}]
+
+
+def _stamped(param: int) -> str:
+    """SQL for history entry ``$param`` with the database's time added (``at``)."""
+    return f"jsonb_set(${param}::jsonb, '{{0,at}}', to_jsonb(now()))"
+
+
+def _open_moved(source: str, target: str) -> str:
+    """CTEs keeping open_effects in step with the audit row that the CTE ``e`` just moved.
+
+    ``source`` and ``target`` are SQL for the states before and after (parameters or literals). The
+    effect leaves open_effects when it completes and changes its row there when it moves between open
+    states; a move from a state to itself writes nothing.
+    """
+    return f"""
+        o_gone as (
+            delete from open_effects o using e
+            where {target} = 'completed' and o.state = {source} and o.id = e.id
+        ), o_moved as (
+            update open_effects o set state = {target} from e
+            where {target} <> 'completed' and {target} <> {source} and o.state = {source} and o.id = e.id
+        )"""
+
+
+async def claim(conn: Conn, new: NewEffect, lease: timedelta) -> tuple[EffectRecord | None, bool]:
+    """The statement of :meth:`gateway.store.Store.claim`."""
+    request_coding, request_body = packing.pack(new.request_body)
+
+    # A new key: one round trip. A known one is read by statements of their own, which find its
+    # partitions first: a read joined into this statement would lock every partition of the
+    # audit on each claim (see partitions.within). They also run after this statement, so they
+    # see a twin's row that committed while this one waited for it on the key.
+    row = await conn.fetchrow(
+        f"""
+        with k as (
+            insert into effect_keys (digest, tenant, upstream, effect_id, created_at)
+            values (effect_key_digest($3), $1, $2, nextval('effect_ids'), now())
+            on conflict do nothing
+            returning effect_id, created_at
+        ), e as (
+            insert into effects (id, created_at, tenant, upstream, key, derived_key, method, path,
+                query, fingerprint, state, lease_expires_at, first_sent_at, last_sent_at, run_id,
+                step, keyless)
+            select effect_id, created_at, $1, $2, $3, $4, $5, $6, $7, $8, 'pending',
+                now() + $11::interval, now(), now(), $12, $13, $14
+            from k
+            returning *
+        ), b as (
+            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
+            select effect_id, created_at, 'request', $9, $15, $10 from k
+        ), o as (
+            insert into open_effects (state, id, created_at, tenant, upstream)
+            select 'pending', effect_id, created_at, $1, $2 from k
+        )
+        select {RECORD_COLUMNS}, null::bytea as r_headers, null::bytea as r_content, null as r_coding
+        from e
+        """,
+        new.tenant,
+        new.upstream,
+        new.key,
+        new.derived_key,
+        new.method,
+        new.path,
+        new.query,
+        new.fingerprint,
+        head_bytes(new.request_headers),
+        request_body,
+        lease,
+        new.run_id,
+        new.step,
+        new.keyless,
+        request_coding,
+    )
+    if row is not None:
+        return record_of(row, response=True), True
+    known = await conn.fetchrow(
+        """
+        select effect_id, created_at from effect_keys
+        where digest = effect_key_digest($3) and tenant = $1 and upstream = $2
+        """,
+        new.tenant,
+        new.upstream,
+        new.key,
+    )
+    if known is None:
+        # The insert found the key taken, and keys are never deleted.
+        raise StoreRejected(f"the key {new.key!r} was taken but is not on record")
+    row = await conn.fetchrow(
+        f"select {RECORD_COLUMNS} from effects e "
+        f"where e.id = $1 and e.created_at = $2 and {in_month(known['created_at'])}",
+        known["effect_id"],
+        known["created_at"],
+    )
+    if row is None:
+        return None, False  # its month of the audit was archived (detached)
+    if row["key"] != new.key:
+        # Two keys with one digest: never by chance (see migration 005), so refuse rather than
+        # answer for another effect.
+        raise StoreRejected(f"the key {new.key!r} shares its digest with the key {row['key']!r}")
+    return await read_with_response(conn, row), False
+
+
+async def reclaim(
+    conn: Conn,
+    record: EffectRecord,
+    move: Transition,
+    lease: timedelta,
+    reason: str,
+    *,
+    sends: bool,
+    renew: bool = False,
+) -> EffectRecord | None:
+    """The statement of :meth:`gateway.store.Store.reclaim`."""
+    return await _one(
+        conn,
+        f"""
+        with e as (
+            update effects e set
+                attempt = attempt + 1,
+                state = 'pending',
+                -- a pending record whose lease ran out may have been sent by the gateway that held it
+                may_have_sent = may_have_sent or (state = 'pending' and not $8),
+                lease_expires_at = now() + $5::interval,
+                last_sent_at = case when $6 then now() else last_sent_at end,
+                first_sent_at = coalesce(first_sent_at, now()),
+                history = history || {_stamped(7)}
+            where id = $1 and created_at = $2 and attempt = $3 and state = $4
+              and {in_month(record.created_at)}
+            returning {RECORD_COLUMNS}
+        ), {_open_moved("$4", "'pending'")}
+        select * from e
+        """,
+        record.id,
+        record.created_at,
+        record.attempt,
+        move.fenced_on(record.state).value,
+        lease,
+        sends,
+        _event("reclaimed", attempt=record.attempt + 1, reason=reason, was=record.state.value),
+        renew,
+    )
+
+
+async def settle(
+    conn: Conn,
+    record: EffectRecord,
+    settlement: Settlement,
+    *,
+    response: StoredResponse | None,
+    recovered_by: str | None,
+    note: str | None = None,
+) -> EffectRecord | None:
+    """The statement of :meth:`gateway.store.Store.settle`."""
+    coding, body = packing.pack(response.body) if response else (None, None)
+    return await _one(
+        conn,
+        f"""
+        with e as (
+            update effects e set
+                state = $5,
+                may_have_sent = $6,
+                lease_expires_at = case when $7 then least(lease_expires_at, now())
+                                        else lease_expires_at end,
+                response_status = coalesce($8, response_status),
+                response_at = case when $9::bytea is null then response_at else now() end,
+                recovered_by = coalesce($11, recovered_by),
+                completed_at = case when $5 = 'completed' then now() else completed_at end,
+                history = history || {_stamped(12)}
+            where id = $1 and created_at = $2 and attempt = $3 and state = $4
+              and {in_month(record.created_at)}
+            returning {RECORD_COLUMNS}
+        ), stored as (
+            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
+            select id, now(), 'response', $9, $13, $10 from e where $9::bytea is not null
+        ), {_open_moved("$4", "$5")}
+        select * from e
+        """,
+        record.id,
+        record.created_at,
+        record.attempt,
+        settlement.transition.fenced_on(record.state).value,
+        settlement.state.value,
+        settlement.may_have_sent,
+        settlement.ends_lease,
+        response.status if response else None,
+        head_bytes(response.headers) if response else None,
+        body,
+        recovered_by,
+        _event(
+            "settled",
+            attempt=record.attempt,
+            state=settlement.state.value,
+            status=response.status if response else None,
+            recovered_by=recovered_by,
+            note=note,
+        ),
+        coding,
+    )
+
+
+async def note_fenced(conn: Conn, record: EffectRecord, saw: str) -> None:
+    """The statement of :meth:`gateway.store.Store.note_fenced`."""
+    await conn.execute(
+        f"update effects e set history = history || {_stamped(3)} "
+        f"where id = $1 and created_at = $2 and {in_month(record.created_at)}",
+        record.id,
+        record.created_at,
+        _event("fenced", attempt=record.attempt, saw=saw),
+    )
+
+
+async def send_to_review(conn: Conn, record: EffectRecord, move: Transition, why: str) -> EffectRecord | None:
+    """The statement of :meth:`gateway.store.Store.send_to_review`."""
+    return await _one(
+        conn,
+        f"""
+        -- A new attempt number: a stalled holder that wakes up now is fenced out, and what it
+        -- saw goes to the history for the operator instead of over their head.
+        with e as (
+            update effects e set state = 'needs_review', attempt = attempt + 1,
+                lease_expires_at = least(lease_expires_at, now()),
+                history = history || {_stamped(5)}
+            where id = $1 and created_at = $2 and attempt = $3 and state = $4
+              and {in_month(record.created_at)}
+            returning {RECORD_COLUMNS}
+        ), {_open_moved("$4", "'needs_review'")}
+        select * from e
+        """,
+        record.id,
+        record.created_at,
+        record.attempt,
+        move.fenced_on(record.state).value,
+        _event("needs_review", attempt=record.attempt, why=why),
+    )
+
+
+async def add_replays(conn: Conn, counts: Mapping[tuple[int, datetime], int]) -> None:
+    """The statement of :meth:`gateway.store.Store.add_replays`."""
+    if not counts:
+        return
+    # In one order in every worker: two flushes that share effects then lock their rows in the same
+    # order and one waits for the other, where in the order each first counted them they deadlock.
+    ids, times, ns = zip(*((i, t, n) for (i, t), n in sorted(counts.items())), strict=True)
+    await conn.execute(
+        """
+        update effects e set replays = replays + c.n
+        from unnest($1::bigint[], $2::timestamptz[], $3::int[]) as c(id, created_at, n)
+        where e.id = c.id and e.created_at = c.created_at
+        """,
+        list(ids),
+        list(times),
+        list(ns),
+    )
+
+
+async def restore(conn: Conn, record: EffectRecord, move: Transition, response: StoredResponse) -> None:
+    """The statement of :meth:`gateway.store.Store.restore`."""
+    coding, body = packing.pack(response.body)
+    await conn.execute(
+        f"""
+        with e as (
+            update effects e set response_status = $5, response_at = now(),
+                history = history || {_stamped(8)}
+            where id = $1 and created_at = $2 and attempt = $3 and state = $4
+              and {in_month(record.created_at)}
+              and not exists (select from effect_bodies r where r.effect_id = e.id and r.kind = 'response'
+                              and r.stored_at = e.response_at)
+            returning id
+        )
+        insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
+        select id, now(), 'response', $6, $9, $7 from e
+        """,
+        record.id,
+        record.created_at,
+        record.attempt,
+        move.fenced_on(record.state).value,
+        response.status,
+        head_bytes(response.headers),
+        body,
+        _event("restored", status=response.status, note="the probe found the effect"),
+        coding,
+    )
+
+
+async def resolve(
+    conn: Conn, record: EffectRecord, move: Transition, response: StoredResponse | None, by: str | None
+) -> EffectRecord | None:
+    """The statement of :meth:`gateway.store.Store.resolve`."""
+    happened = move.target is State.COMPLETED
+    coding, body = packing.pack(response.body) if response else (packing.AS_SENT, b"")
+    return await _one(
+        conn,
+        f"""
+        with e as (
+            update effects e set
+                state = $5,
+                -- "did not happen" is the operator's word that no attempt reached the upstream
+                may_have_sent = $6,
+                lease_expires_at = least(lease_expires_at, now()),
+                response_status = $7,
+                response_at = case when $6 then now() end,
+                recovered_by = 'operator',
+                attempt = attempt + 1,
+                completed_at = case when $6 then now() end,
+                history = history || {_stamped(10)}
+            where id = $1 and created_at = $2 and attempt = $3 and state = $4
+              and {in_month(record.created_at)}
+              and (lease_expires_at is null or lease_expires_at <= now())
+            returning {RECORD_COLUMNS}
+        ), stored as (
+            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
+            select id, now(), 'response', $8, $11, $9 from e where $6
+        ), {_open_moved("$4", "$5")}
+        select * from e
+        """,
+        record.id,
+        record.created_at,
+        record.attempt,
+        move.fenced_on(record.state).value,
+        move.target.value,
+        happened,
+        response.status if response else None,
+        head_bytes(response.headers) if response else b"",
+        body,
+        _event("resolved", happened=happened, by=by, was=record.state.value),
+        coding,
+    )
