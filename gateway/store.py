@@ -14,6 +14,7 @@ claim of a new key no bodies and no history, a take-over or settle only what the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -65,13 +66,15 @@ class StoreLimits:
     lock: timedelta = timedelta(seconds=2)
 
     @property
-    def answer(self) -> float:
+    def answer(self) -> float | None:
         """Seconds the gateway waits for Postgres to answer a statement, whatever the server does.
 
         statement_timeout is the server's own: a backend or a network that stops answering never fires
         it. This bound does, a second later, so that the server's timeout and its clearer message come
-        first whenever the server can still give them.
+        first whenever the server can still give them. None when statement_timeout is 0 (no limit).
         """
+        if not self.statement:
+            return None
         return self.statement.total_seconds() + 1.0
 
 
@@ -175,7 +178,11 @@ class Store:
         return cls(pool, limits, dsn, telemetry)
 
     async def close(self) -> None:
-        await self._pool.close()
+        try:
+            await self._pool.close()
+        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            # A server that no longer answers cannot take a graceful goodbye: the gateway stops anyway.
+            self._pool.terminate()
 
     async def _run(self, kind: str, op: Callable[[Conn], Awaitable[T]]) -> T:
         """Run one phase (``kind``: its name in the metrics and spans), retried as :meth:`_attempts` says."""
@@ -203,6 +210,10 @@ class Store:
                     raise StoreRejected(f"Postgres refused the write: {exc}") from exc
                 behind = True
             except OUTAGE as exc:
+                if isinstance(exc, TimeoutError):
+                    # Past the client-side bound: a server that does not answer will not confirm the
+                    # cancellation either, and the release would wait for it as long again.
+                    conn.terminate()
                 raise StoreUnavailable(f"Postgres is unavailable: {type(exc).__name__}: {exc}") from exc
             except asyncpg.PostgresError as exc:
                 # Postgres is there but refused this statement (data it cannot hold, a check that
@@ -240,6 +251,8 @@ class Store:
         try:
             made = await partitions.ensure(conn)
         except OUTAGE as exc:
+            if isinstance(exc, TimeoutError):
+                conn.terminate()  # as in _attempts
             raise StoreUnavailable(f"Postgres is unavailable: {type(exc).__name__}: {exc}") from exc
         except asyncpg.PostgresError as exc:
             raise StoreUnavailable(f"the partitions for new rows could not be made: {exc}") from exc
@@ -464,8 +477,14 @@ class Store:
             return await partitions.drop_expired_bodies(conn, retention, progress)
         except OUTAGE as exc:
             raise StoreUnavailable(f"Postgres is unavailable: {type(exc).__name__}: {exc}") from exc
+        except asyncio.CancelledError:
+            # A shutdown: this connection has no bound on its statements (a detach may wait long), so
+            # a close, which waits for the server to confirm the cancelled one, could wait for ever.
+            conn.terminate()
+            raise
         finally:
-            await conn.close()
+            if not conn.is_closed():
+                await conn.close()
 
 
 @asynccontextmanager
