@@ -187,7 +187,7 @@ class Supervisor:
             if pid == 0:  # the worker stops on them, from now on
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
-                _stop_with(parent)
+                _stop_when_orphaned(parent)
             else:
                 self._children[pid] = time.monotonic()
         finally:
@@ -211,18 +211,23 @@ class Supervisor:
                 os.kill(pid, signum)
 
 
-def _stop_with(parent: int) -> None:
+def _stop_when_orphaned(parent: int) -> None:
     """Have the kernel SIGTERM this worker when ``parent`` dies (Linux; elsewhere nothing).
 
     A serve killed outright (SIGKILL, the OOM killer) cannot pass a stop on: its workers would go on
     serving with nobody to replace one that dies, and hold the port against the serve restarted after
-    it. Stopped like this they finish the calls under way, record them, and exit.
+    it. Stopped like this they finish the calls under way, record them, and exit. The kernel sends it
+    when the *thread* that forked the worker ends: the supervisor forks from its main thread, which
+    lives as long as serve does, and must go on doing so.
     """
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return
-    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGTERM)) != 0:
+        errno = ctypes.get_errno()
+        log.warning("worker %d will not stop with serve: prctl failed (errno %d)", os.getpid(), errno)
+        return
     if os.getppid() != parent:  # it died before the request was made
         os.kill(os.getpid(), signal.SIGTERM)
 

@@ -103,6 +103,7 @@ from gateway.serve import Supervisor
 race, marks = sys.argv[1], Path(sys.argv[2])
 parent = os.getpid()
 real_fork = os.fork
+real_sleep = time.sleep
 started = []
 
 
@@ -110,20 +111,24 @@ def work():
     if race == "backoff" and not started[1:]:
         os._exit(3)  # the first worker dies as it starts; its replacement waits out the backoff
     (marks / str(os.getpid())).touch()
-    time.sleep(30)  # a worker that serves until it is stopped
+    real_sleep(30)  # a worker that serves until it is stopped
 
 
 def fork():
     started.append(time.monotonic())
     if race == "fork":
         os.kill(parent, signal.SIGTERM)  # arrives while the supervisor holds the signals back
-    elif race == "backoff" and len(started) == 1:
-        signal.setitimer(signal.ITIMER_REAL, 0.1)  # SIGTERM in the middle of the backoff
     return real_fork()
 
 
-signal.signal(signal.SIGALRM, lambda *_: os.kill(parent, signal.SIGTERM))
+def backoff(seconds):
+    os.kill(parent, signal.SIGTERM)  # in the middle of the restart's backoff
+    real_sleep(seconds)
+
+
 os.fork = fork
+if race == "backoff":
+    time.sleep = backoff  # the supervisor sleeps only to back off
 print(Supervisor(work, 1).run(lambda: None), len(started), flush=True)
 """
 
@@ -156,7 +161,16 @@ def test_sigterm_during_a_restart_backoff_starts_no_replacement(tmp_path: Path) 
 
 
 def _running(pids: set[int]) -> set[int]:
-    return {pid for pid in pids if Path(f"/proc/{pid}").exists()}
+    """Those of ``pids`` still running: a zombie (state Z) has exited, whoever has yet to reap it."""
+    running = set()
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            continue
+        if stat.rpartition(")")[2].split()[0] != "Z":
+            running.add(pid)
+    return running
 
 
 async def test_workers_of_a_serve_killed_outright_stop_and_free_the_port(
