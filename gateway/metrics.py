@@ -71,7 +71,8 @@ LATENCY_BUCKETS = (
     30.0,
     60.0,
 )
-# The store's statements, by what they do (gateway/store.py); bound at start so that each is there at 0.
+# The store's statements, by what they do (gateway/store.py, gateway/phases.py); bound at start so
+# that each is there at 0.
 STATEMENTS = (
     "claim",
     "reclaim",

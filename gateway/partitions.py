@@ -15,8 +15,8 @@ from typing import TypeAlias
 
 import asyncpg
 
-# The store's pooled connections and the retention's own (gateway.store.Store.maintain).
-Conn: TypeAlias = "asyncpg.Connection[asyncpg.Record] | asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
+# The store's pooled connections or the retention's own (gateway.store.Store.maintain).
+AnyConn: TypeAlias = "asyncpg.Connection[asyncpg.Record] | asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
 
 AUDIT = "effects"
 BODIES = "effect_bodies"
@@ -63,7 +63,7 @@ def _quiet(_: str) -> None:
 MAKE_LOCK_WAIT = "250ms"
 
 
-async def ensure(conn: Conn, at: datetime | None = None) -> bool:
+async def ensure(conn: AnyConn, at: datetime | None = None) -> bool:
     """The partitions that rows stored now (or at ``at``) and soon will go into.
 
     False when they could not be made now because the retention is detaching a day (it makes them).
@@ -98,7 +98,7 @@ from (
 """
 
 
-async def listed(conn: Conn, parent: str) -> list[Partition]:
+async def listed(conn: AnyConn, parent: str) -> list[Partition]:
     """The partitions of ``parent``, oldest first."""
     rows = await conn.fetch(
         """
@@ -120,7 +120,7 @@ async def listed(conn: Conn, parent: str) -> list[Partition]:
     return found
 
 
-async def row_count(conn: Conn, table: str, estimate: int, heap_bytes: int, where: str = "true") -> int:
+async def row_count(conn: AnyConn, table: str, estimate: int, heap_bytes: int, where: str = "true") -> int:
     """Rows of ``table`` (matching ``where``): counted when the table is small, else estimated."""
     if heap_bytes <= EXACT_COUNT_BYTES:
         return int(await conn.fetchval(f"select count(*) from {table} where {where}"))
@@ -167,7 +167,7 @@ def _bounds(bound: str) -> tuple[datetime, datetime]:
 
 
 async def drop_expired_bodies(
-    conn: Conn, retention: timedelta, progress: Progress = _quiet
+    conn: AnyConn, retention: timedelta, progress: Progress = _quiet
 ) -> list[Partition]:
     """Drop every day of bodies wholly older than the retention; returns what was dropped.
 
@@ -188,7 +188,7 @@ async def drop_expired_bodies(
     return dropped
 
 
-async def finish_interrupted(conn: Conn, progress: Progress = _quiet) -> list[Partition]:
+async def finish_interrupted(conn: AnyConn, progress: Progress = _quiet) -> list[Partition]:
     """Finish (and drop) a day whose detach was cut short: a gateway stopped mid-way, or a deadlock lost.
 
     Postgres allows one such day per table and no other detach while it lasts; its rows are already out
@@ -200,7 +200,7 @@ async def finish_interrupted(conn: Conn, progress: Progress = _quiet) -> list[Pa
     return interrupted
 
 
-async def _drop(conn: Conn, part: Partition, progress: Progress) -> None:
+async def _drop(conn: AnyConn, part: Partition, progress: Progress) -> None:
     # An open effect's request is carried into today, and its response if it is the latest attempt's
     # answer (stored since its claim): its new time is later than the answer was, which only makes a
     # probe's lag count from later. An earlier attempt's answer is not carried, and the record stops
@@ -227,7 +227,7 @@ async def _drop(conn: Conn, part: Partition, progress: Progress) -> None:
     progress(f"dropped {part.name}: about {part.rows} bodies" + (f", {kept} carried forward" if kept else ""))
 
 
-async def _carry(conn: Conn, day: str, ids: list[int], created: list[datetime]) -> int:
+async def _carry(conn: AnyConn, day: str, ids: list[int], created: list[datetime]) -> int:
     """Carry the bodies the open effects ``ids`` (created at ``created``) keep from ``day`` into today.
 
     With the generic plan: it cannot know the list's length, so it looks each effect up in its month.
@@ -272,7 +272,7 @@ def carry_statement(day: str) -> str:
         """
 
 
-async def _cut_short(conn: Conn, cutoff: datetime) -> list[str]:
+async def _cut_short(conn: AnyConn, cutoff: datetime) -> list[str]:
     """Days of bodies past ``cutoff`` that a round detached and then never dropped.
 
     A gateway stopped between a day's detach and its drop (SIGTERM cancels the round) leaves the day as
@@ -299,7 +299,7 @@ async def _cut_short(conn: Conn, cutoff: datetime) -> list[str]:
     return found
 
 
-async def _detach(conn: Conn, name: str) -> None:
+async def _detach(conn: AnyConn, name: str) -> None:
     for _ in range(DETACH_TRIES):
         pending = await conn.fetchval(
             "select inhdetachpending from pg_inherits where inhrelid = $1::regclass", name
@@ -315,3 +315,8 @@ async def _detach(conn: Conn, name: str) -> None:
             # the other side has gone on, so finishing it now can succeed.
             continue
     raise asyncpg.exceptions.DeadlockDetectedError(f"detaching {name} lost {DETACH_TRIES} deadlocks in a row")
+
+
+def in_month(created_at: datetime) -> str:
+    """SQL keeping ``e`` (the audit) to the month's partition that holds a row created at ``created_at``."""
+    return within("e.created_at", month_of(created_at))

@@ -1,10 +1,11 @@
-"""The idempotency phases as Postgres statements: each a function of the connection it runs on.
+"""The writes of the idempotency phases as Postgres statements, each a function of its connection.
 
 :class:`gateway.store.Store` runs each on a pooled connection, retries what Postgres says is
-retryable, and maps asyncpg's errors to the gateway's own; here is only what each statement writes
-and reads. Every write that follows a claim is fenced by the state and attempt it was read in
-(``where id = $1 and created_at = $2 and attempt = $3 and state = $4``), and is kept to the one month
-of the audit that holds the row (a statement that may touch every month locks them all).
+retryable, and maps asyncpg's errors to the gateway's own; here is only what each one writes and
+reads. A write that moves a record (take over, settle, review, restore, resolve) is fenced by the
+state and attempt it was read in, so that it changes nothing once another attempt took the record;
+one that only adds to it (a fenced-out holder's note, replay counts) is not. Each is kept to the one
+month of the audit that holds the row: a statement that may touch every month locks them all.
 """
 
 from __future__ import annotations
@@ -22,15 +23,17 @@ from gateway.rows import Conn, head_bytes, read_with_response, record_of
 from gateway.states import State, Transition
 
 
+def _fenced(record: EffectRecord) -> str:
+    """The where clause of a write fenced on the attempt and state ``record`` was read in ($1 to $4),
+    kept to its month of the audit."""
+    month = partitions.in_month(record.created_at)
+    return f"where id = $1 and created_at = $2 and attempt = $3 and state = $4 and {month}"
+
+
 async def _one(conn: Conn, sql: str, *args: Any) -> EffectRecord | None:
     """One statement that returns at most one effect row (None: no row matched, e.g. fenced out)."""
     row = await conn.fetchrow(sql, *args)
     return record_of(row) if row is not None else None
-
-
-def in_month(created_at: datetime) -> str:
-    """SQL keeping ``e`` (the audit) to the month's partition that holds a row created at ``created_at``."""
-    return partitions.within("e.created_at", partitions.month_of(created_at))
 
 
 def _event(kind: str, **data: Any) -> list[dict[str, Any]]:
@@ -125,7 +128,7 @@ async def claim(conn: Conn, new: NewEffect, lease: timedelta) -> tuple[EffectRec
         raise StoreRejected(f"the key {new.key!r} was taken but is not on record")
     row = await conn.fetchrow(
         f"select {RECORD_COLUMNS} from effects e "
-        f"where e.id = $1 and e.created_at = $2 and {in_month(known['created_at'])}",
+        f"where e.id = $1 and e.created_at = $2 and {partitions.in_month(known['created_at'])}",
         known["effect_id"],
         known["created_at"],
     )
@@ -162,8 +165,7 @@ async def reclaim(
                 last_sent_at = case when $6 then now() else last_sent_at end,
                 first_sent_at = coalesce(first_sent_at, now()),
                 history = history || {_stamped(7)}
-            where id = $1 and created_at = $2 and attempt = $3 and state = $4
-              and {in_month(record.created_at)}
+            {_fenced(record)}
             returning {RECORD_COLUMNS}
         ), {_open_moved("$4", "'pending'")}
         select * from e
@@ -204,8 +206,7 @@ async def settle(
                 recovered_by = coalesce($11, recovered_by),
                 completed_at = case when $5 = 'completed' then now() else completed_at end,
                 history = history || {_stamped(12)}
-            where id = $1 and created_at = $2 and attempt = $3 and state = $4
-              and {in_month(record.created_at)}
+            {_fenced(record)}
             returning {RECORD_COLUMNS}
         ), stored as (
             insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
@@ -240,7 +241,7 @@ async def note_fenced(conn: Conn, record: EffectRecord, saw: str) -> None:
     """The statement of :meth:`gateway.store.Store.note_fenced`."""
     await conn.execute(
         f"update effects e set history = history || {_stamped(3)} "
-        f"where id = $1 and created_at = $2 and {in_month(record.created_at)}",
+        f"where id = $1 and created_at = $2 and {partitions.in_month(record.created_at)}",
         record.id,
         record.created_at,
         _event("fenced", attempt=record.attempt, saw=saw),
@@ -258,8 +259,7 @@ async def send_to_review(conn: Conn, record: EffectRecord, move: Transition, why
             update effects e set state = 'needs_review', attempt = attempt + 1,
                 lease_expires_at = least(lease_expires_at, now()),
                 history = history || {_stamped(5)}
-            where id = $1 and created_at = $2 and attempt = $3 and state = $4
-              and {in_month(record.created_at)}
+            {_fenced(record)}
             returning {RECORD_COLUMNS}
         ), {_open_moved("$4", "'needs_review'")}
         select * from e
@@ -276,8 +276,11 @@ async def add_replays(conn: Conn, counts: Mapping[tuple[int, datetime], int]) ->
     """The statement of :meth:`gateway.store.Store.add_replays`."""
     if not counts:
         return
-    # In one order in every worker: two flushes that share effects then lock their rows in the same
-    # order and one waits for the other, where in the order each first counted them they deadlock.
+    # In one order in every worker: the update looks each count's row up in the order given (its plan
+    # on an audit of any size; a few rows may be hashed in the order they lie, which is one order too),
+    # so two flushes that share effects lock them alike and one waits for the other, where in the
+    # order each first counted them they could deadlock. Should a plan still cross them, Postgres
+    # breaks the deadlock and the store tries again.
     ids, times, ns = zip(*((i, t, n) for (i, t), n in sorted(counts.items())), strict=True)
     await conn.execute(
         """
@@ -299,8 +302,7 @@ async def restore(conn: Conn, record: EffectRecord, move: Transition, response: 
         with e as (
             update effects e set response_status = $5, response_at = now(),
                 history = history || {_stamped(8)}
-            where id = $1 and created_at = $2 and attempt = $3 and state = $4
-              and {in_month(record.created_at)}
+            {_fenced(record)}
               and not exists (select from effect_bodies r where r.effect_id = e.id and r.kind = 'response'
                               and r.stored_at = e.response_at)
             returning id
@@ -341,8 +343,7 @@ async def resolve(
                 attempt = attempt + 1,
                 completed_at = case when $6 then now() end,
                 history = history || {_stamped(10)}
-            where id = $1 and created_at = $2 and attempt = $3 and state = $4
-              and {in_month(record.created_at)}
+            {_fenced(record)}
               and (lease_expires_at is null or lease_expires_at <= now())
             returning {RECORD_COLUMNS}
         ), stored as (

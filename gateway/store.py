@@ -1,9 +1,9 @@
 """The one Postgres seam: claim, take over, settle, read. asyncpg errors become the gateway's own here.
 
-Every phase is one statement (so one transaction; the statements are in gateway/phases.py), run on a
-pooled connection and retried only when Postgres says so; every write that follows a claim is fenced
-by the state and attempt it was read in. Times that decide anything come from Postgres's clock so that
-several gateways agree.
+Each write is one statement, so one transaction (the writes are in gateway/phases.py; the claim of a
+key already taken reads it with statements of their own), run on a pooled connection and retried only
+when Postgres says so; the reads are here. Times that decide anything come from Postgres's clock so
+that several gateways agree.
 
 The tables (gateway/migrations/003_partitioned.sql and after): ``effect_keys`` keeps each key unique for
 ever (by a digest of the key, 005), ``effects`` is the audit (a row per effect, partitioned by month),
@@ -380,7 +380,7 @@ class Store:
         async def op(conn: Conn) -> EffectRecord:
             row = await conn.fetchrow(
                 f"select {RECORD_COLUMNS} from effects e "
-                f"where e.id = $1 and e.created_at = $2 and {phases.in_month(record.created_at)}",
+                f"where e.id = $1 and e.created_at = $2 and {partitions.in_month(record.created_at)}",
                 record.id,
                 record.created_at,
             )

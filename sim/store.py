@@ -1,11 +1,12 @@
 """The simulated store: the contract of :class:`gateway.store.Store`, kept in memory.
 
-:class:`SimDatabase` is a small database with the same semantics as the SQL in gateway/store.py and
-gateway/partitions.py: one row per effect, a key table that keeps keys unique, bodies stored by time
-and dropped by whole days by the retention, and every statement applied at one instant of the
-database's clock. Each write is fenced exactly as its SQL is (``id``, ``created_at``, ``attempt`` and
-``state``, and the lease for an operator's verdict). It is not a mock: it answers what the data says,
-and tests/test_store_contract.py runs the same tests against it and against Postgres.
+:class:`SimDatabase` is a small database with the same semantics as the SQL in gateway/phases.py,
+gateway/store.py and gateway/partitions.py: one row per effect, a key table that keeps keys unique,
+bodies stored by time and dropped by whole days by the retention, and every statement applied at one
+instant of the database's clock. Each write is fenced exactly as its SQL is (``id``, ``created_at``,
+``attempt`` and ``state``, and the lease for an operator's verdict). It is not a mock: it answers
+what the data says, and tests/test_store_contract.py runs the same tests against it and against
+Postgres.
 
 Where the two differ on purpose, the contract holds only what both promise: the admin's count of an
 open state above EXACT_OPEN_COUNT is Postgres's estimate there and exact here; the retention reports
@@ -98,7 +99,7 @@ def _least(a: datetime | None, b: datetime) -> datetime:
 
 
 def _event(kind: str, now: datetime, **data: Any) -> dict[str, Any]:
-    """One history entry, as gateway.store's ``_event`` + ``_stamped`` write it (or HISTORY reads it)."""
+    """One history entry, as gateway.phases's ``_event`` + ``_stamped`` write it (or HISTORY reads it)."""
     return {"event": kind, **{k: v for k, v in data.items() if v is not None}, "at": now.isoformat()}
 
 
@@ -200,7 +201,7 @@ class SimDatabase:
             raise StoreRejected("Postgres refused the write: UniqueViolationError")
         self.bodies[at] = (headers, body)
 
-    # --- the idempotency phases (gateway.store.Store's statements) ----------------------------------
+    # --- the idempotency phases (gateway.phases's statements) ---------------------------------------
 
     def claim(self, new: NewEffect, lease: timedelta) -> tuple[EffectRecord | None, bool]:
         now = self.now()

@@ -25,6 +25,7 @@ from gateway.errors import ProbeFailed
 from gateway.outcome import Answered, NoAnswer, NotSent, Outcome
 from gateway.policy import UpstreamPolicy
 from gateway.record import StoredResponse
+from gateway.replies import describe
 from gateway.upstream import Outbound
 from sim.choices import Stream
 from sim.loop import OWNER, REQUEST
@@ -289,17 +290,8 @@ class SimClient:
             outcome = await asyncio.wait_for(reply, timeout)
         except TimeoutError:
             outcome = NoAnswer(f"no answer within {timeout:g}s", timed_out=True)
-        self._stage.note(who, f"<- {upstream.name}: {_told(outcome)}")
+        self._stage.note(who, f"<- {upstream.name}: {describe(outcome)}")
         return outcome
-
-
-def _told(outcome: Outcome) -> str:
-    match outcome:
-        case Answered(status=status):
-            return f"answered {status}"
-        case NotSent(reason=reason) | NoAnswer(reason=reason):
-            return reason
-    raise AssertionError(outcome)  # pragma: no cover
 
 
 class SimProber:

@@ -498,3 +498,25 @@ async def test_011_upgrades_a_database_whose_month_was_archived_with_effects_sti
             await conn.close()
         async with opened(dsn) as store:
             assert (await store.state_counts())["needs_review"] == 1
+
+
+async def test_013_builds_the_index_again_when_one_built_beforehand_was_left_unfinished(
+    postgres_dsn: str,
+) -> None:
+    """The audit's index by tenant and upstream begun by hand (operations.md's way without blocking) and
+    left with a month unattached is invalid, which Postgres never reads: 013 builds it whole."""
+    async with own_database(postgres_dsn, "unfinished_013") as dsn:
+        await migrate(dsn)
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute("delete from effect_gateway_migrations where version >= 13")
+            await conn.execute("drop index effects_tenant_upstream")
+            await conn.execute(
+                "create index effects_tenant_upstream on only effects (tenant, upstream, created_at, id)"
+            )
+            valid = "select indisvalid from pg_index where indexrelid = 'effects_tenant_upstream'::regclass"
+            assert await conn.fetchval(valid) is False
+            await migrate(dsn)
+            assert await conn.fetchval(valid) is True
+        finally:
+            await conn.close()
