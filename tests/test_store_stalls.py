@@ -78,8 +78,9 @@ async def frozen_at_will(dsn: str) -> AsyncIterator[Freezer]:
 
     server = await asyncio.start_server(accept, "127.0.0.1", 0)
     relay_port = server.sockets[0].getsockname()[1]
-    user = f"{parts.username}@" if parts.username else ""
-    freezer.dsn = urlunsplit(parts._replace(netloc=f"{user}127.0.0.1:{relay_port}", query=""))
+    credentials = parts.netloc.rpartition("@")[0]  # user and password as given, if any
+    at = f"{credentials}@" if credentials else ""
+    freezer.dsn = urlunsplit(parts._replace(netloc=f"{at}127.0.0.1:{relay_port}", query=""))
     try:
         yield freezer
     finally:
