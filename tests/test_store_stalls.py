@@ -110,8 +110,8 @@ async def test_a_statement_postgres_never_answers_is_unavailable_within_the_stat
         finally:
             await asyncio.wait_for(store.close(), HANG)
     assert LIMITS.answer is not None
-    # The bound is 3 s; the cancellation's wait would have added 3 more.
-    assert took < LIMITS.answer + 1.5, took
+    # The bound is 3 s; the cancellation's wait would have added 3 more (6 s in all).
+    assert took < LIMITS.answer + 2.5, took
 
 
 async def test_a_gateway_whose_postgres_stops_answering_says_503_and_sends_nothing_twice(
