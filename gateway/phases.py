@@ -273,9 +273,7 @@ async def send_to_review(conn: Conn, record: EffectRecord, move: Transition, why
 
 
 async def add_replays(conn: Conn, counts: Mapping[tuple[int, datetime], int]) -> None:
-    """The statement of :meth:`gateway.store.Store.add_replays`."""
-    if not counts:
-        return
+    """The statement of :meth:`gateway.store.Store.add_replays` (which sends no empty ``counts``)."""
     # In one order in every worker: the update looks each count's row up in the order given (its plan
     # on an audit of any size; a few rows may be hashed in the order they lie, which is one order too),
     # so two flushes that share effects lock them alike and one waits for the other, where in the

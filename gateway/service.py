@@ -49,10 +49,10 @@ from gateway.faults import fault
 from gateway.fingerprint import fingerprint
 from gateway.inbound import Inbound, to_record, to_send
 from gateway.keys import ScopedKey
-from gateway.outcome import Answered, Found, NotFound, NotSent, Outcome, ProbeError, ProbeResult
+from gateway.outcome import Found, NotFound, NotSent, Outcome, ProbeError, ProbeResult
 from gateway.policy import UpstreamPolicy, keyless_mode
 from gateway.probes import Prober
-from gateway.record import EffectRecord, StoredResponse
+from gateway.record import EffectRecord
 from gateway.replays import Completed, Replays
 from gateway.replies import Reply
 from gateway.settings import SAFE_METHODS
@@ -344,11 +344,12 @@ class EffectService:
         """Write down what the attempt ``record`` holds came to (fenced), and answer with it."""
         recovered_by = None if reason in (None, "retryable") else reason
         settled = settle(outcome, earlier_doubt=record.may_have_sent, method=record.method)
+        response = replies.stored(outcome)  # None when nothing answered
         try:
             saved = await self._settle(
                 record,
                 settled,
-                response=replies.stored(outcome),
+                response=response,
                 recovered_by=recovered_by if settled.state is State.COMPLETED else None,
                 note=replies.describe(outcome),
             )
@@ -364,10 +365,8 @@ class EffectService:
         fault("after-record", policy.name)
         if settled.state is State.COMPLETED and recovered_by is not None:
             trail.recovered(recovered_by)
-        if settled.state is State.COMPLETED and isinstance(outcome, Answered):
-            self._replays.remember(
-                saved, StoredResponse(outcome.status, outcome.headers, outcome.body), _clock()
-            )
+        if settled.state is State.COMPLETED and response is not None:
+            self._replays.remember(saved, response, _clock())
         replies.refuse_redirect(outcome, policy, record.id, record.method)
         return replies.reply(outcome, record.id)
 

@@ -247,18 +247,8 @@ class Store:
             log.debug("a Postgres connection could not be reset and was closed", exc_info=True)
 
     async def _catch_up_partitions(self) -> None:
-        conn = await self._acquire()
-        try:
-            made = await partitions.ensure(conn)
-        except OUTAGE as exc:
-            if isinstance(exc, TimeoutError):
-                conn.terminate()  # as in _attempts
-            raise StoreUnavailable(f"Postgres is unavailable: {type(exc).__name__}: {exc}") from exc
-        except asyncpg.PostgresError as exc:
-            raise StoreUnavailable(f"the partitions for new rows could not be made: {exc}") from exc
-        finally:
-            await self._release(conn)
-        if not made:
+        # Through _attempts, like any statement: its outages and refusals are mapped the same way.
+        if not await self._attempts(partitions.ensure):
             # The retention holds the lock while it detaches a day, and makes them itself once done.
             raise StoreUnavailable("the partitions for new rows are being made; try again")
 
