@@ -154,6 +154,11 @@ class Gateway:
     url: str
     app: web.Application
 
+    @property
+    def admin_url(self) -> str:
+        """Where the admin routes (/_gateway/...) are served: the audit, the effects API, metrics."""
+        return self.url
+
 
 @asynccontextmanager
 async def gateway_server(dsn: str, tracer_provider: Any = None, **settings: Any) -> AsyncIterator[Gateway]:
