@@ -62,6 +62,7 @@ def gateway_config(folder: Path, dsn: str, shop: str, mail: str) -> Path:
         f"""
 database_url = "{dsn}"
 listen = "127.0.0.1:0"
+admin_listen = "127.0.0.1:0"
 # One process, so that the fault point kills the gateway itself (with more, it kills one worker).
 workers = 1
 # A short lease keeps the demo quick: a gateway that died is taken over 2.5 s after its claim.

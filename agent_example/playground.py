@@ -20,7 +20,8 @@ CONFIG = ROOT / "examples" / "gateway.toml"
 UPSTREAMS = {"shop": 9001, "mail": 9002, "payments": 9003}
 
 TRY = """
-effect-gateway is listening on {url}, in front of the demo shop, mail and payments services.
+effect-gateway is listening on {url}, in front of the demo shop, mail and payments services;
+its audit, effects API and metrics are on {admin} (a listener of their own).
 Try, in another terminal:
 
   # place an order through the gateway (the shop has no idempotency of its own)
@@ -35,8 +36,8 @@ Try, in another terminal:
   curl -s -H 'Idempotency-Key: run-1:4' -H 'Content-Type: application/json' \\
        -d '{{"items": ["ghee"]}}' {url}/shop/orders
 
-  # the audit, as JSON (or as a page: {url}/_gateway/audit in a browser)
-  curl -s {url}/_gateway/effects
+  # the audit, as JSON (or as a page: {admin}/_gateway/audit in a browser)
+  curl -s {admin}/_gateway/effects
 
 Ctrl+C stops the gateway and the services.
 """
@@ -52,7 +53,7 @@ def main() -> int:
             ["-m", "gateway", "--config", str(CONFIG), "serve"], timeout=60, cwd=str(ROOT), own_stderr=True
         )
         started.append(gateway)
-        print(TRY.format(url=gateway.url), flush=True)
+        print(TRY.format(url=gateway.url, admin=gateway.admin_url), flush=True)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())

@@ -43,6 +43,8 @@ class Service:
     url: str
     # What the child writes to its stderr; None when it writes to this process's own.
     stderr: Stderr | None = None
+    # A gateway's admin listener (the audit, the effects API, the metrics), as it announced it.
+    admin_url: str | None = None
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -82,10 +84,13 @@ def start_service(
     assert proc.stdout is not None
     stderr = None if proc.stderr is None else Stderr(proc.stderr)
     deadline = time.monotonic() + timeout
+    admin_url = None
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
+        if line.startswith("effect-gateway admin "):
+            admin_url = line.rsplit(" ", 1)[1].strip()
         if " listening on " in line:
-            return Service(proc, line.rsplit(" ", 1)[1].strip(), stderr)
+            return Service(proc, line.rsplit(" ", 1)[1].strip(), stderr, admin_url)
         if not line and proc.poll() is not None:
             break
     proc.kill()

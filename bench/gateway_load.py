@@ -117,6 +117,7 @@ def write_config(
 ) -> None:
     lines = [
         'listen = "127.0.0.1:0"',
+        'admin_listen = "127.0.0.1:0"',
         f'data_dir = "{data_dir}"',
         # Longer than any run: the gateway's own hourly purge must find nothing to do.
         'retention = "400d"',
@@ -190,7 +191,8 @@ def prepare(gw: Gateway) -> None:
     gw.twin.start()
     # Only once the held request's record is there may a twin be sent: sooner, the twin would claim it.
     deadline = time.monotonic() + 30
-    while not _pending(gw.server.url, f"{gw.tag}-held"):
+    assert gw.server.admin_url is not None, "a gateway announces its admin listener"
+    while not _pending(gw.server.admin_url, f"{gw.tag}-held"):
         if time.monotonic() > deadline:
             raise RuntimeError("the held request left no pending record within 30 s")
         time.sleep(0.05)

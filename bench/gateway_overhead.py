@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 
 from bench.common import on_postgres, p50_p99, where
 from gateway import logs
-from gateway.app import make_app
+from gateway.app import runners
 from gateway.schema import migrate
 from gateway.settings import load_settings
 
@@ -45,17 +46,18 @@ async def _upstream() -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
-async def _gateway(dsn: str, upstream: str) -> tuple[web.AppRunner, str]:
+@contextlib.asynccontextmanager
+async def _gateway(dsn: str, upstream: str) -> AsyncIterator[str]:
     settings = load_settings(
         None,
         listen="127.0.0.1:0",
+        admin_listen="127.0.0.1:0",
         database_url=dsn,
         upstreams={"shop": {"base_url": upstream, "stamp": {"json_field": "client_reference"}}},
     )
-    runner = web.AppRunner(make_app(settings, dsn), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with runners(settings, dsn) as both:
+        await web.TCPSite(both.proxy, "127.0.0.1", 0).start()
+        yield f"http://127.0.0.1:{both.proxy.addresses[0][1]}"
 
 
 async def _interleaved(n: int, calls: list[Callable[[int], Awaitable[int]]]) -> list[list[float]]:
@@ -109,10 +111,9 @@ def _row(name: str, samples: list[float], base: list[float] | None) -> str:
 async def run(n: int, dsn: str, log_format: str | None = None) -> None:
     await migrate(dsn)
     up_runner, upstream = await _upstream()
-    gw_runner, gateway = await _gateway(dsn, upstream)
     run_tag = str(time.time_ns())
     try:
-        async with aiohttp.ClientSession() as http:
+        async with _gateway(dsn, upstream) as gateway, aiohttp.ClientSession() as http:
 
             async def direct(i: int) -> int:
                 async with http.post(f"{upstream}/orders", data=BODY, headers=HEADERS) as resp:
@@ -140,7 +141,6 @@ async def run(n: int, dsn: str, log_format: str | None = None) -> None:
                 )
             ]
     finally:
-        await gw_runner.cleanup()
         await up_runner.cleanup()
     print(f"\n{n} sequential POSTs each, loopback, Postgres {where()}, log {log_format or 'not written'}")
     print(f"| {'path':<38} | {'p50 ms':>8} | {'p99 ms':>8} | {'vs direct':>9} |")

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _LISTENING = re.compile(r"listening on (http://\S+)")
+# A gateway announces its admin listener (the effects API, the metrics) on the line before.
+_ADMIN = re.compile(r"effect-gateway admin .* on (http://\S+)")
 _TICK = os.sysconf("SC_CLK_TCK")
 # Starting the gateway includes starting (or creating) the embedded Postgres: initdb takes a few seconds.
 START_TIMEOUT = 120.0
@@ -41,6 +43,8 @@ class Server:
     url: str
     log: Path
     extra_pids: list[int] = field(default_factory=list)
+    # A gateway's admin listener; None for the other servers.
+    admin_url: str | None = None
 
     @property
     def pid(self) -> int:
@@ -69,8 +73,10 @@ def start_server(name: str, argv: Sequence[str], log: Path, env: dict[str, str] 
         )
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
-        if (match := _LISTENING.search(log.read_text(errors="replace"))) is not None:
-            return Server(name, proc, match.group(1), log)
+        text = log.read_text(errors="replace")
+        if (match := _LISTENING.search(text)) is not None:
+            admin = _ADMIN.search(text)
+            return Server(name, proc, match.group(1), log, admin_url=admin.group(1) if admin else None)
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with status {proc.returncode}; its log:\n{log.read_text()}")
         time.sleep(0.05)

@@ -9,12 +9,15 @@ import re
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import Middleware
 
-from gateway import admin, audit_routes, codings, openapi, problems
+from gateway import admin, audit_routes, browser, codings, openapi, problems
 from gateway.body import RequestBody, read_body
 from gateway.errors import BodyUnreadable, StoreRejected, StoreUnavailable
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
@@ -37,7 +40,7 @@ from gateway.runtime import (
 )
 from gateway.schema import migrate
 from gateway.service import EffectService
-from gateway.settings import ErrorFormat, Settings
+from gateway.settings import ErrorFormat, Settings, is_loopback, listen_host
 from gateway.stamp import reserved_use
 from gateway.store import Store, StoreLimits
 from gateway.telemetry import Observed
@@ -64,24 +67,62 @@ OFF_LOOP_BYTES = 64 * 1024
 PROXY_ROUTE = r"/{tail:[\s\S]*}"
 # The first segment of the gateway's own paths (no upstream may be named so: see settings).
 GATEWAY_PATHS = "_gateway"
+# The one gateway path on the agents' listener: what a load balancer or an orchestrator polls.
+READINESS = "/_gateway/health"
 _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\d+)", re.IGNORECASE)
 
 
-DSN = web.AppKey("dsn", str)
-
-
-def make_app(
+@asynccontextmanager
+async def running(
     settings: Settings, dsn: str, *, metrics_dir: str | None = None, tracer_provider: Any = None
-) -> web.Application:
-    """The gateway as an aiohttp application; ``dsn`` is the Postgres to use (already running).
+) -> AsyncIterator[Runtime]:
+    """Start the gateway's parts on the Postgres at ``dsn`` (already running); stop them on the way out.
 
     ``metrics_dir``: the directory its worker processes share their metrics in (gateway.metrics), or
-    None for metrics of this application's own. ``tracer_provider``: an OpenTelemetry TracerProvider
-    for its spans, instead of the global one.
+    None for metrics of its own. ``tracer_provider``: an OpenTelemetry TracerProvider for its spans,
+    instead of the global one. On the way out the calls under way finish and record before the store
+    closes (bounded by the longest lease).
     """
-    app = web.Application(
+    await migrate(dsn)
+    policies = upstream_policies(settings)
+    telemetry = Observed(Metrics(policies, metrics_dir), Tracer(tracer_provider))
+    store = await Store.connect(
+        dsn, max_size=settings.pool_size, limits=store_limits(settings), telemetry=telemetry
+    )
+    client = UpstreamClient(policies.values(), settings.max_response_bytes, telemetry)
+    prober = Prober(client)
+    for policy in policies.values():
+        prober.check(policy)
+    given = settings.key_secret
+    secret = given.get_secret_value().encode() if given else await store.key_secret()
+    service = EffectService(
+        store,
+        client,
+        prober,
+        secret,
+        retention=settings.retention,
+        replay_cache_bytes=settings.replay_cache_bytes,
+        telemetry=telemetry,
+    )
+    runtime = Runtime(
+        settings, policies, store, service, telemetry, CachedCounts(store.state_counts), LogHash(secret)
+    )
+    purger = asyncio.create_task(_maintain_periodically(store, settings))
+    try:
+        yield runtime
+    finally:
+        purger.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await purger
+        await service.drain(timeout=_longest_lease(policies))
+        await client.close()
+        await store.close()
+
+
+def _application(settings: Settings, *middlewares: Middleware) -> web.Application:
+    return web.Application(
         client_max_size=settings.max_body_bytes,
-        middlewares=[observe_middleware, problem_middleware],
+        middlewares=middlewares,
         # Options of the HTTP server under the app, whichever runner serves it (cli, tests, bench).
         handler_args={
             # Bodies are decoded by gateway.codings, which knows the gateway's rule and its limits.
@@ -93,59 +134,72 @@ def make_app(
             "logger": ServerLog(logging.getLogger("aiohttp.server")),
         },
     )
-    app[DSN] = dsn
-    app.cleanup_ctx.append(_runtime(settings, metrics_dir, tracer_provider))
+
+
+def make_proxy_app(settings: Settings) -> web.Application:
+    """The agents' side: every upstream under /<upstream>/, and the readiness probe. Nothing else.
+
+    The admin routes are not here at all (see :func:`make_admin_app`): an upstream's answer, relayed on
+    this origin, may hold a script, and a script on the operator's origin acts with their session.
+    """
+    checks = _request_checks(loopback_host=not settings.tenants)
+    app = _application(settings, observe_middleware, problem_middleware, checks)
     app.on_shutdown.append(_finish_calls)
-    admin.add_routes(app)
-    audit_routes.add_routes(app)
-    app.router.add_get(openapi.PATH, openapi.serve)
+    app.router.add_get(READINESS, ready)
     # Every path, line breaks included: aiohttp matches the decoded path, and "." stops at an encoded %0A,
     # which would leave such a request to a 404 of the router instead of the proxy's own rules.
     app.router.add_route("*", PROXY_ROUTE, proxy)
     return app
 
 
-def _runtime(
-    settings: Settings, metrics_dir: str | None, tracer_provider: Any
-) -> Callable[[web.Application], AsyncIterator[None]]:
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        await migrate(app[DSN])
-        policies = upstream_policies(settings)
-        telemetry = Observed(Metrics(policies, metrics_dir), Tracer(tracer_provider))
-        store = await Store.connect(
-            app[DSN], max_size=settings.pool_size, limits=store_limits(settings), telemetry=telemetry
-        )
-        client = UpstreamClient(policies.values(), settings.max_response_bytes, telemetry)
-        prober = Prober(client)
-        for policy in policies.values():
-            prober.check(policy)
-        given = settings.key_secret
-        secret = given.get_secret_value().encode() if given else await store.key_secret()
-        service = EffectService(
-            store,
-            client,
-            prober,
-            secret,
-            retention=settings.retention,
-            replay_cache_bytes=settings.replay_cache_bytes,
-            telemetry=telemetry,
-        )
-        app[RUNTIME] = Runtime(
-            settings, policies, store, service, telemetry, CachedCounts(store.state_counts), LogHash(secret)
-        )
-        purger = asyncio.create_task(_maintain_periodically(store, settings))
-        try:
-            yield
-        finally:
-            purger.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await purger
-            # Calls under way finish and record before the store closes (bounded by the longest lease).
-            await service.drain(timeout=_longest_lease(policies))
-            await client.close()
-            await store.close()
+def make_admin_app(settings: Settings) -> web.Application:
+    """The operators' side, on ``admin_listen``: health with counts, metrics, the effects and the audit."""
+    loopback = is_loopback(listen_host(settings.admin_listen, "admin_listen"))
+    app = _application(settings, problem_middleware, _request_checks(loopback_host=loopback))
+    admin.add_routes(app)
+    audit_routes.add_routes(app)
+    app.router.add_get(openapi.PATH, openapi.serve)
+    return app
 
-    return ctx
+
+@dataclass(frozen=True, slots=True)
+class Runners:
+    """The two listeners' applications, set up: add a site to each to serve it."""
+
+    proxy: web.AppRunner
+    admin: web.AppRunner
+
+
+@asynccontextmanager
+async def runners(
+    settings: Settings,
+    dsn: str,
+    *,
+    metrics_dir: str | None = None,
+    tracer_provider: Any = None,
+    shutdown_timeout: float = 60.0,
+) -> AsyncIterator[Runners]:
+    """The gateway running and its two applications set up; on the way out both stop, then its parts.
+
+    ``shutdown_timeout``: how long aiohttp lets a client take its answer at shutdown (see gateway.serve).
+    """
+    async with running(settings, dsn, metrics_dir=metrics_dir, tracer_provider=tracer_provider) as runtime:
+        proxy_app, admin_app = make_proxy_app(settings), make_admin_app(settings)
+        proxy_app[RUNTIME] = admin_app[RUNTIME] = runtime
+        proxy_runner, admin_runner = (
+            web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout)
+            for app in (proxy_app, admin_app)
+        )
+        await proxy_runner.setup()
+        try:
+            await admin_runner.setup()
+            try:
+                yield Runners(proxy_runner, admin_runner)
+            finally:
+                await admin_runner.cleanup()
+        finally:
+            # Stops taking requests, then lets the calls under way finish and record (_finish_calls).
+            await proxy_runner.cleanup()
 
 
 async def _finish_calls(app: web.Application) -> None:
@@ -202,6 +256,22 @@ class ServerLog(logging.LoggerAdapter[logging.Logger]):
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def _request_checks(*, loopback_host: bool) -> Middleware:
+    """Refuse what no route should read: ambiguous headers, and (``loopback_host``) a non-loopback Host.
+
+    Placed inside problem_middleware, which renders what it raises.
+    """
+
+    @web.middleware
+    async def checks(request: web.Request, handler: Handler) -> web.StreamResponse:
+        check_headers(request)
+        if loopback_host:
+            check_host(request)
+        return await handler(request)
+
+    return checks
+
+
 @web.middleware
 async def observe_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Each request to an upstream gets a trail, and on its way out its metrics, log line and span."""
@@ -229,17 +299,17 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
 async def problem_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The one place where errors become problem+json (or the upstream's error format)."""
     try:
-        check_headers(request)
-        check_host(request, request.app[RUNTIME].settings)
         return await handler(request)
     except problems.Problem as problem:
         instance = request.path_qs if request.path_qs.isascii() else None
         return problems.render(problem, instance, _error_format(request))
     except web.HTTPRequestEntityTooLarge as exc:
         return _render(request, problems.BodyTooLarge(exc.text or "the request body is too large"))
-    except web.HTTPMethodNotAllowed:
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = {"Allow": ", ".join(sorted(exc.allowed_methods))}
         return _render(
-            request, problems.MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
+            request,
+            problems.MethodNotAllowed(f"{request.method} is not allowed on {request.path}", headers=allowed),
         )
     except web.HTTPNotFound:
         return _render(request, problems.NotFound(f"nothing at {request.path}"))
@@ -326,6 +396,13 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     if policy is None:
         raise problems.UnknownUpstream(f"no upstream named {upstream_name!r} is configured")
     trail.upstream, trail.path = policy.name, path
+    refused = browser.refusal(request.headers, policy.browser_origins)
+    if refused is not None:
+        raise problems.BrowserRefused(
+            f"{refused}: a page in a browser may not call {policy.name} through the gateway, which would add "
+            f"the credentials it injects; list the page's origin in upstreams.{policy.name}.browser_origins "
+            "to allow it"
+        )
     tenant = tenant_of(request, runtime.settings)
     trail.tenant = tenant
     raw_key = request.headers.get("Idempotency-Key")
@@ -384,7 +461,16 @@ async def _not_ours_to_forward(request: web.Request) -> None:
             f"{request.method} is not allowed on {request.path}",
             headers={"Allow": ", ".join(sorted(allowed))},
         )
-    raise problems.NotFound(f"nothing at {request.path}")
+    raise problems.NotFound(
+        f"nothing at {request.path} here: the audit, the effects API and the metrics are served on the "
+        "admin listener (the admin_listen setting), never beside the upstreams"
+    )
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Up (200) when this worker serves and Postgres answers, for a load balancer or an orchestrator."""
+    await request.app[RUNTIME].store.ping()  # down (503) when the store is
+    return web.json_response({"status": "ok"})
 
 
 async def _body(request: web.Request, settings: Settings, policy: UpstreamPolicy) -> RequestBody:

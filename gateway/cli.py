@@ -97,12 +97,11 @@ def cmd_serve(settings: Settings, _args: argparse.Namespace) -> int:
 
     check_probes(settings)
     try:
-        sock = serve.bind(settings)
-    except OSError as exc:
-        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
-        raise UsageError(f"cannot listen on {settings.listen}: {reason}") from None
+        sockets = serve.bind(settings)
+    except serve.CannotListen as exc:
+        raise UsageError(str(exc)) from None
     with database(settings) as dsn:
-        return serve.run(settings, dsn, sock)
+        return serve.run(settings, dsn, sockets)
 
 
 def check_probes(settings: Settings) -> None:
@@ -136,6 +135,7 @@ def cmd_check_config(settings: Settings, args: argparse.Namespace) -> int:
     doc = {
         "config": config,
         "listen": settings.listen,
+        "admin_listen": settings.admin_listen,
         "database": describe_database(settings),
         "tenants": tenants,
         "admin_token": settings.admin.token is not None,
@@ -143,7 +143,7 @@ def cmd_check_config(settings: Settings, args: argparse.Namespace) -> int:
     }
     lines = [
         f"configuration {config or '(none: defaults and EFFECT_GATEWAY_* variables)'} is valid",
-        f"listen {settings.listen}; {doc['database']}; "
+        f"listen {settings.listen}; admin_listen {settings.admin_listen}; {doc['database']}; "
         f"tenants: {', '.join(tenants) or 'none (one tenant, loopback only)'}; "
         f"admin token: {'set' if settings.admin.token is not None else 'none'}",
     ]

@@ -57,6 +57,8 @@ class UpstreamPolicy:
     connect_timeout: timedelta
     error_format: ErrorFormat
     refuse_random_keys: bool
+    # The web origins whose pages may call this upstream from a browser (none by default).
+    browser_origins: frozenset[str]
     # The body fields the fingerprint covers; None: the whole body.
     fingerprint_body: BodyFields | None
 
@@ -103,6 +105,7 @@ def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) ->
         connect_timeout=cfg.connect_timeout,
         error_format=cfg.error_format,
         refuse_random_keys=cfg.refuse_random_keys,
+        browser_origins=frozenset(cfg.browser_origins),
         fingerprint_body=_fingerprint_body(cfg),
         decision=decision.Policy(
             lease=lease,

@@ -129,6 +129,10 @@ class AdminTokenRequired(Problem):
     status, type, title = 401, "admin-token-required", "Admin token is missing or wrong"
 
 
+class BrowserRefused(Problem):
+    status, type, title = 403, "browser-refused", "A browser may not call this upstream through the gateway"
+
+
 class UnknownUpstream(Problem):
     status, type, title = 404, "unknown-upstream", "No such upstream"
 

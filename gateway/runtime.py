@@ -73,23 +73,22 @@ def _names_loopback(host: str) -> bool:
     return found is not None and is_loopback((found["v6"] or found["name"]).lower())
 
 
-def check_host(request: web.Request, settings: Settings) -> None:
-    """Without tenants, answer only requests addressed to a loopback name: the gateway trusts its caller.
+def check_host(request: web.Request) -> None:
+    """Answer only requests addressed to a loopback name, on a listener that trusts its callers.
 
-    Such a gateway listens on loopback alone, so only this machine's processes reach it, but a person's
-    browser does too: a web page on a name whose DNS answer is then switched to 127.0.0.1 (DNS
-    rebinding) is same-origin with the gateway, and could send effects through it with the injected
-    credentials, read the audit and resolve effects. Such a page's requests carry its own name as Host.
+    Such a listener is on loopback, so only this machine's processes reach it, but a person's browser
+    does too: a web page on a name whose DNS answer is then switched to 127.0.0.1 (DNS rebinding) is
+    same-origin with the gateway, and could send effects through it with the injected credentials,
+    read the audit and resolve effects. Such a page's requests carry its own name as Host.
     """
-    if settings.tenants:
-        return
     # aiohttp's host is the Host header's, except that a request line naming a whole URL names the host
     # itself, whatever Host says (RFC 9112 3.2.2); without either, the loopback address it arrived on.
     host = request.host
     if not _names_loopback(host):
         raise problems.BadRequest(
-            f"Host {host!r} is not a loopback name: a gateway without tenants answers only requests to "
-            "localhost, 127.0.0.1 or [::1] (configure [tenants] to reach it by another name)"
+            f"Host {host!r} is not a loopback name: this listener answers only requests to localhost, "
+            "127.0.0.1 or [::1] (configure [tenants], or an admin token for admin_listen, to reach it by "
+            "another name)"
         )
 
 
@@ -139,8 +138,8 @@ def tenant_of(request: web.Request, settings: Settings) -> str:
 def is_admin(request: web.Request, settings: Settings) -> bool:
     token = settings.admin.token
     if token is None:
-        # No admin token: only a single-tenant gateway, which listens on loopback alone, is open.
-        return not settings.tenants
+        # No admin token: only a single-tenant gateway, whose admin listener is on loopback alone, is open.
+        return settings.admin_open
     scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
     # RFC 6750: "Bearer" (any case) and the token; a bare token is refused, so it never works by accident.
     return scheme.lower() == "bearer" and _same_secret(given.strip(), token.get_secret_value())

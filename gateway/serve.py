@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -46,51 +47,79 @@ BACKLOG = 1024
 ANSWER_GRACE = 2.0
 
 
-def bind(settings: Settings) -> socket.socket:
-    host, port = listen_host(settings.listen), listen_port(settings.listen)
+@dataclass(frozen=True, slots=True)
+class Sockets:
+    """The two listening sockets: the agents' (``listen``) and the operators' (``admin_listen``)."""
+
+    proxy: socket.socket
+    admin: socket.socket
+
+
+class CannotListen(Exception):
+    """A listening socket could not be bound; says which setting and why."""
+
+
+def bind(settings: Settings) -> Sockets:
+    """Bind both listeners before anything starts, so that a port in use stops start-up in one line."""
+    proxy = _bind(settings.listen, "listen")
+    try:
+        admin = _bind(settings.admin_listen, "admin_listen")
+    except CannotListen:
+        proxy.close()
+        raise
+    return Sockets(proxy, admin)
+
+
+def _bind(address: str, setting: str) -> socket.socket:
+    host, port = listen_host(address, setting), listen_port(address)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(BACKLOG)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        raise CannotListen(f"cannot listen on {address} ({setting}): {reason}") from None
     sock.setblocking(False)
     return sock
 
 
-def announce(sock: socket.socket, settings: Settings, workers: int) -> None:
-    port = sock.getsockname()[1]  # the real port, when listen asks for port 0
+def _url(sock: socket.socket, address: str) -> str:
+    # The real port, when the setting asks for port 0.
+    return f"http://{listen_host(address)}:{sock.getsockname()[1]}"
+
+
+def announce(sockets: Sockets, settings: Settings, workers: int) -> None:
     if workers > 1:
         log.info("%d worker processes", workers)
-    # Scripts and tests read the address as this line's last word.
-    print(f"effect-gateway listening on http://{listen_host(settings.listen)}:{port}", flush=True)
+    print(f"effect-gateway admin (audit, effects, metrics) on {_url(sockets.admin, settings.admin_listen)}")
+    # Scripts and tests read the address as this line's last word; it comes last, once both serve.
+    print(f"effect-gateway listening on {_url(sockets.proxy, settings.listen)}", flush=True)
 
 
 async def _worker(
     settings: Settings,
     dsn: str,
-    sock: socket.socket,
+    sockets: Sockets,
     metrics_dir: str,
     ready: Callable[[], None] | None = None,
 ) -> None:
-    from gateway.app import make_app
+    from gateway.app import runners
 
-    app = make_app(settings, dsn, metrics_dir=metrics_dir)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=ANSWER_GRACE)
-    await runner.setup()
-    site = web.SockSite(runner, sock)
-    await site.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    if ready is not None:
-        # Only now: a SIGTERM right after the announcement must stop it as any other does.
-        ready()
-    try:
+    async with runners(settings, dsn, metrics_dir=metrics_dir, shutdown_timeout=ANSWER_GRACE) as both:
+        await web.SockSite(both.proxy, sockets.proxy).start()
+        await web.SockSite(both.admin, sockets.admin).start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        if ready is not None:
+            # Only now: a SIGTERM right after the announcement must stop it as any other does.
+            ready()
         await stop.wait()
-    finally:
         log.info("shutting down: finishing calls under way")
-        await runner.cleanup()
 
 
 def loop_factory(settings: Settings) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -113,21 +142,23 @@ def run_loop(settings: Settings, work: Coroutine[Any, Any, None]) -> None:
         runner.run(work)
 
 
-def run(settings: Settings, dsn: str, sock: socket.socket) -> int:
-    """Serve on ``sock`` (see :func:`bind`) until SIGTERM or SIGINT; returns the exit status."""
+def run(settings: Settings, dsn: str, sockets: Sockets) -> int:
+    """Serve on ``sockets`` (see :func:`bind`) until SIGTERM or SIGINT; returns the exit status."""
     workers = settings.workers or os.cpu_count() or 1
     # Made before any worker starts, so that every worker counts into it and a scrape of any one of
     # them reads them all (gateway.metrics); removed when the gateway stops.
     with metrics.shared_by_workers() as shared:
         if workers == 1:
-            run_loop(settings, _worker(settings, dsn, sock, shared, lambda: announce(sock, settings, 1)))
+            run_loop(
+                settings, _worker(settings, dsn, sockets, shared, lambda: announce(sockets, settings, 1))
+            )
             return 0
         asyncio.run(migrate(dsn))  # once, before any worker starts
         supervisor = Supervisor(
-            lambda: run_loop(settings, _worker(settings, dsn, sock, shared)),
+            lambda: run_loop(settings, _worker(settings, dsn, sockets, shared)),
             workers,
         )
-        return supervisor.run(lambda: announce(sock, settings, workers))
+        return supervisor.run(lambda: announce(sockets, settings, workers))
 
 
 class Supervisor:

@@ -185,6 +185,22 @@ KEYLESS_DEFAULTS: dict[str, KeylessMode] = {"POST": "refuse", "PATCH": "refuse"}
 _METHOD = re.compile(r"^[A-Z][A-Z-]{0,31}$")
 
 
+# What a browser sends as Origin: a scheme, a host and an optional port, nothing after them.
+_ORIGIN = re.compile(r"^https?://[^/?#\s@]+$")
+
+
+def browser_origin(value: str) -> str:
+    if value == "null":
+        # Sandboxed frames, local files and redirects all send "null": listing it admits any page.
+        raise ValueError("'null' cannot be listed: any sandboxed page or local file sends it")
+    if not _ORIGIN.match(value) or value != value.lower():
+        raise ValueError(f"{value!r} is not an origin such as https://app.example.com (lower case, no path)")
+    return value
+
+
+BrowserOrigin = Annotated[str, AfterValidator(browser_origin)]
+
+
 class UpstreamSettings(_Section):
     base_url: str
     # Long enough for a slow payment API, short enough that an agent is not left hanging.
@@ -194,6 +210,10 @@ class UpstreamSettings(_Section):
     probe: ProbeSettings | None = None
     # Set only for upstreams whose duplicates do no harm (e.g. a PUT of the same document).
     repeat_harmless: bool = False
+    # The web origins (scheme://host[:port]) whose pages may call this upstream through the gateway from a
+    # browser. None by default: a browser's request carries the secrets the gateway injects, and any page
+    # the person has open could send it.
+    browser_origins: list[BrowserOrigin] = Field(default_factory=list)
     inject_headers: dict[str, Secret] = Field(default_factory=dict)
     # Headers an agent may send that carry secrets: forwarded, never stored or fingerprinted.
     secret_headers: list[str] = Field(default_factory=list)
@@ -261,6 +281,9 @@ class Settings(BaseSettings):
     )
 
     listen: str = "127.0.0.1:8787"
+    # The audit page, the effects API and the metrics have a listener of their own: nothing an upstream
+    # answers is ever served on the operator's origin, where a script in it would act with their session.
+    admin_listen: str = "127.0.0.1:8788"
     # Worker processes serving the one listening socket; None: one per core. Each worker has its own
     # connection pool (pool_size) and replay cache (replay_cache_bytes).
     workers: int | None = Field(default=None, ge=1)
@@ -339,7 +362,23 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"listen {self.listen!r} is beyond loopback: configure [tenants] so agents present a token"
             )
+        admin_host = listen_host(self.admin_listen, "admin_listen")
+        if self.admin_open and not is_loopback(admin_host):
+            raise ValueError(
+                f"admin_listen {self.admin_listen!r} is beyond loopback: configure [admin] token so "
+                "operators present one"
+            )
+        if self.admin_listen == self.listen and listen_port(self.listen) != 0:
+            raise ValueError(
+                f"admin_listen and listen are both {self.listen!r}: the admin routes need a listener of "
+                "their own, so that no upstream's page is ever served on the operator's origin"
+            )
         return self
+
+    @property
+    def admin_open(self) -> bool:
+        """Whether the admin routes answer without a token: a single-tenant gateway with no admin token."""
+        return self.admin.token is None and not self.tenants
 
 
 def _distinct_tokens(tenants: dict[str, TenantSettings], admin: SecretStr | None) -> None:
@@ -352,10 +391,10 @@ def _distinct_tokens(tenants: dict[str, TenantSettings], admin: SecretStr | None
         raise ValueError(f"tenant {tenant_name} and the admin have the same token; each needs its own")
 
 
-def listen_host(listen: str) -> str:
+def listen_host(listen: str, setting: str = "listen") -> str:
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
-        raise ValueError(f"listen {listen!r} must be HOST:PORT")
+        raise ValueError(f"{setting} {listen!r} must be HOST:PORT")
     return host.strip("[]")
 
 

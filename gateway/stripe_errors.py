@@ -48,6 +48,8 @@ SHAPES: dict[str, StripeShape] = {
     "method-not-allowed": _BAD,
     "token-required": StripeShape(401, "invalid_request_error", retry=False),
     "admin-token-required": StripeShape(401, "invalid_request_error", retry=False),
+    # A web page, not an SDK, sent it: nothing a retry changes.
+    "browser-refused": StripeShape(403, "invalid_request_error", retry=False),
     "unknown-upstream": StripeShape(404, "invalid_request_error", retry=False),
     "not-found": StripeShape(404, "invalid_request_error", retry=False),
     # Nothing was claimed or sent: a retry that sends the whole body in time goes through.

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
+import pytest_asyncio
 from hypothesis import HealthCheck, settings
+from playwright.async_api import Browser, async_playwright
 
 from gateway.embedded import EmbeddedPostgres
 from gateway.schema import migrate
@@ -23,6 +26,41 @@ settings.register_profile(
     "fuzz", max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# The browser tests (tests/test_audit_browser.py, tests/test_browsers.py) drive Debian's Chromium with
+# Playwright; one browser per module.
+CHROMIUM = Path("/usr/bin/chromium")
+# Chromium as root needs --no-sandbox; the rest keep it off the network this machine does not have
+# (without them it stalls on lookups of Google's hosts). Playwright adds --headless and a fresh
+# --user-data-dir of its own for every launch.
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Path:
+    if not CHROMIUM.exists():
+        pytest.fail(
+            f"{CHROMIUM} is missing: `make test` installs Debian's chromium when run as root with apt-get; "
+            "elsewhere install it (apt-get install chromium) and run the tests again"
+        )
+    return CHROMIUM
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def browser(chromium: Path) -> AsyncIterator[Browser]:
+    async with async_playwright() as playwright:
+        launched = await playwright.chromium.launch(executable_path=str(chromium), args=FLAGS)
+        yield launched
+        await launched.close()
 
 
 @pytest.fixture(scope="session")

@@ -31,8 +31,9 @@ from tests.doc_blocks import ROOT, NoRule
 from tests.support import empty_effects, other_database
 
 EXAMPLE = ROOT / "examples" / "gateway.toml"
-# The address every page names for the gateway: where `make serve` listens.
+# The addresses every page names for the gateway: where `make serve` listens, for agents and operators.
 DOCUMENTED_GATEWAY = "http://127.0.0.1:8787"
+DOCUMENTED_ADMIN = "http://127.0.0.1:8788"
 BIN = Path(sys.executable).parent  # the project's virtualenv, whose interpreter runs the tests
 JOURNAL_DATABASE = "doc_blocks_journal"
 
@@ -82,12 +83,14 @@ def started_world(dsn: str, scratch: Path) -> Iterator[World]:
             env[f"EFFECT_GATEWAY_UPSTREAMS__{name.upper()}__BASE_URL"] = service.url
         gateway = start_service(
             ["-m", "gateway", "--config", str(EXAMPLE), "serve"],
-            {**env, "EFFECT_GATEWAY_LISTEN": "127.0.0.1:0"},
+            {**env, "EFFECT_GATEWAY_LISTEN": "127.0.0.1:0", "EFFECT_GATEWAY_ADMIN_LISTEN": "127.0.0.1:0"},
             timeout=60,
             cwd=str(scratch),
         )
         started.append(gateway)
         addresses[DOCUMENTED_GATEWAY] = gateway.url
+        assert gateway.admin_url is not None, "the gateway announces its admin listener"
+        addresses[DOCUMENTED_ADMIN] = gateway.admin_url
         env |= {"EFFECT_GATEWAY_URL": gateway.url, "JOURNAL_DATABASE_URL": journal_dsn}
         yield World(gateway.url, dsn, scratch, env, addresses)
     finally:

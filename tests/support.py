@@ -17,9 +17,10 @@ from aiohttp import web
 
 from agent_example.processes import Service, start_service
 from gateway import packing
-from gateway.app import PROXY_ROUTE, make_app
+from gateway.app import PROXY_ROUTE, runners
 from gateway.decision import review as review_move
 from gateway.record import EffectRecord, NewEffect
+from gateway.runtime import RUNTIME, Runtime
 from gateway.settings import load_settings
 from gateway.store import Store, StoreLimits, opened, session_settings
 
@@ -31,6 +32,9 @@ FUZZ_COUNTS: list[tuple[str, str, int]] = []
 # Screenshots the browser tests took (tests/test_audit_browser.py), listed at the end of the run.
 SCREENSHOTS: list[Path] = []
 ROOT = Path(__file__).resolve().parent.parent
+# The lines that put both of a gateway's listeners on port 0: a user's `make serve` may hold the defaults,
+# and so may another test's gateway.
+PORT_ZERO = 'listen = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n'
 
 
 @dataclass
@@ -151,31 +155,27 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
 
 @dataclass
 class Gateway:
+    # The agents' listener (the upstreams) and the operators' (the audit, the effects API, metrics).
     url: str
-    app: web.Application
-
-    @property
-    def admin_url(self) -> str:
-        """Where the admin routes (/_gateway/...) are served: the audit, the effects API, metrics."""
-        return self.url
+    admin_url: str
+    runtime: Runtime
 
 
 @asynccontextmanager
 async def gateway_server(dsn: str, tracer_provider: Any = None, **settings: Any) -> AsyncIterator[Gateway]:
-    """The real gateway application on 127.0.0.1, port 0, against the test Postgres.
+    """The real gateway on 127.0.0.1, both listeners on port 0, against the test Postgres.
 
     ``tracer_provider``: an OpenTelemetry TracerProvider to receive its spans.
     """
-    configured = load_settings(None, listen="127.0.0.1:0", **settings)
-    app = make_app(configured, dsn, tracer_provider=tracer_provider)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield Gateway(f"http://127.0.0.1:{runner.addresses[0][1]}", app)
-    finally:
-        await runner.cleanup()
+    configured = load_settings(None, listen="127.0.0.1:0", admin_listen="127.0.0.1:0", **settings)
+    async with runners(configured, dsn, tracer_provider=tracer_provider) as both:
+        await web.TCPSite(both.proxy, "127.0.0.1", 0).start()
+        await web.TCPSite(both.admin, "127.0.0.1", 0).start()
+        yield Gateway(
+            f"http://127.0.0.1:{both.proxy.addresses[0][1]}",
+            f"http://127.0.0.1:{both.admin.addresses[0][1]}",
+            both.proxy.app[RUNTIME],
+        )
 
 
 async def raw_exchange(url: str, head: bytes, body: bytes = b"{}") -> bytes:

@@ -41,25 +41,27 @@ async def test_the_audit_lists_effects_with_filters_and_pages(
                 == 201
             )
         await _order(http, gw.url, "k0")  # a replay
-        async with http.get(f"{gw.url}/_gateway/effects?limit=2") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/effects?limit=2") as resp:
             page = await resp.json()
         assert [e["key"] for e in page["effects"]] == ["k4", "k3"]
         seen = [e["key"] for e in page["effects"]]
         while page["next"]:
-            async with http.get(f"{gw.url}{page['next']}") as resp:
+            async with http.get(f"{gw.admin_url}{page['next']}") as resp:
                 page = await resp.json()
             seen += [e["key"] for e in page["effects"]]
         assert seen == ["k4", "k3", "k2", "k1", "k0"]
-        async with http.get(f"{gw.url}/_gateway/effects?run=run-a&state=completed&upstream=shop") as resp:
+        async with http.get(
+            f"{gw.admin_url}/_gateway/effects?run=run-a&state=completed&upstream=shop"
+        ) as resp:
             assert sorted(e["key"] for e in (await resp.json())["effects"]) == ["k0", "k1", "k2"]
-        async with http.get(f"{gw.url}/_gateway/effects?state=needs_review") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/effects?state=needs_review") as resp:
             assert (await resp.json())["effects"] == []
-        async with http.get(f"{gw.url}/_gateway/effects?since=1h") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/effects?since=1h") as resp:
             assert len((await resp.json())["effects"]) == 5
-        async with http.get(f"{gw.url}/_gateway/effects?state=bogus") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/effects?state=bogus") as resp:
             assert resp.status == 400
             assert resp.content_type == "application/problem+json"
-        async with http.get(f"{gw.url}/_gateway/effects?limit=0") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/effects?limit=0") as resp:
             assert resp.status == 400
 
 
@@ -69,14 +71,14 @@ async def test_one_effect_in_full(dsn: str, upstream: Upstream, http: aiohttp.Cl
         await _order(http, gw.url, "one", **{"Effect-Gateway-Run": "r1", "Effect-Gateway-Step": "4"})
         await _order(http, gw.url, "one")
         for _ in range(60):  # replay counts are written in batches, within a second of the replay
-            async with http.get(f"{gw.url}/_gateway/effects/1") as resp:
+            async with http.get(f"{gw.admin_url}/_gateway/effects/1") as resp:
                 effect = await resp.json()
             if effect["replays"]:
                 break
             await asyncio.sleep(0.05)
-        async with http.get(f"{gw.url}/_gateway/effects/999") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/effects/999") as resp:
             assert resp.status == 404
-        async with http.get(f"{gw.url}/_gateway/effects/abc") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/effects/abc") as resp:
             assert resp.status == 400  # not an effect id at all
     assert effect["state"] == "completed"
     assert effect["response_status"] == 201
@@ -93,9 +95,9 @@ async def test_health_and_metrics_count_effects_by_state(
     """Health reports the counts per state (needs_review among them); metrics in Prometheus text."""
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
         await _order(http, gw.url, "h1")
-        async with http.get(f"{gw.url}/_gateway/health") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/health") as resp:
             health = await resp.json()
-        async with http.get(f"{gw.url}/_gateway/metrics") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/metrics") as resp:
             metrics = await resp.text()
     assert health["status"] == "ok"
     assert health["effects"]["completed"] == 1
@@ -118,18 +120,22 @@ async def test_with_tenants_the_audit_needs_a_token_and_shows_only_the_tenants_o
     ) as gw:
         await _order(http, gw.url, "x", **{"Effect-Gateway-Token": "tok-a"})
         await _order(http, gw.url, "y", **{"Effect-Gateway-Token": "tok-b"})
-        async with http.get(f"{gw.url}/_gateway/effects") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/effects") as resp:
             assert resp.status == 401
-        async with http.get(f"{gw.url}/_gateway/effects", headers={"Effect-Gateway-Token": "tok-a"}) as resp:
+        async with http.get(
+            f"{gw.admin_url}/_gateway/effects", headers={"Effect-Gateway-Token": "tok-a"}
+        ) as resp:
             assert [e["key"] for e in (await resp.json())["effects"]] == ["x"]
         async with http.get(
-            f"{gw.url}/_gateway/effects/2", headers={"Effect-Gateway-Token": "tok-a"}
+            f"{gw.admin_url}/_gateway/effects/2", headers={"Effect-Gateway-Token": "tok-a"}
         ) as resp:
             assert resp.status == 404  # b's effect does not exist for a
-        async with http.get(f"{gw.url}/_gateway/effects", headers={"Authorization": "Bearer adm-1"}) as resp:
+        async with http.get(
+            f"{gw.admin_url}/_gateway/effects", headers={"Authorization": "Bearer adm-1"}
+        ) as resp:
             assert sorted(e["key"] for e in (await resp.json())["effects"]) == ["x", "y"]
         async with http.post(
-            f"{gw.url}/_gateway/effects/1/resolve",
+            f"{gw.admin_url}/_gateway/effects/1/resolve",
             json={"happened": False},
             headers={"Effect-Gateway-Token": "tok-a"},
         ) as resp:
@@ -144,11 +150,11 @@ async def test_the_audit_pages_older_link_of_a_span_from_now_goes_on_through_tha
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
         for key in ("a", "b", "c"):
             assert await _order(http, gw.url, key) == 201
-        async with http.get(f"{gw.url}/_gateway/audit?since=2s&limit=2") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/audit?since=2s&limit=2") as resp:
             older = re.search(r'<a rel="next" href="([^"]+)"', await resp.text())
         assert older is not None
         await asyncio.sleep(2.5)
-        async with http.get(gw.url + html.unescape(older[1])) as resp:
+        async with http.get(gw.admin_url + html.unescape(older[1])) as resp:
             assert resp.status == 200
             assert '<td class="key">a</td>' in await resp.text()
 
@@ -164,12 +170,12 @@ async def test_a_history_changed_by_hand_is_said_to_be_unreadable_and_the_effect
         conn = await asyncpg.connect(dsn)
         try:
             await conn.execute("update effects set history = 'null'::jsonb")
-            async with http.get(f"{gw.url}/_gateway/effects/{waiting.id}") as resp:
+            async with http.get(f"{gw.admin_url}/_gateway/effects/{waiting.id}") as resp:
                 doc = await resp.json()
-            async with http.get(f"{gw.url}/_gateway/audit/{waiting.id}") as resp:
+            async with http.get(f"{gw.admin_url}/_gateway/audit/{waiting.id}") as resp:
                 page = (resp.status, await resp.text())
             async with http.post(
-                f"{gw.url}/_gateway/effects/{waiting.id}/resolve",
+                f"{gw.admin_url}/_gateway/effects/{waiting.id}/resolve",
                 json={"happened": False, "attempt": waiting.attempt},
                 headers={"Effect-Gateway-Operator": "a" * 201},
             ) as resp:
@@ -178,7 +184,7 @@ async def test_a_history_changed_by_hand_is_said_to_be_unreadable_and_the_effect
             await conn.execute(
                 """update effects set history = '[{"event": "note", "attempt": "<b>x</b>", "at": null}]'"""
             )
-            async with http.get(f"{gw.url}/_gateway/audit/{waiting.id}") as resp:
+            async with http.get(f"{gw.admin_url}/_gateway/audit/{waiting.id}") as resp:
                 marked = await resp.text()
         finally:
             await conn.close()

@@ -64,7 +64,7 @@ async def test_ids_and_filters_out_of_range_are_a_400(
     gateway: Gateway, http: aiohttp.ClientSession, target: str
 ) -> None:
     """Ids past int64, non-ASCII digits, huge limits and durations: 400 problem+json, never a 500."""
-    async with http.get(gateway.url + target, headers=ADMIN) as resp:
+    async with http.get(gateway.admin_url + target, headers=ADMIN) as resp:
         assert resp.status == 400
         assert resp.content_type == "application/problem+json"
 
@@ -75,7 +75,7 @@ async def test_since_takes_far_future_and_zoneless_times(
 ) -> None:
     """A time without a zone is read as UTC; one far in the future simply finds nothing."""
     await _order(http, gateway, "s1")
-    status, page = await get(http, f"{gateway.url}/_gateway/effects?since={since}")
+    status, page = await get(http, f"{gateway.admin_url}/_gateway/effects?since={since}")
     assert status == 200
     assert len(page["effects"]) == (0 if since.startswith("9999") else 1)
 
@@ -91,7 +91,7 @@ async def test_a_resolution_nested_10000_deep_is_a_400(gateway: Gateway, http: a
     """The resolve body is read strictly: 10,000 levels of nesting are refused, not a RecursionError."""
     await _order(http, gateway, "deep")
     deep = b'{"happened":' + b"[" * 10_000 + b"]" * 10_000 + b"}"
-    async with http.post(f"{gateway.url}/_gateway/effects/1/resolve", data=deep, headers=ADMIN) as resp:
+    async with http.post(f"{gateway.admin_url}/_gateway/effects/1/resolve", data=deep, headers=ADMIN) as resp:
         assert resp.status == 400
         assert resp.content_type == "application/problem+json"
 
@@ -102,10 +102,12 @@ async def test_health_says_up_to_anyone_and_counts_only_to_who_may_read_them(
     """Without a valid token, health is {"status":"ok"}; the admin sees all counts, a tenant its own."""
     await _order(http, gateway, "h")
     for headers in ({}, {"Authorization": "adm-1"}, {"Effect-Gateway-Token": "wrong"}):
-        assert await get(http, f"{gateway.url}/_gateway/health", headers) == (200, {"status": "ok"})
-    status, admin = await get(http, f"{gateway.url}/_gateway/health")
+        assert await get(http, f"{gateway.admin_url}/_gateway/health", headers) == (200, {"status": "ok"})
+    status, admin = await get(http, f"{gateway.admin_url}/_gateway/health")
     assert (status, admin["effects"]["completed"]) == (200, 1)
-    status, tenant = await get(http, f"{gateway.url}/_gateway/health", {"Effect-Gateway-Token": "tok-a"})
+    status, tenant = await get(
+        http, f"{gateway.admin_url}/_gateway/health", {"Effect-Gateway-Token": "tok-a"}
+    )
     # a tenant's counts are its open effects (counting its completed ones would read the whole table)
     assert (status, tenant["needs_review"], "completed" in tenant["effects"]) == (200, 0, False)
 
@@ -114,15 +116,17 @@ async def test_the_admin_token_counts_only_as_a_bearer_token(
     gateway: Gateway, http: aiohttp.ClientSession
 ) -> None:
     """`Authorization: Bearer <token>` opens the audit; the bare token does not."""
-    assert (await get(http, f"{gateway.url}/_gateway/effects", {"Authorization": "adm-1"}))[0] == 401
-    assert (await get(http, f"{gateway.url}/_gateway/effects", {"Authorization": "bearer adm-1"}))[0] == 200
-    assert (await get(http, f"{gateway.url}/_gateway/effects"))[0] == 200
+    assert (await get(http, f"{gateway.admin_url}/_gateway/effects", {"Authorization": "adm-1"}))[0] == 401
+    assert (await get(http, f"{gateway.admin_url}/_gateway/effects", {"Authorization": "bearer adm-1"}))[
+        0
+    ] == 200
+    assert (await get(http, f"{gateway.admin_url}/_gateway/effects"))[0] == 200
 
 
 async def test_the_resolve_route_takes_only_json(gateway: Gateway, http: aiohttp.ClientSession) -> None:
     """A text/plain post (what a page on another site may send without asking) resolves nothing."""
     async with http.post(
-        f"{gateway.url}/_gateway/effects/1/resolve",
+        f"{gateway.admin_url}/_gateway/effects/1/resolve",
         data='{"happened": false}',
         headers={"Content-Type": "text/plain", "Authorization": "Bearer adm-1"},
     ) as resp:
@@ -144,7 +148,7 @@ async def test_odd_ids_and_filters_on_the_audit_page_are_a_page_not_a_500(
 ) -> None:
     """A non-ASCII digit as an effect id, or a NUL in a filter, is a 404 or 400 page; it was a 500."""
     await _order(http, gateway, "p")
-    async with http.get(gateway.url + target, headers=ADMIN) as resp:
+    async with http.get(gateway.admin_url + target, headers=ADMIN) as resp:
         assert resp.status in (400, 404), await resp.text()
         assert resp.content_type == "text/html"
 
@@ -154,9 +158,11 @@ async def test_metrics_show_a_tenant_only_its_own_effects(
 ) -> None:
     """A tenant's token reads its own counts from /_gateway/metrics; it read every tenant's."""
     await _order(http, gateway, "m")
-    async with http.get(f"{gateway.url}/_gateway/metrics", headers={"Effect-Gateway-Token": "tok-a"}) as resp:
+    async with http.get(
+        f"{gateway.admin_url}/_gateway/metrics", headers={"Effect-Gateway-Token": "tok-a"}
+    ) as resp:
         tenant = await resp.text()
-    async with http.get(f"{gateway.url}/_gateway/metrics", headers=ADMIN) as resp:
+    async with http.get(f"{gateway.admin_url}/_gateway/metrics", headers=ADMIN) as resp:
         admin = await resp.text()
     assert 'effect_gateway_effects{state="completed"} 1' in admin
     assert 'state="completed"' not in tenant
@@ -184,14 +190,16 @@ async def test_a_next_link_of_a_span_from_now_still_pages_once_the_span_moved_on
     that aged out meanwhile too); a cursor of no effect at all is a 400."""
     for key in ("s1", "s2", "s3"):
         await _order(http, gateway, key)
-    status, page = await get(http, f"{gateway.url}/_gateway/effects?since=2s&limit=2")
+    status, page = await get(http, f"{gateway.admin_url}/_gateway/effects?since=2s&limit=2")
     assert status == 200
     assert len(page["effects"]) == 2
     await asyncio.sleep(3)
-    status, later = await get(http, f"{gateway.url}{page['next']}")
+    status, later = await get(http, f"{gateway.admin_url}{page['next']}")
     assert status == 200, later
     assert [e["key"] for e in later["effects"]] == ["s1"]
-    async with http.get(f"{gateway.url}/_gateway/effects?since=1h&before=999999", headers=ADMIN) as resp:
+    async with http.get(
+        f"{gateway.admin_url}/_gateway/effects?since=1h&before=999999", headers=ADMIN
+    ) as resp:
         assert resp.status == 400
         assert resp.content_type == "application/problem+json"
         assert "before=999999" in (await resp.json())["detail"]

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from playwright.async_api import Browser, ConsoleMessage, Dialog, Page, async_playwright, expect
+from playwright.async_api import Browser, ConsoleMessage, Dialog, Page, expect
 
 from tests.support import (
     ROOT,
@@ -32,41 +32,10 @@ from tests.support import (
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-CHROMIUM = Path("/usr/bin/chromium")
-# Chromium as root needs --no-sandbox; the rest keep it off the network this machine does not have
-# (without them it stalls on lookups of Google's hosts). Playwright adds --headless and a fresh
-# --user-data-dir of its own for every launch.
-FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 ARTIFACTS = ROOT / "test-artifacts" / "audit"
 AUDIT = "/_gateway/audit"
 ADMIN = {"admin": {"token": "env:ADMIN"}}
 CREATED = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
-
-
-@pytest.fixture(scope="module")
-def chromium() -> Path:
-    if not CHROMIUM.exists():
-        pytest.fail(
-            f"{CHROMIUM} is missing: `make test` installs Debian's chromium when run as root with apt-get; "
-            "elsewhere install it (apt-get install chromium) and run the tests again"
-        )
-    return CHROMIUM
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def browser(chromium: Path) -> AsyncIterator[Browser]:
-    async with async_playwright() as playwright:
-        launched = await playwright.chromium.launch(executable_path=str(chromium), args=FLAGS)
-        yield launched
-        await launched.close()
 
 
 @dataclass
@@ -181,7 +150,7 @@ async def test_a_person_signs_in_sees_the_effects_and_filters_and_pages_them(
             await order(http, gw, f"k{n}", **run)
         await needs_review(http, gw, "k-flaky")
         page = person.page
-        await person.sign_in(gw.url, "not-the-token")
+        await person.sign_in(gw.admin_url, "not-the-token")
         await expect(page.get_by_role("alert")).to_contain_text("neither the admin token nor a tenant's")
         await page.get_by_label("Token").fill("adm-1")
         await page.get_by_role("button", name="Sign in").click()
@@ -197,7 +166,7 @@ async def test_a_person_signs_in_sees_the_effects_and_filters_and_pages_them(
         await expect(page).to_have_url(re.compile(r"state=completed"))
         assert set(await page.locator("tbody .badge").all_inner_texts()) == {"completed"}
 
-        await page.goto(f"{gw.url}{AUDIT}?limit=2")
+        await page.goto(f"{gw.admin_url}{AUDIT}?limit=2")
         await page.get_by_label("State", exact=True).select_option("completed")
         await page.get_by_label("Run").fill("run-a")
         await page.get_by_role("button", name="Filter").click()
@@ -213,17 +182,17 @@ async def test_a_person_signs_in_sees_the_effects_and_filters_and_pages_them(
         await page.get_by_role("link", name="← Newest").click()
         assert await person.keys() == ["k2", "k1"]
 
-        await page.goto(gw.url + AUDIT)
+        await page.goto(gw.admin_url + AUDIT)
         await page.get_by_label("Key").fill("k3")
         await page.get_by_role("button", name="Filter").click()
         assert await person.keys() == ["k3"]
-        await page.goto(f"{gw.url}{AUDIT}?since=1h")
+        await page.goto(f"{gw.admin_url}{AUDIT}?since=1h")
         assert len(await person.keys()) == 6
-        await page.goto(f"{gw.url}{AUDIT}?until=1h")
+        await page.goto(f"{gw.admin_url}{AUDIT}?until=1h")
         await expect(page.locator("tbody")).to_contain_text("No effects match these filters.")
-        await page.goto(f"{gw.url}{AUDIT}?until=2999-01-01T00:00Z&limit=4")
+        await page.goto(f"{gw.admin_url}{AUDIT}?until=2999-01-01T00:00Z&limit=4")
         assert await person.keys() == ["k-flaky", "k4", "k3", "k2"]
-        await page.goto(f"{gw.url}{AUDIT}?since=yesterday")
+        await page.goto(f"{gw.admin_url}{AUDIT}?since=yesterday")
         await expect(page.get_by_role("alert")).to_contain_text("since='yesterday' is neither an ISO time")
 
 
@@ -237,7 +206,7 @@ async def test_an_operator_resolves_an_effect_as_happened_and_the_agent_retry_re
         await needs_review(http, gw, "order-7", **run)
         calls = len(shop.calls)
         page = person.page
-        await person.sign_in(gw.url, "adm-1")
+        await person.sign_in(gw.admin_url, "adm-1")
         await page.get_by_role("link", name="Show them").click()
         await page.get_by_role("link", name="1", exact=True).click()
         await expect(page.get_by_role("heading", name="Effect 1")).to_contain_text("needs_review")
@@ -287,7 +256,7 @@ async def test_a_tenant_sees_only_its_own_effects_and_cannot_resolve(
         await order(http, gw, "a-done", **{"Effect-Gateway-Token": "tok-a"})
         await order(http, gw, "b-secret", **{"Effect-Gateway-Token": "tok-b"})
         page = person.page
-        await person.sign_in(gw.url, "tok-a")
+        await person.sign_in(gw.admin_url, "tok-a")
         await expect(page.locator("header.top")).to_contain_text("tenant a")
         assert await person.keys() == ["a-done", "a-review"]
         await expect(page.locator("main")).not_to_contain_text("b-secret")
@@ -301,18 +270,20 @@ async def test_a_tenant_sees_only_its_own_effects_and_cannot_resolve(
         csrf = await page.locator("header.top input[name=csrf]").get_attribute("value")
         assert csrf
         refused = await page.context.request.post(
-            f"{gw.url}{AUDIT}/1/resolve", form={"csrf": csrf, "happened": "no"}, headers={"Origin": gw.url}
+            f"{gw.admin_url}{AUDIT}/1/resolve",
+            form={"csrf": csrf, "happened": "no"},
+            headers={"Origin": gw.admin_url},
         )
         assert refused.status == 403
         assert "the admin token resolves them" in await refused.text()
         ids = {row["key"]: row["id"] for row in await effect_rows(db)}
-        await page.goto(f"{gw.url}{AUDIT}/{ids['b-secret']}")
+        await page.goto(f"{gw.admin_url}{AUDIT}/{ids['b-secret']}")
         await expect(page.get_by_role("heading", name="No such effect")).to_be_visible()
 
-        await page.goto(gw.url + AUDIT)
+        await page.goto(gw.admin_url + AUDIT)
         await page.get_by_role("button", name="Sign out").click()
         await expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
-        await page.goto(f"{gw.url}{AUDIT}/1")
+        await page.goto(f"{gw.admin_url}{AUDIT}/1")
         await expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
     assert [r["state"] for r in await effect_rows(db)] == ["needs_review", "completed", "completed"]
 
@@ -324,12 +295,12 @@ async def test_a_form_on_another_site_cannot_resolve_with_the_persons_session(
     flaky(shop)
     async with gateway_server(db, upstreams={"shop": {"base_url": shop.url}}, **ADMIN) as gw:
         await needs_review(http, gw, "k1")
-        await person.sign_in(gw.url, "adm-1")
+        await person.sign_in(gw.admin_url, "adm-1")
         await expect(person.page.get_by_role("heading", name="Effects")).to_be_visible()
 
         async def lure(request: web.Request) -> web.Response:
             form = (
-                f'<form method="post" action="{gw.url}{AUDIT}/1/resolve">'
+                f'<form method="post" action="{gw.admin_url}{AUDIT}/1/resolve">'
                 '<input type="hidden" name="happened" value="no"><input type="hidden" name="csrf" value="x">'
                 "<button>Win a prize</button></form>"
             )
@@ -352,7 +323,7 @@ async def test_script_looking_keys_and_paths_are_shown_as_text(
         for key in keys:
             assert (await order(http, gw, key))[0] == 201
         page = person.page
-        await page.goto(gw.url + AUDIT)
+        await page.goto(gw.admin_url + AUDIT)
         await expect(page.locator("header.top")).to_contain_text("open gateway")
         assert await person.keys() == keys[::-1]
         await page.get_by_role("link", name="1", exact=True).click()

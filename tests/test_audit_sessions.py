@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from gateway import urlencoded
 from gateway.sessions import ADMIN, COOKIE, LIFETIME, Principal, SessionKeys, holder
 from tests.strategies import FORM_BYTES, spelled, whatwg_pairs
-from tests.support import Upstream, effect_rows, gateway_server
+from tests.support import Gateway, Upstream, effect_rows, gateway_server
 
 AUDIT = "/_gateway/audit"
 NOW = datetime(2026, 11, 2, 9, 0, tzinfo=UTC)
@@ -119,9 +119,9 @@ async def test_signing_in_sets_a_strict_http_only_cookie_for_the_audit_pages(
 ) -> None:
     """The cookie is HttpOnly, SameSite=Strict, scoped to the audit, 8 hours; Secure behind https."""
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
-        status, _ = await _page(http, gw.url + AUDIT)
+        status, _ = await _page(http, gw.admin_url + AUDIT)
         assert status == 401
-        resp = await _sign_in(http, gw.url, "adm-1")
+        resp = await _sign_in(http, gw.admin_url, "adm-1")
         assert (resp.status, resp.headers["Location"]) == (303, AUDIT)
         morsel = resp.cookies[COOKIE]
         assert morsel["httponly"] is True
@@ -129,11 +129,11 @@ async def test_signing_in_sets_a_strict_http_only_cookie_for_the_audit_pages(
         assert morsel["path"] == AUDIT
         assert morsel["max-age"] == str(8 * 3600)
         assert not morsel["secure"]
-        assert (await _page(http, gw.url + AUDIT, _cookie(resp)))[0] == 200
-        tls = {"X-Forwarded-Proto": "https", "Origin": gw.url.replace("http:", "https:")}
-        behind_tls = await _sign_in(http, gw.url, "adm-1", **tls)
+        assert (await _page(http, gw.admin_url + AUDIT, _cookie(resp)))[0] == 200
+        tls = {"X-Forwarded-Proto": "https", "Origin": gw.admin_url.replace("http:", "https:")}
+        behind_tls = await _sign_in(http, gw.admin_url, "adm-1", **tls)
         assert behind_tls.cookies[COOKIE]["secure"] is True
-        wrong = await _sign_in(http, gw.url, "adm-2")
+        wrong = await _sign_in(http, gw.admin_url, "adm-2")
         assert wrong.status == 401
         assert COOKIE not in wrong.cookies
 
@@ -148,12 +148,12 @@ async def test_every_gateway_on_the_database_accepts_a_session_until_its_token_c
     """A second gateway process (another worker) takes the cookie; one with a rotated token does not."""
     shop = {"shop": {"base_url": upstream.url}}
     async with gateway_server(dsn, upstreams=shop, **tokens) as one:
-        cookie = _cookie(await _sign_in(http, one.url, "adm-1"))
+        cookie = _cookie(await _sign_in(http, one.admin_url, "adm-1"))
     async with gateway_server(dsn, upstreams=shop, **tokens) as two:
-        assert (await _page(http, two.url + AUDIT, cookie))[0] == 200
+        assert (await _page(http, two.admin_url + AUDIT, cookie))[0] == 200
     monkeypatch.setenv("ADMIN", "adm-rotated")
     async with gateway_server(dsn, upstreams=shop, **tokens) as rotated:
-        status, _ = await _page(http, rotated.url + AUDIT, cookie)
+        status, _ = await _page(http, rotated.admin_url + AUDIT, cookie)
     assert status == 401
 
 
@@ -162,15 +162,17 @@ async def test_the_json_routes_take_no_cookie_and_the_pages_allow_no_script(
 ) -> None:
     """The JSON API still wants its tokens; every page forbids scripts and caching."""
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
-        cookie = _cookie(await _sign_in(http, gw.url, "adm-1"))
-        async with http.get(f"{gw.url}/_gateway/effects", headers={"Cookie": f"{COOKIE}={cookie}"}) as resp:
+        cookie = _cookie(await _sign_in(http, gw.admin_url, "adm-1"))
+        async with http.get(
+            f"{gw.admin_url}/_gateway/effects", headers={"Cookie": f"{COOKIE}={cookie}"}
+        ) as resp:
             assert resp.status == 401
-        async with http.get(gw.url + AUDIT, headers={"Authorization": "Bearer adm-1"}) as resp:
+        async with http.get(gw.admin_url + AUDIT, headers={"Authorization": "Bearer adm-1"}) as resp:
             assert resp.status == 200
             policy = resp.headers["Content-Security-Policy"]
             assert resp.headers["Cache-Control"] == "no-store"
             assert resp.headers["X-Content-Type-Options"] == "nosniff"
-        async with http.get(gw.url + AUDIT, headers={"Effect-Gateway-Token": "tok-a"}) as resp:
+        async with http.get(gw.admin_url + AUDIT, headers={"Effect-Gateway-Token": "tok-a"}) as resp:
             assert resp.status == 200
     assert "default-src 'none'" in policy
     assert "form-action 'self'" in policy
@@ -183,7 +185,7 @@ async def test_an_open_single_tenant_gateway_needs_no_sign_in(
 ) -> None:
     """Without tenants and an admin token (loopback only) the page opens as it always did."""
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
-        assert (await _page(http, gw.url + AUDIT))[0] == 200
+        assert (await _page(http, gw.admin_url + AUDIT))[0] == 200
 
 
 async def test_signing_in_never_sends_a_person_to_another_site(
@@ -193,13 +195,13 @@ async def test_signing_in_never_sends_a_person_to_another_site(
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
         for target in ("https://evil.example/", "//evil.example/_gateway/audit", f"{AUDIT}\\@evil"):
             async with http.post(
-                f"{gw.url}{AUDIT}/sign-in",
+                f"{gw.admin_url}{AUDIT}/sign-in",
                 data={"token": "adm-1", "next": target},
-                headers={"Origin": gw.url},
+                headers={"Origin": gw.admin_url},
                 allow_redirects=False,
             ) as resp:
                 assert resp.headers["Location"] == AUDIT
-        foreign = await _sign_in(http, gw.url, "adm-1", Origin="http://localhost:1")
+        foreign = await _sign_in(http, gw.admin_url, "adm-1", Origin="http://localhost:1")
         assert foreign.status == 403
         assert COOKIE not in foreign.cookies
 
@@ -221,12 +223,12 @@ async def _needs_review(http: aiohttp.ClientSession, url: str, upstream: Upstrea
 
 
 async def _resolvable_page(
-    http: aiohttp.ClientSession, url: str, upstream: Upstream
+    http: aiohttp.ClientSession, gw: Gateway, upstream: Upstream
 ) -> tuple[str, str, dict[str, str]]:
     """An effect waiting for an operator, and the admin's session on its page: (cookie, csrf, attempt)."""
-    await _needs_review(http, url, upstream)
-    cookie = _cookie(await _sign_in(http, url, "adm-1"))
-    _, page = await _page(http, f"{url}{AUDIT}/1", cookie)
+    await _needs_review(http, gw.url, upstream)
+    cookie = _cookie(await _sign_in(http, gw.admin_url, "adm-1"))
+    _, page = await _page(http, f"{gw.admin_url}{AUDIT}/1", cookie)
     found = re.search(r'name="csrf" value="([^"]+)"', page)
     assert found is not None
     shown = re.search(r'name="attempt" value="(\d+)"', page)
@@ -239,17 +241,17 @@ async def test_a_cross_site_resolve_is_refused_and_a_same_site_one_is_carried_ou
 ) -> None:
     """With the cookie: no CSRF token, a wrong one, a foreign Origin, or none: 403; then it works, once."""
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
-        cookie, csrf, judged = await _resolvable_page(http, gw.url, upstream)
+        cookie, csrf, judged = await _resolvable_page(http, gw, upstream)
         attempts = [
-            ({"Origin": gw.url}, {}),
-            ({"Origin": gw.url}, {"csrf": "A" * len(csrf)}),
+            ({"Origin": gw.admin_url}, {}),
+            ({"Origin": gw.admin_url}, {"csrf": "A" * len(csrf)}),
             ({"Origin": "http://localhost:1"}, {"csrf": csrf}),
             ({"Origin": "null"}, {"csrf": csrf}),
             ({}, {"csrf": csrf}),
         ]
         for headers, fields in attempts:
             async with http.post(
-                f"{gw.url}{AUDIT}/1/resolve",
+                f"{gw.admin_url}{AUDIT}/1/resolve",
                 data={**fields, **judged, "happened": "no"},
                 headers={"Cookie": f"{COOKIE}={cookie}", **headers},
                 allow_redirects=False,
@@ -257,25 +259,25 @@ async def test_a_cross_site_resolve_is_refused_and_a_same_site_one_is_carried_ou
                 assert resp.status == 403, (headers, fields)
         assert [r["state"] for r in await effect_rows(dsn)] == ["needs_review"]
         async with http.post(
-            f"{gw.url}{AUDIT}/1/resolve",
+            f"{gw.admin_url}{AUDIT}/1/resolve",
             data={"csrf": csrf, **judged, "happened": "no"},
-            headers={"Cookie": f"{COOKIE}={cookie}", "Referer": f"{gw.url}{AUDIT}/1"},
+            headers={"Cookie": f"{COOKIE}={cookie}", "Referer": f"{gw.admin_url}{AUDIT}/1"},
             allow_redirects=False,
         ) as resp:
             assert (resp.status, resp.headers["Location"]) == (303, f"{AUDIT}/1?resolved=did-not-happen")
         assert [r["state"] for r in await effect_rows(dsn)] == ["retryable"]
         async with http.post(
-            f"{gw.url}{AUDIT}/1/resolve",
+            f"{gw.admin_url}{AUDIT}/1/resolve",
             data={"csrf": csrf, **judged, "happened": "no"},
-            headers={"Cookie": f"{COOKIE}={cookie}", "Origin": gw.url},
+            headers={"Cookie": f"{COOKIE}={cookie}", "Origin": gw.admin_url},
             allow_redirects=False,
         ) as resp:
             assert resp.status == 409  # a second operator on a stale page: told why, nothing changes
             assert "Not resolved: effect 1 changed since it was judged" in await resp.text()
         async with http.post(
-            f"{gw.url}{AUDIT}/sign-out",
+            f"{gw.admin_url}{AUDIT}/sign-out",
             data={"csrf": csrf},
-            headers={"Cookie": f"{COOKIE}={cookie}", "Origin": gw.url},
+            headers={"Cookie": f"{COOKIE}={cookie}", "Origin": gw.admin_url},
             allow_redirects=False,
         ) as resp:
             assert resp.status == 303
@@ -301,11 +303,11 @@ async def test_a_verdict_form_with_odd_fields_is_sent_back_with_the_error_and_ch
     """A NUL in the name, a '²' or a 1xx as the status: the form comes back (400); it was a 500, or a 1xx
     stored as the answer every retry would get."""
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
-        cookie, csrf, judged = await _resolvable_page(http, gw.url, upstream)
+        cookie, csrf, judged = await _resolvable_page(http, gw, upstream)
         async with http.post(
-            f"{gw.url}{AUDIT}/1/resolve",
+            f"{gw.admin_url}{AUDIT}/1/resolve",
             data={"csrf": csrf, **judged, **fields},
-            headers={"Cookie": f"{COOKIE}={cookie}", "Origin": gw.url},
+            headers={"Cookie": f"{COOKIE}={cookie}", "Origin": gw.admin_url},
             allow_redirects=False,
         ) as resp:
             assert resp.status == 400, await resp.text()
@@ -330,9 +332,9 @@ async def test_a_verdict_form_is_read_as_the_text_it_was_sent_as_and_nothing_els
     transfer encoding was a 500). The same name as UTF-8, with "+" for its space, is kept."""
     form = {"Content-Type": "application/x-www-form-urlencoded"}
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
-        cookie, csrf, judged = await _resolvable_page(http, gw.url, upstream)
+        cookie, csrf, judged = await _resolvable_page(http, gw, upstream)
         fields = f"csrf={csrf}&attempt={judged['attempt']}&happened=no"
-        sent = {"Cookie": f"{COOKIE}={cookie}", "Origin": gw.url}
+        sent = {"Cookie": f"{COOKIE}={cookie}", "Origin": gw.admin_url}
         before = await effect_rows(dsn)
         yes = {"csrf": csrf, **judged, "happened": "yes", "kind": "text"}
         not_text = "Its fields must be text in its charset"
@@ -361,13 +363,13 @@ async def test_a_verdict_form_is_read_as_the_text_it_was_sent_as_and_nothing_els
         ]
         for data, headers, why in bad:
             async with http.post(
-                f"{gw.url}{AUDIT}/1/resolve", data=data, headers={**sent, **headers}
+                f"{gw.admin_url}{AUDIT}/1/resolve", data=data, headers={**sent, **headers}
             ) as resp:
                 refused = (resp.status, why in await resp.text())
             assert refused == (400, True), data[-60:]
         assert await effect_rows(dsn) == before
         async with http.post(
-            f"{gw.url}{AUDIT}/1/resolve",
+            f"{gw.admin_url}{AUDIT}/1/resolve",
             data=f"{fields}&&by=Ana+Jos%E9".encode(),
             headers={**sent, **named("latin1")},
             allow_redirects=False,
@@ -385,30 +387,32 @@ async def test_a_verdicts_body_and_headers_are_replayed_as_typed(
     the form (it was split into two headers, or kept for a replay HTTP clients refuse), and a header
     value keeps its no-break spaces (they were stripped)."""
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
-        cookie, csrf, judged = await _resolvable_page(http, gw.url, upstream)
-        sent = {"Cookie": f"{COOKIE}={cookie}", "Origin": gw.url}
+        cookie, csrf, judged = await _resolvable_page(http, gw, upstream)
+        sent = {"Cookie": f"{COOKIE}={cookie}", "Origin": gw.admin_url}
         typed = {"csrf": csrf, **judged, "happened": "yes", "status": "201", "body": "\n  first\nsecond"}
         async with http.post(
-            f"{gw.url}{AUDIT}/1/resolve", data={**typed, "kind": "json"}, headers=sent
+            f"{gw.admin_url}{AUDIT}/1/resolve", data={**typed, "kind": "json"}, headers=sent
         ) as resp:
             assert resp.status == 400
             shown = await resp.text()
         assert '<textarea id="body" name="body" rows="6">\n\n  first\nsecond</textarea>' in shown
         for odd in ("X-A: one\u2028X-B: two", "X-A: one\x0bX-B: two", "X-A: one\rX-B: two"):
             async with http.post(
-                f"{gw.url}{AUDIT}/1/resolve", data={**typed, "kind": "text", "headers": odd}, headers=sent
+                f"{gw.admin_url}{AUDIT}/1/resolve",
+                data={**typed, "kind": "text", "headers": odd},
+                headers=sent,
             ) as resp:
                 refused = (resp.status, "holds a control character or line separator" in await resp.text())
             assert refused == (400, True), odd
         assert [r["state"] for r in await effect_rows(dsn)] == ["needs_review"]
         async with http.post(
-            f"{gw.url}{AUDIT}/1/resolve",
+            f"{gw.admin_url}{AUDIT}/1/resolve",
             data={**typed, "kind": "text", "headers": "X-A: \xa0one\xa0\r\nX-B: \ttwo\t"},
             headers=sent,
             allow_redirects=False,
         ) as resp:
             assert resp.status == 303, await resp.text()
-        async with http.get(f"{gw.url}{AUDIT}/1", headers={"Cookie": f"{COOKIE}={cookie}"}) as resp:
+        async with http.get(f"{gw.admin_url}{AUDIT}/1", headers={"Cookie": f"{COOKIE}={cookie}"}) as resp:
             page = await resp.text()
         async with http.post(
             f"{gw.url}/shop/orders",
@@ -430,7 +434,7 @@ async def test_a_cookie_of_other_text_is_no_session(
 ) -> None:
     """A session cookie whose signature is not ASCII is the sign-in page; it was a 500."""
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
-        status, page = await _page(http, f"{gw.url}{AUDIT}", "YQ.\u00e9")
+        status, page = await _page(http, f"{gw.admin_url}{AUDIT}", "YQ.\u00e9")
     assert status == 401
     assert "Sign in" in page
 
@@ -441,16 +445,16 @@ async def test_a_form_that_does_not_arrive_in_time_is_408_and_closes_the_connect
     """A sign-in whose body stalls is answered within request_body_timeout; it held the connection."""
     cfg = {"shop": {"base_url": upstream.url}}
     async with gateway_server(dsn, upstreams=cfg, request_body_timeout="300ms", **tokens) as gw:
-        host, port = gw.url.removeprefix("http://").split(":")
+        host, port = gw.admin_url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         head = (
-            f"POST {AUDIT}/sign-in HTTP/1.1\r\nHost: {host}:{port}\r\nOrigin: {gw.url}\r\n"
+            f"POST {AUDIT}/sign-in HTTP/1.1\r\nHost: {host}:{port}\r\nOrigin: {gw.admin_url}\r\n"
             "Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 100\r\n\r\n"
         )
         writer.write(head.encode() + b"token=adm-1&next=")
         raw = await asyncio.wait_for(reader.read(), 5)  # the gateway closes the connection after it
         writer.close()
-        assert (await _page(http, gw.url + AUDIT))[0] == 401  # the gateway still answers
+        assert (await _page(http, gw.admin_url + AUDIT))[0] == 401  # the gateway still answers
     status_line, _, rest = raw.partition(b"\r\n")
     assert status_line.split(b" ", 2)[1] == b"408", raw
     assert b"text/html" in rest

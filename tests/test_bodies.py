@@ -238,7 +238,7 @@ async def test_bodies_are_kept_deflated_when_that_pays_and_replayed_byte_for_byt
         assert stored["response"][1] < len(answer) // 3
     async with gateway_server(dsn, upstreams=shop) as other:
         assert await send(http, f"{other.url}/shop/orders", sent_body) == (201, answer)
-        async with http.get(f"{other.url}/_gateway/effects/1") as resp:
+        async with http.get(f"{other.admin_url}/_gateway/effects/1") as resp:
             audit = await resp.json()
     assert len(upstream.effects()) == 1
     assert audit["request_body"] == sent_body.decode()
@@ -270,9 +270,9 @@ async def test_a_stored_response_that_cannot_be_read_is_an_error_and_is_not_sent
     await damage_bodies(dsn, "response", damage)
     async with gateway_server(dsn, upstreams=shop) as other:  # nothing cached: it reads the table
         status, answer = await send(http, f"{other.url}/shop/orders", ORDER)
-        async with http.get(f"{other.url}/_gateway/effects/1") as resp:
+        async with http.get(f"{other.admin_url}/_gateway/effects/1") as resp:
             shown = (resp.status, await resp.json())
-        async with http.get(f"{other.url}/_gateway/audit/1") as resp:
+        async with http.get(f"{other.admin_url}/_gateway/audit/1") as resp:
             page = (resp.status, await resp.text())
     assert (status, problem(answer)) == (500, "internal")
     refused = json.loads(answer)
@@ -314,9 +314,9 @@ async def test_an_unreadable_request_leaves_the_replay_and_the_rest_of_the_audit
     await damage_bodies(dsn, "request", "set coding = 'zstd'")
     async with gateway_server(dsn, upstreams=shop) as other:
         assert await send(http, f"{other.url}/shop/orders", ORDER) == (201, first)
-        async with http.get(f"{other.url}/_gateway/effects/1") as resp:
+        async with http.get(f"{other.admin_url}/_gateway/effects/1") as resp:
             shown = await resp.json()
-        async with http.get(f"{other.url}/_gateway/audit/1") as resp:
+        async with http.get(f"{other.admin_url}/_gateway/audit/1") as resp:
             page = await resp.text()
     assert (shown["request_body"], shown["response_body"]) == (None, first.decode())
     assert list(shown["unreadable"]) == ["request"]

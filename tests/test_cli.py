@@ -23,6 +23,7 @@ from gateway.outcome import Answered
 from gateway.record import EffectRecord, StoredResponse
 from gateway.store import opened
 from tests.support import (
+    PORT_ZERO,
     ROOT,
     Upstream,
     backdate_bodies,
@@ -129,14 +130,12 @@ async def test_serve_runs_on_the_embedded_postgres_and_stops_it(tmp_path: Path, 
     """serve starts Postgres in data_dir (beside the file) and stops it; commands run elsewhere find it."""
     data_dir = tmp_path / "data"
     config = tmp_path / "gateway.toml"
-    config.write_text(
-        f'listen = "127.0.0.1:0"\ndata_dir = "data"\n[upstreams.shop]\nbase_url = "{upstream.url}"\n'
-    )
+    config.write_text(f'{PORT_ZERO}data_dir = "data"\n[upstreams.shop]\nbase_url = "{upstream.url}"\n')
     gateway = start_gateway_process(config, timeout=60)
     try:
         postgres = _postmaster_pid(data_dir)
         async with aiohttp.ClientSession() as http:
-            async with http.get(f"{gateway.url}/_gateway/health") as resp:
+            async with http.get(f"{gateway.admin_url}/_gateway/health") as resp:
                 assert resp.status == 200
             async with http.post(
                 f"{gateway.url}/shop/orders", data=b"{}", headers={"Idempotency-Key": "cli-1"}
@@ -424,17 +423,20 @@ async def test_effects_json_into_head_ends_quietly(tmp_path: Path, dsn: str) -> 
 
 
 def test_a_port_in_use_is_one_line(tmp_path: Path, postgres_dsn: str) -> None:
-    """serve on a port another process holds: one line, exit 2, not a traceback."""
+    """serve on a port another process holds, for agents or for operators: one line naming it, exit 2."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         config = tmp_path / "gateway.toml"
-        config.write_text(f'listen = "127.0.0.1:{port}"\n')
-        done = cli("serve", config=config, env={"EFFECT_GATEWAY_DATABASE_URL": postgres_dsn})
-    assert (
-        one_line_error(done) == f"effect-gateway: cannot listen on 127.0.0.1:{port}: address already in use"
-    )
+        env = {"EFFECT_GATEWAY_DATABASE_URL": postgres_dsn}
+        for setting, other in (("listen", "admin_listen"), ("admin_listen", "listen")):
+            config.write_text(f'{setting} = "127.0.0.1:{port}"\n{other} = "127.0.0.1:0"\n')
+            done = cli("serve", config=config, env=env)
+            expected = (
+                f"effect-gateway: cannot listen on 127.0.0.1:{port} ({setting}): address already in use"
+            )
+            assert one_line_error(done) == expected
 
 
 def test_a_database_away_is_one_line_and_a_temporary_failure(

@@ -181,7 +181,7 @@ def test_the_compose_gateway_has_every_secret_and_listens_beyond_loopback(
     env = service_env(gateway, shell={})  # no .env: the defaults written in compose.yaml
     assert secrets_read(config.read_text()) <= set(env)
     settings = load_with_only(monkeypatch, config, env)
-    assert settings.listen == "0.0.0.0:8787"
+    assert (settings.listen, settings.admin_listen) == ("0.0.0.0:8787", "0.0.0.0:8788")
     assert settings.tenants
     assert settings.admin.token is not None
     assert settings.database_url is not None
@@ -189,7 +189,7 @@ def test_the_compose_gateway_has_every_secret_and_listens_beyond_loopback(
     for name, upstream in settings.upstreams.items():
         port = services[name]["command"][services[name]["command"].index("--port") + 1]
         assert upstream.base_url == f"http://{name}:{port}"
-    assert gateway["ports"] == ["127.0.0.1:8787:8787"]
+    assert gateway["ports"] == ["127.0.0.1:8787:8787", "127.0.0.1:8788:8788"]
 
 
 def test_the_compose_service_graph_is_sane() -> None:
@@ -243,6 +243,7 @@ def test_the_image_is_slim_and_listens_for_published_ports() -> None:
     assert image.entrypoint == ["effect-gateway"]
     assert image.cmd[-1] == "serve"
     assert image.env["EFFECT_GATEWAY_LISTEN"] == "0.0.0.0:8787"
+    assert image.env["EFFECT_GATEWAY_ADMIN_LISTEN"] == "0.0.0.0:8788"
     assert re.search(r"^USER \d+$", image.text, re.MULTILINE)
     assert "/_gateway/health" in image.text.split("HEALTHCHECK", 1)[1]
 
@@ -276,7 +277,7 @@ def test_the_gateway_is_a_native_sidecar_on_loopback(monkeypatch: pytest.MonkeyP
     env = {**dockerfile().env, **{e["name"]: e["value"] for e in sidecar["env"]}, **secret["stringData"]}
     assert secrets_read(config.read_text()) <= set(env)
     settings = load_with_only(monkeypatch, config, env)
-    assert settings.listen == "127.0.0.1:8787"
+    assert (settings.listen, settings.admin_listen) == ("127.0.0.1:8787", "127.0.0.1:8788")
     assert settings.database_url is not None
     longest = max(p.lease for p in upstream_policies(settings).values())
     assert timedelta(seconds=pod["terminationGracePeriodSeconds"]) > longest
@@ -390,8 +391,8 @@ async def compose_database(postgres_dsn: str) -> Any:
 @pytest.mark.skipif(not _namespaces_work(), reason="unshare cannot make a user and network namespace here")
 async def test_compose_comes_up_as_processes(compose_database: str, tmp_path: Path) -> None:
     """compose's commands, as processes: the upstreams pass their healthchecks, then the gateway passes
-    its own, answers /_gateway/health, places an order by a tenant's token and replays it; SIGTERM stops
-    every service with status 0."""
+    its own, answers /_gateway/health on its admin listener, places an order by a tenant's token and
+    replays it; SIGTERM stops every service with status 0."""
     doc = compose()
     services = doc["services"]
     gateway_env = service_env(services["gateway"], shell={})
@@ -407,7 +408,7 @@ async def test_compose_comes_up_as_processes(compose_database: str, tmp_path: Pa
         "logs": str(tmp_path),
         "services": process_plan(services, compose_database, work),
         "requests": [
-            {"method": "GET", "url": "http://gateway:8787/_gateway/health", "headers": admin},
+            {"method": "GET", "url": "http://gateway:8788/_gateway/health", "headers": admin},
             *[
                 {
                     "method": "POST",

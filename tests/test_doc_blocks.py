@@ -61,7 +61,14 @@ from tests.doc_blocks import (
     units,
 )
 from tests.doc_commands import run_shell
-from tests.doc_world import DOCUMENTED_GATEWAY, EXAMPLE, World, awaiting_operator, started_world
+from tests.doc_world import (
+    DOCUMENTED_ADMIN,
+    DOCUMENTED_GATEWAY,
+    EXAMPLE,
+    World,
+    awaiting_operator,
+    started_world,
+)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +133,7 @@ def check_json(unit: Unit, world: World) -> None:
     verdict = json.loads(unit.block.text)
     effect_id = asyncio.run(awaiting_operator(world.dsn, verdict["attempt"]))
     request = urllib.request.Request(
-        f"{world.gateway}/_gateway/effects/{effect_id}/resolve",
+        f"{world.addresses[DOCUMENTED_ADMIN]}/_gateway/effects/{effect_id}/resolve",
         data=unit.block.text.encode(),
         headers={"Content-Type": "application/json"},
         method="POST",
@@ -199,7 +206,11 @@ def test_the_example_configuration_is_shown_as_it_is() -> None:
 def test_make_serve_suggests_what_the_readme_shows() -> None:
     """What ``make serve`` prints to try first are the README's own commands, in its order."""
     suggested = Block(
-        ROOT / "agent_example" / "playground.py", 1, "sh", (), _indented(TRY.format(url=DOCUMENTED_GATEWAY))
+        ROOT / "agent_example" / "playground.py",
+        1,
+        "sh",
+        (),
+        _indented(TRY.format(url=DOCUMENTED_GATEWAY, admin=DOCUMENTED_ADMIN)),
     )
     readme = [
         " ".join(c.words)

@@ -157,7 +157,7 @@ async def test_an_effect_whose_answer_has_header_bytes_that_are_not_utf8_has_a_p
     ):
         async with http.post(f"{gw.url}/shop/orders", data=b"{}", headers={"Idempotency-Key": "k"}) as resp:
             assert resp.status == 201
-        async with http.get(f"{gw.url}/_gateway/audit/1") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/audit/1") as resp:
             page = await resp.text()
             assert resp.status == 200
     assert "caf\\xe9" in page

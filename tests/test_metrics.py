@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import Metrics, sweep_left_behind
 from tests.support import (
+    PORT_ZERO,
     ROOT,
     Gateway,
     Upstream,
@@ -142,7 +143,7 @@ async def test_each_request_is_counted_by_what_came_of_it(
             assert await post(http, f"{gw.url}/down/x", "k1") == 502
             assert await post(http, mailer, "m1") == 504
             assert await post(http, mailer, "m1", wait=5) == 201  # re-sent under the native key
-            metrics = await scrape(http, gw.url)
+            metrics = await scrape(http, gw.admin_url)
     assert requests(metrics, "shop") == {
         ("sent", ""): 1,
         ("recovered_probe", ""): 1,
@@ -205,12 +206,12 @@ async def test_a_twin_in_flight_a_lease_taken_over_and_a_verdict_are_counted(
         # Nothing can tell whether the bare upstream's slow call happened: review, then a verdict.
         assert await post(http, f"{gw.url}/bare/slow", "doubt") == 504
         assert await post(http, f"{gw.url}/bare/slow", "doubt", wait=5) == 409  # once the lease is over
-        async with http.get(f"{gw.url}/_gateway/effects?state=needs_review") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/effects?state=needs_review") as resp:
             (effect,) = (await resp.json())["effects"]
         verdict = {"happened": False, "attempt": effect["attempt"]}
-        async with http.post(f"{gw.url}/_gateway/effects/{effect['id']}/resolve", json=verdict) as resp:
+        async with http.post(f"{gw.admin_url}/_gateway/effects/{effect['id']}/resolve", json=verdict) as resp:
             assert resp.status == 200
-        metrics = await scrape(http, gw.url)
+        metrics = await scrape(http, gw.admin_url)
     assert requests(metrics, "shop") == {
         ("sent", ""): 2,
         ("in_flight", "in-flight"): 1,
@@ -256,9 +257,9 @@ async def test_a_scrape_storm_reads_the_states_from_the_store_once(
     """Fifty scrapes at once and more right after: the effects by state are read from Postgres once."""
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
         assert await post(http, f"{gw.url}/shop/orders", "s1") == 201
-        storm = await asyncio.gather(*(scrape(http, gw.url) for _ in range(50)))
+        storm = await asyncio.gather(*(scrape(http, gw.admin_url) for _ in range(50)))
         assert await post(http, f"{gw.url}/shop/orders", "s2") == 201
-        after = await scrape(http, gw.url)
+        after = await scrape(http, gw.admin_url)
     reads = "effect_gateway_store_duration_seconds_count"
     assert value(after, reads, statement="state_counts") == 1
     assert {value(one, "effect_gateway_effects", state="completed") for one in storm} == {1}
@@ -289,7 +290,7 @@ async def test_a_storm_of_health_requests_with_tokens_reads_the_states_once_per_
         assert await post(http, f"{gw.url}/shop/orders", "h1", token="tok-a") == 201
 
         async def health(**headers: str) -> dict[str, int]:
-            async with http.get(f"{gw.url}/_gateway/health", headers=headers) as resp:
+            async with http.get(f"{gw.admin_url}/_gateway/health", headers=headers) as resp:
                 assert resp.status == 200, await resp.text()
                 counts: dict[str, int] = (await resp.json())["effects"]
                 return counts
@@ -298,7 +299,7 @@ async def test_a_storm_of_health_requests_with_tokens_reads_the_states_once_per_
             *(health(Authorization="Bearer adm-1") for _ in range(20)),
             *(health(**{"Effect-Gateway-Token": "tok-a"}) for _ in range(20)),
         )
-        after = await scrape(http, gw.url, Authorization="Bearer adm-1")
+        after = await scrape(http, gw.admin_url, Authorization="Bearer adm-1")
     assert value(after, "effect_gateway_store_duration_seconds_count", statement="state_counts") == 2
     assert [counts.get("completed") for counts in storm] == [1] * 20 + [None] * 20  # a tenant's: open only
     assert value(after, "effect_gateway_effects", state="completed") == 1
@@ -309,11 +310,11 @@ async def test_metrics_need_the_admin_token_when_one_is_set(
 ) -> None:
     """Without a token a scrape gets 401; a tenant's gets its own effects only; the admin's, everything."""
     async with _with_tokens(dsn, upstream, monkeypatch) as gw:
-        async with http.get(f"{gw.url}/_gateway/metrics") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/metrics") as resp:
             refused = (resp.status, resp.content_type, await resp.text())
         assert await post(http, f"{gw.url}/shop/orders", "t1", token="tok-a") == 201
-        tenant = await scrape(http, gw.url, **{"Effect-Gateway-Token": "tok-a"})
-        metrics = await scrape(http, gw.url, Authorization="Bearer adm-1")
+        tenant = await scrape(http, gw.admin_url, **{"Effect-Gateway-Token": "tok-a"})
+        metrics = await scrape(http, gw.admin_url, Authorization="Bearer adm-1")
     assert refused[:2] == (401, "application/problem+json")
     assert {name for name, _ in tenant} == {"effect_gateway_effects"}  # no gateway-wide traffic
     assert value(metrics, "effect_gateway_requests_total", upstream="shop", outcome="sent", problem="") == 1
@@ -328,7 +329,7 @@ async def test_a_scrape_of_either_worker_counts_the_requests_both_served(
     """`serve` with two workers: one scrape counts both workers' requests, and a killed worker's too."""
     config = tmp_path / "gateway.toml"
     config.write_text(
-        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nworkers = 2\nlog_format = "json"\n'
+        f'database_url = "{dsn}"\n{PORT_ZERO}workers = 2\nlog_format = "json"\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\n'
     )
     temp = tmp_path / "tmp"  # where the gateway makes the workers' metrics directory
@@ -346,14 +347,14 @@ async def test_a_scrape_of_either_worker_counts_the_requests_both_served(
                 await asyncio.sleep(0.01)  # the worker's line, written before its answer, to be read
             served_by = {d["pid"] for d in decisions(log.lines)}
             assert len(served_by) == 2, f"{sent} requests, all served by one worker"
-            before = await scrape(fresh, gateway.url)
+            before = await scrape(fresh, gateway.admin_url)
             victim = min(served_by)
             os.kill(victim, signal.SIGKILL)
             for _ in range(100):  # the parent starts another worker in its place
                 if len(now := children(gateway.proc.pid)) == 2 and victim not in now:
                     break
                 await asyncio.sleep(0.05)
-            after = await scrape(fresh, gateway.url)
+            after = await scrape(fresh, gateway.admin_url)
         shared = list(temp.glob("effect-gateway-metrics-*"))
         assert len(shared) == 1
         assert any(shared[0].iterdir())  # the workers' files
@@ -375,8 +376,7 @@ def test_a_killed_gateways_metrics_directory_is_removed_by_the_next(
     """
     config = tmp_path / "gateway.toml"
     config.write_text(
-        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nworkers = 2\n'
-        f'[upstreams.shop]\nbase_url = "{upstream.url}"\n'
+        f'database_url = "{dsn}"\n{PORT_ZERO}workers = 2\n[upstreams.shop]\nbase_url = "{upstream.url}"\n'
     )
     temp = tmp_path / "tmp"
     temp.mkdir()

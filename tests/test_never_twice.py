@@ -117,7 +117,7 @@ async def test_a_failed_probe_leaves_a_purged_effect_completed_and_beyond_an_ope
         (after,) = await effect_rows(dsn)
         assert (after["state"], after["completed_at"]) == ("completed", row["completed_at"])
         async with http.post(
-            f"{gw.url}/_gateway/effects/{row['id']}/resolve",
+            f"{gw.admin_url}/_gateway/effects/{row['id']}/resolve",
             json={"happened": False, "attempt": row["attempt"]},
         ) as resp:
             assert resp.status == 409
@@ -228,7 +228,7 @@ async def test_an_operator_can_resolve_a_pending_effect_whose_lease_ran_out(
             "attempt": record.attempt,
             "response": {"status": 201, "json": {"order": "by-hand"}},
         }
-        async with http.post(f"{gw.url}/_gateway/effects/{record.id}/resolve", json=verdict) as resp:
+        async with http.post(f"{gw.admin_url}/_gateway/effects/{record.id}/resolve", json=verdict) as resp:
             assert resp.status == 200
         status, headers, body = await call(http, gw.url, key="stuck")
     assert (status, body, headers["Idempotent-Replayed"]) == (201, {"order": "by-hand"}, "true")
@@ -244,7 +244,7 @@ async def test_an_operator_cannot_resolve_a_pending_effect_while_its_lease_runs(
     async with (
         gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw,
         http.post(
-            f"{gw.url}/_gateway/effects/{record.id}/resolve",
+            f"{gw.admin_url}/_gateway/effects/{record.id}/resolve",
             json={"happened": False, "attempt": record.attempt},
         ) as resp,
     ):

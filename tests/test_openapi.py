@@ -13,7 +13,7 @@ from aiohttp.web_urldispatcher import AbstractRoute
 from hypothesis import given
 
 from gateway import openapi, problems
-from gateway.app import make_app
+from gateway.app import READINESS, make_admin_app, make_proxy_app
 from gateway.keys import KeySyntaxError, parse_key
 from gateway.settings import load_settings
 from tests.strategies import KEY_VALUES
@@ -30,17 +30,33 @@ async def _route_of(app: web.Application, method: str, path: str) -> AbstractRou
 
 
 async def test_the_document_has_every_route_and_only_routes() -> None:
-    """Each documented operation is a route the app serves, and each registered route is documented."""
-    app = make_app(load_settings(None, upstreams={}), "postgresql://unused/unused")
+    """Each documented operation is a route of the listener that serves it, and every route is documented.
+
+    The proxy's path is the agents' listener's; every other path is the admin listener's, where nothing
+    of an upstream's is ever served. The agents' listener has one path of the gateway's own besides the
+    proxy: the readiness probe, at the admin listener's health path.
+    """
+    settings = load_settings(None, upstreams={})
+    apps = {"proxy": make_proxy_app(settings), "admin": make_admin_app(settings)}
     documented: dict[AbstractRoute, set[str]] = {}
     for path, item in openapi.document()["paths"].items():
         for method in item:
+            app = apps["proxy" if path == "/{upstream}/{path}" else "admin"]
             route = await _route_of(app, method.upper(), path)
             assert route is not None, f"{method.upper()} {path} is documented but no route serves it"
             proxied = route.resource is not None and route.resource.canonical == "/{tail}"
             assert proxied == (path == "/{upstream}/{path}"), f"{method.upper()} {path} reaches {route}"
             documented.setdefault(route, set()).add(method.upper())
-    registered = {route: route.method for route in app.router.routes()}
+    readiness = await _route_of(apps["proxy"], "GET", READINESS)
+    assert readiness is not None
+    assert readiness.resource is not None
+    assert readiness.resource.canonical in openapi.document()["paths"]
+    registered = {
+        route: route.method
+        for app in apps.values()
+        for route in app.router.routes()
+        if route.resource is not readiness.resource  # its GET and HEAD
+    }
     assert set(documented) == set(registered), "routes missing from the document"
     for route, method in registered.items():
         wanted = {m.upper() for m in openapi.PROXY_METHODS} if method == "*" else {method}
@@ -52,7 +68,7 @@ async def test_the_document_is_served_to_anyone_and_is_valid(dsn: str) -> None:
     async with (
         gateway_server(dsn, admin={"token": "admin-token"}, tenants={"t": {"token": "t-token"}}) as gw,
         aiohttp.ClientSession() as http,
-        http.get(gw.url + openapi.PATH) as resp,
+        http.get(gw.admin_url + openapi.PATH) as resp,
     ):
         assert resp.status == 200
         assert resp.content_type == "application/json"

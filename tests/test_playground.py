@@ -50,7 +50,8 @@ def test_make_serve_starts_the_upstreams_and_says_what_to_try(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
     assert "curl -s -H 'Idempotency-Key: run-1:4'" in result["printed"]
-    assert "http://127.0.0.1:8787/_gateway/audit" in result["printed"]
+    assert "curl -s http://127.0.0.1:8788/_gateway/effects" in result["printed"]
+    assert "http://127.0.0.1:8788/_gateway/audit" in result["printed"]
     (first_status, first_replayed, first), (again_status, again_replayed, again) = result["answers"]
     assert (first_status, first_replayed, json.loads(first)["status"]) == (201, None, "placed")
     assert (again_status, again_replayed, again) == (201, "true", first)

@@ -329,17 +329,25 @@ async def test_a_path_with_an_encoded_line_break_is_forwarded_as_sent(
 async def test_gateway_paths_no_route_serves_are_404_or_405_and_never_forwarded(
     gateway: Gateway, upstream: Upstream, http: aiohttp.ClientSession
 ) -> None:
-    """PUT on a GET route is 405 with Allow; an unknown /_gateway/ path is 404 not-found, not an upstream."""
-    async with http.put(f"{gateway.url}/_gateway/health") as resp:
-        assert resp.status == 405
-        assert resp.headers["Allow"] == "GET, HEAD"
-        assert problem_type(await resp.read()) == "method-not-allowed"
-    async with http.get(f"{gateway.url}/_gateway/effects/1/resolve") as resp:
+    """PUT on a GET route is 405 with Allow; an unknown /_gateway/ path is 404 not-found, not an upstream.
+
+    On the agents' listener every admin path is such a path: it says where the admin routes are.
+    """
+    for url in (gateway.url, gateway.admin_url):
+        async with http.put(f"{url}/_gateway/health") as resp:
+            assert resp.status == 405
+            assert resp.headers["Allow"] == "GET, HEAD"
+            assert problem_type(await resp.read()) == "method-not-allowed"
+        async with http.get(f"{url}/_gateway/nothing") as resp:
+            assert resp.status == 404
+            assert problem_type(await resp.read()) == "not-found"
+    async with http.get(f"{gateway.admin_url}/_gateway/effects/1/resolve") as resp:
         assert resp.status == 405
         assert resp.headers["Allow"] == "POST"
-    async with http.get(f"{gateway.url}/_gateway/nothing") as resp:
-        assert resp.status == 404
-        assert problem_type(await resp.read()) == "not-found"
+    for path in ("/_gateway/effects", "/_gateway/audit", "/_gateway/metrics", "/_gateway/openapi.json"):
+        async with http.get(gateway.url + path) as resp:
+            assert resp.status == 404, path
+            assert "admin_listen" in (await resp.json())["detail"]
     assert upstream.calls == []
 
 

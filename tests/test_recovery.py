@@ -415,9 +415,9 @@ async def test_resolve_happened_replays_the_operators_response(
     flaky_first(upstream)
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
         effect = await _needs_review(http, gw.url, dsn)
-        async with http.get(f"{gw.url}/_gateway/health") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/health") as resp:
             assert (await resp.json())["needs_review"] == 1
-        async with http.get(f"{gw.url}/_gateway/audit") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/audit") as resp:
             assert "1 effect waits for an operator" in await resp.text()
         (row,) = await effect_rows(dsn)
         verdict = {
@@ -425,11 +425,11 @@ async def test_resolve_happened_replays_the_operators_response(
             "attempt": row["attempt"],
             "response": {"status": 201, "json": {"order": "found-by-hand"}},
         }
-        async with http.post(f"{gw.url}/_gateway/effects/{effect}/resolve", json=verdict) as resp:
+        async with http.post(f"{gw.admin_url}/_gateway/effects/{effect}/resolve", json=verdict) as resp:
             assert resp.status == 200
             assert (await resp.json())["state"] == "completed"
         status, headers, body = await order(http, gw.url)
-        async with http.post(f"{gw.url}/_gateway/effects/{effect}/resolve", json=verdict) as resp:
+        async with http.post(f"{gw.admin_url}/_gateway/effects/{effect}/resolve", json=verdict) as resp:
             assert resp.status == 409  # nothing left to resolve
     assert (status, body) == (201, {"order": "found-by-hand"})
     assert headers["Idempotent-Replayed"] == "true"
@@ -444,12 +444,12 @@ async def test_resolve_did_not_happen_lets_the_next_retry_send(
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
         effect = await _needs_review(http, gw.url, dsn)
         async with http.post(
-            f"{gw.url}/_gateway/effects/{effect}/resolve", json={"happened": "maybe"}
+            f"{gw.admin_url}/_gateway/effects/{effect}/resolve", json={"happened": "maybe"}
         ) as resp:
             assert resp.status == 400
         (row,) = await effect_rows(dsn)
         judged = {"happened": False, "attempt": row["attempt"]}
-        async with http.post(f"{gw.url}/_gateway/effects/{effect}/resolve", json=judged) as resp:
+        async with http.post(f"{gw.admin_url}/_gateway/effects/{effect}/resolve", json=judged) as resp:
             assert (await resp.json())["state"] == "retryable"
         status, _, body = await order(http, gw.url)
     assert (status, body) == (201, {"order": 2})

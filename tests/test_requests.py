@@ -136,7 +136,7 @@ def test_the_readme_lists_every_problem_type() -> None:
     """Clients branch on problem types, so the README's list of them is kept whole and true."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     listed = readme[
-        readme.index("Errors of the gateway's own") : readme.index("Admin: `GET /_gateway/health`")
+        readme.index("Errors of the gateway's own") : readme.index("Admin, on a listener of its own")
     ]
     names = set(re.findall(r"`([a-z]+(?:-[a-z]+)*)`", listed)) - {"type"}
     assert names == set(problems.problem_types()) | {"internal"}
@@ -156,7 +156,7 @@ async def test_an_open_gateway_answers_only_requests_addressed_to_loopback(
     """
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
         order = await raw(gw, b"POST /shop/orders HTTP/1.1\r\nHost: " + host + b"\r\n" + KEY)
-        audit = await raw(gw, b"GET /_gateway/effects HTTP/1.1\r\nHost: " + host + b"\r\n")
+        audit = await raw_exchange(gw.admin_url, b"GET /_gateway/effects HTTP/1.1\r\nHost: " + host + b"\r\n")
         served = [
             await raw(
                 gw, b"POST /shop/orders HTTP/1.1\r\nHost: " + name + b"\r\nIdempotency-Key: " + name + b"\r\n"
@@ -164,8 +164,12 @@ async def test_an_open_gateway_answers_only_requests_addressed_to_loopback(
             for name in (b"127.0.0.1:1", b"localhost", b"LOCALHOST:8787", b"[::1]:8787", b"127.9.9.9")
         ]
         # A request line naming a whole URL names its host, whatever Host says.
-        whole = await raw(gw, b"GET http://" + host + b"/_gateway/effects HTTP/1.1\r\nHost: localhost\r\n")
-        whole_local = await raw(gw, b"GET http://localhost/_gateway/effects HTTP/1.1\r\nHost: localhost\r\n")
+        whole = await raw_exchange(
+            gw.admin_url, b"GET http://" + host + b"/_gateway/effects HTTP/1.1\r\nHost: localhost\r\n"
+        )
+        whole_local = await raw_exchange(
+            gw.admin_url, b"GET http://localhost/_gateway/effects HTTP/1.1\r\nHost: localhost\r\n"
+        )
     assert status_and_type(order) == (400, "bad-request")
     assert status_and_type(audit) == (400, "bad-request")
     # http://[::1].example/ is not a URL aiohttp can parse: its parser's own 400, before any handler.

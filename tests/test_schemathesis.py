@@ -87,6 +87,7 @@ class Harness:
     """The gateway and its upstream, served by an event loop in a thread of its own."""
 
     url: str = ""
+    admin_url: str = ""
     dsn: str = ""
     upstream: Upstream = field(default_factory=Upstream)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
@@ -154,7 +155,7 @@ def harness(postgres_dsn: str) -> Iterator[Harness]:
                 replay_cache_bytes=0,
             )
         )
-        h.url = gw.url
+        h.url, h.admin_url = gw.url, gw.admin_url
         h.db = await asyncpg.connect(postgres_dsn)
 
     async def stop() -> None:
@@ -164,7 +165,7 @@ def harness(postgres_dsn: str) -> Iterator[Harness]:
 
     h.run(start())
     try:
-        served = h.session.get(h.url + openapi.PATH, timeout=10)
+        served = h.session.get(h.admin_url + openapi.PATH, timeout=10)
         assert served.status_code == 200
         document = served.json()
         assert document == json.loads(json.dumps(openapi.document()))
@@ -334,7 +335,8 @@ def _free_form_negated(case: schemathesis.Case) -> bool:
 def exercise(h: Harness, case: schemathesis.Case, who: str, mode: GenerationMode) -> None:
     calls_before = len(h.upstream.calls)
     before = h.run(h.table())
-    response = case.call(base_url=h.url, session=h.session, headers=credentials(who), timeout=30)
+    base_url = h.url if case.operation.path == PROXY else h.admin_url
+    response = case.call(base_url=base_url, session=h.session, headers=credentials(who), timeout=30)
     checks = CHECKS
     if mode is GenerationMode.NEGATIVE and not _free_form_negated(case):
         checks = [*CHECKS, negative_data_rejection]

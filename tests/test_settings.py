@@ -96,6 +96,14 @@ def test_the_config_variable_names_the_file(tmp_path: Path, monkeypatch: pytest.
         # one token for two principals: the requests of one went to the other, or a tenant was the admin
         ('[tenants.a]\ntoken = "same"\n[tenants.b]\ntoken = "same"', "tenants a and b"),
         ('[tenants.a]\ntoken = "same"\n[admin]\ntoken = "same"', "tenant a and the admin"),
+        # the operators' listener beyond loopback with nobody asked for a token: anyone could resolve
+        ('admin_listen = "0.0.0.0:8788"', "admin_listen '0.0.0.0:8788' is beyond loopback"),
+        ('admin_listen = "8788"', "admin_listen '8788' must be HOST:PORT"),
+        # the audit on the upstreams' origin: a script in an upstream's page would act as the operator
+        ('listen = "127.0.0.1:9000"\nadmin_listen = "127.0.0.1:9000"', "admin_listen and listen are both"),
+        ('[upstreams.m]\nbase_url = "http://x"\nbrowser_origins = ["null"]', "'null' cannot be listed"),
+        ('[upstreams.m]\nbase_url = "http://x"\nbrowser_origins = ["https://a.example/app"]', "no path"),
+        ('[upstreams.m]\nbase_url = "http://x"\nbrowser_origins = ["https://A.example"]', "lower case"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_it(tmp_path: Path, text: str, names: str) -> None:
@@ -115,6 +123,14 @@ def test_listening_beyond_loopback_is_allowed_with_tenants(monkeypatch: pytest.M
     settings = load_settings(None, listen="0.0.0.0:8787", tenants={"grocer": {"token": "env:T"}})
     assert settings.tenants["grocer"].token.get_secret_value() == "s3cr3t-grocer"
     assert "s3cr3t-grocer" not in repr(settings)
+
+
+def test_the_admin_listener_goes_beyond_loopback_with_an_admin_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an admin token (a scraper or an operator elsewhere presents it), admin_listen may be anywhere."""
+    monkeypatch.setenv("ADMIN", "adm-1")
+    settings = load_settings(None, admin_listen="0.0.0.0:8788", admin={"token": "env:ADMIN"})
+    assert (settings.listen, settings.admin_listen) == ("127.0.0.1:8787", "0.0.0.0:8788")
+    assert not settings.admin_open
 
 
 def test_the_cli_reports_a_bad_config_in_one_line_and_exit_2(tmp_path: Path) -> None:

