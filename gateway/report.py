@@ -151,9 +151,8 @@ def protection(policy: UpstreamPolicy) -> tuple[str, list[str]]:
     summary = ", then ".join(steps)
     if policy.stamp:
         summary += f"; key stamped in {policy.stamp[0]} {policy.stamp[1]}"
-    notes = []
-    if policy.probe is not None and policy.stamp is None and policy.native_header is None:
-        notes.append("the probe looks for a key that is neither stamped nor sent in a native header")
+    # A probe that looks for a key the upstream never receives is refused when the settings load.
+    notes: list[str] = []
     if len(steps) == 1 and not policy.repeat_harmless:
         summary = "nothing: an effect in doubt goes to needs_review"
     return summary, notes

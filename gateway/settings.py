@@ -24,6 +24,8 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -218,6 +220,27 @@ class UpstreamSettings(_Section):
     # leaves out; at most one of the two. None: the whole body.
     fingerprint_fields: list[str] | None = None
     fingerprint_ignore: list[str] | None = None
+
+    # The check below refuses what would let recovery send an effect twice. It names the setting at
+    # fault, so it checks one field against the fields declared before it: ``info.data`` holds those
+    # that are valid, and a default counts as given.
+
+    @field_validator("probe")
+    @classmethod
+    def _probe_can_find_the_key(
+        cls, probe: ProbeSettings | None, info: ValidationInfo
+    ) -> ProbeSettings | None:
+        # A probe, HTTP or Python, has only the derived key to look for. Where it never reached the upstream
+        # the probe finds nothing, ever, and recovery takes that "not found" as leave to send again.
+        # (Where native_key or stamp is invalid, that error is the one to report.)
+        unsent = all(name in info.data and info.data[name] is None for name in ("native_key", "stamp"))
+        if probe is not None and unsent:
+            raise ValueError(
+                "the probe looks for the effect by its key, but no stamp or native_key sends it to the "
+                "upstream: the probe would never find an effect, and recovery would send it again; add a "
+                "stamp where the probe's search sees it"
+            )
+        return probe
 
     @model_validator(mode="after")
     def _check(self) -> UpstreamSettings:

@@ -264,9 +264,39 @@ async def test_check_config_says_what_protects_each_upstream(
 def test_check_config_loads_python_probes(tmp_path: Path, run: Callable[..., Done]) -> None:
     """A probe entry point that is not installed fails check-config in one line naming the upstream."""
     config = tmp_path / "gateway.toml"
-    config.write_text('[upstreams.shop]\nbase_url = "http://x"\nprobe = { entry_point = "no-such-probe" }\n')
+    config.write_text(
+        '[upstreams.shop]\nbase_url = "http://x"\nstamp = { json_field = "ref" }\n'
+        'probe = { entry_point = "no-such-probe" }\n'
+    )
     line = one_line_error(run("check-config", config=config))
     assert "bad setting upstreams.shop.probe.entry_point: no probe named 'no-such-probe'" in line
+
+
+@pytest.mark.parametrize(
+    "probe",
+    ['{ path = "/orders?ref={key}", found = "items.0" }', '{ entry_point = "shop-orders" }'],
+    ids=["http", "python"],
+)
+def test_a_probe_for_a_key_never_sent_is_refused_before_listening(
+    tmp_path: Path, run: Callable[..., Done], probe: str
+) -> None:
+    """An upstream whose probe looks for a key that neither a stamp nor a native key sends is refused by
+    check-config and by serve, in one line naming it and why, before serve listens."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()  # held: a serve that got as far as listening would say the port is in use
+        port = taken.getsockname()[1]
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f'listen = "127.0.0.1:{port}"\n'
+            f'[upstreams.shop]\nbase_url = "http://127.0.0.1:9"\nprobe = {probe}\n'
+        )
+        env = {"EFFECT_GATEWAY_DATABASE_URL": "postgresql://postgres@127.0.0.1:9/x"}
+        checked = one_line_error(run("check-config", config=config, env=env))
+        served = one_line_error(run("serve", config=config, env=env))
+    assert checked.startswith("effect-gateway: bad setting upstreams.shop.probe: ")
+    assert "no stamp or native_key sends it" in checked
+    assert served == checked
 
 
 async def test_resolve_happened_needs_a_response(tmp_path: Path, dsn: str, run: Callable[..., Done]) -> None:
