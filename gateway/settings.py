@@ -31,7 +31,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from gateway.errors import ConfigError
-from gateway.headers import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP
+from gateway.headers import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP, same_header
 
 # RFC 9110 section 5.6.2: what a header name may be.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -221,9 +221,9 @@ class UpstreamSettings(_Section):
     fingerprint_fields: list[str] | None = None
     fingerprint_ignore: list[str] | None = None
 
-    # The check below refuses what would let recovery send an effect twice. It names the setting at
-    # fault, so it checks one field against the fields declared before it: ``info.data`` holds those
-    # that are valid, and a default counts as given.
+    # The two checks below refuse what would let recovery send an effect twice (docs/recovery.md has the
+    # table of combinations). Each names the setting at fault, so each checks one field against the
+    # fields declared before it: ``info.data`` holds those that are valid, and a default counts as given.
 
     @field_validator("probe")
     @classmethod
@@ -241,6 +241,27 @@ class UpstreamSettings(_Section):
                 "stamp where the probe's search sees it"
             )
         return probe
+
+    @field_validator("inject_headers")
+    @classmethod
+    def _keys_not_replaced(cls, inject: dict[str, SecretStr], info: ValidationInfo) -> dict[str, SecretStr]:
+        # Injected headers replace whatever else the request carries under their name (gateway.upstream), so
+        # one that shares the native key's or the stamp's name replaces the effect's key with a constant.
+        injected = {same_header(name): name for name in inject}
+        native: NativeKeySettings | None = info.data.get("native_key")
+        stamp: StampSettings | None = info.data.get("stamp")
+        if native is not None and (name := injected.get(same_header(native.header))):
+            raise ValueError(
+                f"{name} replaces the key the gateway sends in native_key.header: the upstream would get "
+                "the injected value in place of each effect's key, and could not tell a re-send of one "
+                "effect from another effect; inject another header"
+            )
+        if stamp is not None and stamp.header and (name := injected.get(same_header(stamp.header))):
+            raise ValueError(
+                f"{name} replaces the key stamped in stamp.header: the upstream would never see it, so a "
+                "probe could not find the effect and recovery would send it again; stamp another header"
+            )
+        return inject
 
     @model_validator(mode="after")
     def _check(self) -> UpstreamSettings:
