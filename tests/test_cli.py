@@ -261,6 +261,30 @@ async def test_check_config_says_what_protects_each_upstream(
     assert as_json["tenants"] == []
 
 
+def test_check_config_notes_what_recovery_can_never_rely_on(tmp_path: Path, run: Callable[..., Done]) -> None:
+    """check-config accepts, with a note each, a native key too short-lived to trust, a probe whose "not
+    found" is never late and recent enough to trust, and a probe that looks for the native key alone."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[upstreams.sms]\nbase_url = "http://127.0.0.1:9"\ntimeout = "10s"\nnative_key = { ttl = "10s" }\n'
+        '[upstreams.orders]\nbase_url = "http://127.0.0.1:9"\ntimeout = "10s"\nstamp = { json_field = "r" }\n'
+        'probe = { path = "/o?r={key}", found = "0", lag = "30s", horizon = "40s" }\n'
+        '[upstreams.pay]\nbase_url = "http://127.0.0.1:9"\nnative_key = { header = "Idempotency-Key" }\n'
+        'probe = { path = "/charges?key={key}", found = "data.0" }\n'
+    )
+    done = run("check-config", config=config)
+    assert done.status == 0, done.err
+    notes = [line for line in done.out.splitlines() if line.startswith("note: ")]
+    assert notes == [
+        "note: sms: native_key.ttl (10s) is no longer than the lease (15s): the native key is never trusted "
+        "to re-send",
+        "note: orders: probe.horizon (40s) is no longer than probe.lag plus the lease (45s): the probe's "
+        '"not found" is never trusted, and such an effect goes to needs_review',
+        "note: pay: no stamp: the probe looks for the key sent in Idempotency-Key, which the upstream must "
+        "keep with the effect; if it forgets the key after native_key.ttl, set probe.horizon to that ttl",
+    ]
+
+
 def test_check_config_loads_python_probes(tmp_path: Path, run: Callable[..., Done]) -> None:
     """A probe entry point that is not installed fails check-config in one line naming the upstream."""
     config = tmp_path / "gateway.toml"
