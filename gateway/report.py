@@ -147,7 +147,10 @@ def protection(policy: UpstreamPolicy) -> tuple[str, list[str]]:
             steps.append(f"probe {http.method} {http.path}{_probe_window(policy)}")
         case PythonProbe() as py:
             steps.append(f"probe {py.entry_point} (Python){_probe_window(policy)}")
-    steps.append("re-send (repeat_harmless)" if policy.repeat_harmless else "needs_review")
+    # A probe always answers (found, not found, failed), and past its horizon "not found" goes to review:
+    # after a probe, repeat_harmless is never reached.
+    harmless = policy.repeat_harmless and policy.probe is None
+    steps.append("re-send (repeat_harmless)" if harmless else "needs_review")
     summary = ", then ".join(steps)
     if policy.stamp:
         summary += f"; key stamped in {policy.stamp[0]} {policy.stamp[1]}"

@@ -285,6 +285,20 @@ def test_check_config_notes_what_recovery_can_never_rely_on(tmp_path: Path, run:
     ]
 
 
+def test_check_config_lists_no_re_send_after_a_probe(tmp_path: Path, run: Callable[..., Done]) -> None:
+    """With a probe, check-config ends an upstream's recovery in needs_review even when repeat_harmless is
+    set: the probe always answers, so recovery never reaches the re-send."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[upstreams.docs]\nbase_url = "http://127.0.0.1:9"\nrepeat_harmless = true\n'
+        'stamp = { json_field = "r" }\nprobe = { path = "/d?r={key}", found = "0", lag = "0s" }\n'
+    )
+    done = run("check-config", "--json", config=config)
+    assert done.status == 0, done.err
+    (docs,) = json.loads(done.out)["upstreams"]
+    assert docs["protected_by"] == "probe GET /d?r={key}, then needs_review; key stamped in json_field r"
+
+
 def test_check_config_loads_python_probes(tmp_path: Path, run: Callable[..., Done]) -> None:
     """A probe entry point that is not installed fails check-config in one line naming the upstream."""
     config = tmp_path / "gateway.toml"
