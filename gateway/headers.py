@@ -49,3 +49,8 @@ def connection_scoped(headers: Iterable[tuple[str, str]]) -> frozenset[str]:
         for token in value.split(",")
     }
     return HOP_BY_HOP | named
+
+
+def same_header(name: str) -> str:
+    """A header name as the most lenient server reads it: CGI and WSGI turn ``-`` and ``_`` into one."""
+    return name.lower().replace("_", "-")

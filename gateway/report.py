@@ -147,13 +147,46 @@ def protection(policy: UpstreamPolicy) -> tuple[str, list[str]]:
             steps.append(f"probe {http.method} {http.path}{_probe_window(policy)}")
         case PythonProbe() as py:
             steps.append(f"probe {py.entry_point} (Python){_probe_window(policy)}")
-    steps.append("re-send (repeat_harmless)" if policy.repeat_harmless else "needs_review")
+    # A probe always answers (found, not found, failed), and past its horizon "not found" goes to review:
+    # after a probe, repeat_harmless is never reached.
+    harmless = policy.repeat_harmless and policy.probe is None
+    steps.append("re-send (repeat_harmless)" if harmless else "needs_review")
     summary = ", then ".join(steps)
     if policy.stamp:
         summary += f"; key stamped in {policy.stamp[0]} {policy.stamp[1]}"
-    notes = []
-    if policy.probe is not None and policy.stamp is None and policy.native_header is None:
-        notes.append("the probe looks for a key that is neither stamped nor sent in a native header")
     if len(steps) == 1 and not policy.repeat_harmless:
         summary = "nothing: an effect in doubt goes to needs_review"
-    return summary, notes
+    return summary, _notes(policy)
+
+
+def _notes(policy: UpstreamPolicy) -> list[str]:
+    """Warnings: a step of recovery that can never be relied on (safe: nothing is sent on it, but useless),
+    and a probe that rests on the upstream keeping its native key.
+
+    (What would have recovery send an effect twice is refused when the settings load.)
+    """
+    notes = []
+    rule = policy.decision
+    # The key is trusted while the first send is younger than its TTL less one lease (gateway.decision).
+    if rule.native_key_ttl is not None and rule.native_key_ttl <= rule.margin:
+        notes.append(
+            f"native_key.ttl ({duration(rule.native_key_ttl)}) is no longer than the lease "
+            f"({duration(rule.lease)}): the native key is never trusted to re-send"
+        )
+    # "Not found" counts from probe.lag after the first send at the earliest, to probe.horizon less a lease.
+    if (
+        rule.has_probe
+        and rule.probe_horizon is not None
+        and rule.probe_horizon <= rule.probe_lag + rule.margin
+    ):
+        notes.append(
+            f"probe.horizon ({duration(rule.probe_horizon)}) is no longer than probe.lag plus the lease "
+            f'({duration(rule.probe_lag + rule.lease)}): the probe\'s "not found" is never trusted, and '
+            "such an effect goes to needs_review"
+        )
+    if policy.probe is not None and policy.stamp is None:
+        notes.append(
+            f"no stamp: the probe looks for the key sent in {policy.native_header}, which the upstream must "
+            "keep with the effect; if it forgets the key after native_key.ttl, set probe.horizon to that ttl"
+        )
+    return notes

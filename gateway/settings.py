@@ -24,12 +24,14 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from gateway.errors import ConfigError
-from gateway.headers import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP
+from gateway.headers import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP, same_header
 
 # RFC 9110 section 5.6.2: what a header name may be.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -238,6 +240,48 @@ class UpstreamSettings(_Section):
     # leaves out; at most one of the two. None: the whole body.
     fingerprint_fields: list[str] | None = None
     fingerprint_ignore: list[str] | None = None
+
+    # The two checks below refuse what would let recovery send an effect twice (docs/recovery.md has the
+    # table of combinations). Each names the setting at fault, so each checks one field against the
+    # fields declared before it: ``info.data`` holds those that are valid, and a default counts as given.
+
+    @field_validator("probe")
+    @classmethod
+    def _probe_can_find_the_key(
+        cls, probe: ProbeSettings | None, info: ValidationInfo
+    ) -> ProbeSettings | None:
+        # A probe, HTTP or Python, has only the derived key to look for. Where it never reached the upstream
+        # the probe finds nothing, ever, and recovery takes that "not found" as leave to send again.
+        # (Where native_key or stamp is invalid, that error is the one to report.)
+        unsent = all(name in info.data and info.data[name] is None for name in ("native_key", "stamp"))
+        if probe is not None and unsent:
+            raise ValueError(
+                "the probe looks for the effect by its key, but no stamp or native_key sends it to the "
+                "upstream: the probe would never find an effect, and recovery would send it again; add a "
+                "stamp where the probe's search sees it"
+            )
+        return probe
+
+    @field_validator("inject_headers")
+    @classmethod
+    def _keys_not_replaced(cls, inject: dict[str, SecretStr], info: ValidationInfo) -> dict[str, SecretStr]:
+        # Injected headers replace whatever else the request carries under their name (gateway.upstream), so
+        # one that shares the native key's or the stamp's name replaces the effect's key with a constant.
+        injected = {same_header(name): name for name in inject}
+        native: NativeKeySettings | None = info.data.get("native_key")
+        stamp: StampSettings | None = info.data.get("stamp")
+        if native is not None and (name := injected.get(same_header(native.header))):
+            raise ValueError(
+                f"{name} replaces the key the gateway sends in native_key.header: the upstream would get "
+                "the injected value in place of each effect's key, and could not tell a re-send of one "
+                "effect from another effect; inject another header"
+            )
+        if stamp is not None and stamp.header and (name := injected.get(same_header(stamp.header))):
+            raise ValueError(
+                f"{name} replaces the key stamped in stamp.header: the upstream would never see it, so a "
+                "probe could not find the effect and recovery would send it again; stamp another header"
+            )
+        return inject
 
     @model_validator(mode="after")
     def _check(self) -> UpstreamSettings:

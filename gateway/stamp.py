@@ -13,6 +13,7 @@ from multidict import CIMultiDict
 
 from gateway import jsonbody, urlencoded
 from gateway.body import RequestBody
+from gateway.headers import same_header
 from gateway.jsonbody import JsonRefused, Taken
 from gateway.policy import StampKind, UpstreamPolicy
 
@@ -53,11 +54,6 @@ def stamp_request(
             )
         raw = urlencoded.append(raw, name, value)
     return query, raw
-
-
-def same_header(name: str) -> str:
-    """A header name as the most lenient server reads it: CGI and WSGI turn ``-`` and ``_`` into one."""
-    return name.lower().replace("_", "-")
 
 
 def reserved_use(

@@ -22,10 +22,11 @@ from gateway.headers import (
     HOP_BY_HOP,
     UNSTORED_RESPONSE_HEADERS,
     connection_scoped,
+    same_header,
 )
 from gateway.outcome import Answered, NoAnswer, NotSent, Outcome
 from gateway.policy import UpstreamPolicy
-from gateway.stamp import same_header, stamp_request
+from gateway.stamp import stamp_request
 from gateway.telemetry import Telemetry
 
 # Re-exported: the service keeps them out of the audit.

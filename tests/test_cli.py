@@ -260,12 +260,80 @@ async def test_check_config_says_what_protects_each_upstream(
     assert as_json["tenants"] == []
 
 
+def test_check_config_notes_what_recovery_can_never_rely_on(tmp_path: Path, run: Callable[..., Done]) -> None:
+    """check-config accepts, with a note each, a native key too short-lived to trust, a probe whose "not
+    found" is never late and recent enough to trust, and a probe that looks for the native key alone."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[upstreams.sms]\nbase_url = "http://127.0.0.1:9"\ntimeout = "10s"\nnative_key = { ttl = "10s" }\n'
+        '[upstreams.orders]\nbase_url = "http://127.0.0.1:9"\ntimeout = "10s"\nstamp = { json_field = "r" }\n'
+        'probe = { path = "/o?r={key}", found = "0", lag = "30s", horizon = "40s" }\n'
+        '[upstreams.pay]\nbase_url = "http://127.0.0.1:9"\nnative_key = { header = "Idempotency-Key" }\n'
+        'probe = { path = "/charges?key={key}", found = "data.0" }\n'
+    )
+    done = run("check-config", config=config)
+    assert done.status == 0, done.err
+    notes = [line for line in done.out.splitlines() if line.startswith("note: ")]
+    assert notes == [
+        "note: sms: native_key.ttl (10s) is no longer than the lease (15s): the native key is never trusted "
+        "to re-send",
+        "note: orders: probe.horizon (40s) is no longer than probe.lag plus the lease (45s): the probe's "
+        '"not found" is never trusted, and such an effect goes to needs_review',
+        "note: pay: no stamp: the probe looks for the key sent in Idempotency-Key, which the upstream must "
+        "keep with the effect; if it forgets the key after native_key.ttl, set probe.horizon to that ttl",
+    ]
+
+
+def test_check_config_lists_no_re_send_after_a_probe(tmp_path: Path, run: Callable[..., Done]) -> None:
+    """With a probe, check-config ends an upstream's recovery in needs_review even when repeat_harmless is
+    set: the probe always answers, so recovery never reaches the re-send."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[upstreams.docs]\nbase_url = "http://127.0.0.1:9"\nrepeat_harmless = true\n'
+        'stamp = { json_field = "r" }\nprobe = { path = "/d?r={key}", found = "0", lag = "0s" }\n'
+    )
+    done = run("check-config", "--json", config=config)
+    assert done.status == 0, done.err
+    (docs,) = json.loads(done.out)["upstreams"]
+    assert docs["protected_by"] == "probe GET /d?r={key}, then needs_review; key stamped in json_field r"
+
+
 def test_check_config_loads_python_probes(tmp_path: Path, run: Callable[..., Done]) -> None:
     """A probe entry point that is not installed fails check-config in one line naming the upstream."""
     config = tmp_path / "gateway.toml"
-    config.write_text('[upstreams.shop]\nbase_url = "http://x"\nprobe = { entry_point = "no-such-probe" }\n')
+    config.write_text(
+        '[upstreams.shop]\nbase_url = "http://x"\nstamp = { json_field = "ref" }\n'
+        'probe = { entry_point = "no-such-probe" }\n'
+    )
     line = one_line_error(run("check-config", config=config))
     assert "bad setting upstreams.shop.probe.entry_point: no probe named 'no-such-probe'" in line
+
+
+@pytest.mark.parametrize(
+    "probe",
+    ['{ path = "/orders?ref={key}", found = "items.0" }', '{ entry_point = "shop-orders" }'],
+    ids=["http", "python"],
+)
+def test_a_probe_for_a_key_never_sent_is_refused_before_listening(
+    tmp_path: Path, run: Callable[..., Done], probe: str
+) -> None:
+    """An upstream whose probe looks for a key that neither a stamp nor a native key sends is refused by
+    check-config and by serve, in one line naming it and why, before serve listens."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()  # held: a serve that got as far as listening would say the port is in use
+        port = taken.getsockname()[1]
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f'listen = "127.0.0.1:{port}"\n'
+            f'[upstreams.shop]\nbase_url = "http://127.0.0.1:9"\nprobe = {probe}\n'
+        )
+        env = {"EFFECT_GATEWAY_DATABASE_URL": "postgresql://postgres@127.0.0.1:9/x"}
+        checked = one_line_error(run("check-config", config=config, env=env))
+        served = one_line_error(run("serve", config=config, env=env))
+    assert checked.startswith("effect-gateway: bad setting upstreams.shop.probe: ")
+    assert "no stamp or native_key sends it" in checked
+    assert served == checked
 
 
 async def test_resolve_happened_needs_a_response(tmp_path: Path, dsn: str, run: Callable[..., Done]) -> None:

@@ -346,7 +346,8 @@ async def test_a_missing_python_probe_stops_start_up(dsn: str, upstream: Upstrea
     """A probe entry point that does not exist is a configuration error, found at start, not at recovery."""
     from gateway.errors import ConfigError
 
-    cfg = {"shop": {"base_url": upstream.url, "probe": {"entry_point": "no-such-probe"}}}
+    stamp = {"json_field": "client_reference"}
+    cfg = {"shop": {"base_url": upstream.url, "stamp": stamp, "probe": {"entry_point": "no-such-probe"}}}
     with pytest.raises(ConfigError, match="no-such-probe"):
         async with gateway_server(dsn, upstreams=cfg):
             pass

@@ -117,6 +117,25 @@ def test_a_bad_setting_is_one_line_naming_it(tmp_path: Path, text: str, names: s
     assert names in message
 
 
+def test_an_injected_header_may_not_replace_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """inject_headers under the native key's or the stamp's header name (any case, _ for -) is refused in
+    one line naming inject_headers; under another name it is accepted."""
+    monkeypatch.delenv("EFFECT_GATEWAY_CONFIG", raising=False)
+    native = {"base_url": "http://x", "native_key": {"header": "Idempotency-Key"}}
+    stamped = {"base_url": "http://x", "stamp": {"header": "X-Client-Reference"}}
+    for cfg, injected, replaced in [
+        (native, "idempotency_key", "native_key.header"),
+        (stamped, "x-client-reference", "stamp.header"),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            load_settings(None, upstreams={"shop": {**cfg, "inject_headers": {injected: "secret"}}})
+        assert str(caught.value).startswith(
+            f"bad setting upstreams.shop.inject_headers: {injected} replaces the key "
+        )
+        assert replaced in str(caught.value)
+        load_settings(None, upstreams={"shop": {**cfg, "inject_headers": {"Authorization": "secret"}}})
+
+
 def test_listening_beyond_loopback_is_allowed_with_tenants(monkeypatch: pytest.MonkeyPatch) -> None:
     """With tenants (each with a token) the gateway may listen on every interface."""
     monkeypatch.setenv("T", "s3cr3t-grocer")

@@ -1,0 +1,145 @@
+"""docs/recovery.md's table of configurations holds: every combination of native key, stamp, probe and
+repeat_harmless is refused at load, or recovers an effect in doubt in the order the table says."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from agent_example.crash_matrix import gateway_config
+from gateway.decision import Action, Probe, Resend, Review, decide
+from gateway.errors import ConfigError
+from gateway.policy import upstream_policy
+from gateway.record import EffectRecord
+from gateway.settings import load_settings
+from gateway.states import State
+from tests.doc_blocks import ROOT
+from tests.test_decision import NOW, SAME, record
+
+PAGE = ROOT / "docs" / "recovery.md"
+HEADER = (
+    "| native key | stamp | probe | `repeat_harmless` | at load | an effect in doubt, in recovery order |"
+)
+NATIVE = ("none", "yes")
+STAMP = ("none", "yes")
+PROBES = ("none", "HTTP", "Python")
+HARMLESS = ("no", "yes")
+COMBINATIONS = list(itertools.product(NATIVE, STAMP, PROBES, HARMLESS))
+# What each word of the table's last column is, as the decision's action.
+STEPS: dict[str, Action] = {
+    "native key": Resend("native_key"),
+    "probe": Probe(),
+    "needs_review": Review(),
+    "re-send": Resend("harmless"),
+}
+TTL = timedelta(hours=24)
+
+
+def documented() -> dict[tuple[str, ...], tuple[str, str]]:
+    """The table's rows: (native key, stamp, probe, repeat_harmless) -> (at load, recovery order)."""
+    lines = PAGE.read_text().splitlines()
+    assert HEADER in lines, f"{PAGE.name} has lost the table of configurations"
+    rows: dict[tuple[str, ...], tuple[str, str]] = {}
+    for line in lines[lines.index(HEADER) + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip().strip("*") for cell in line.strip().strip("|").split("|")]
+        assert len(cells) == 6, line
+        combination = tuple(cells[:4])
+        assert combination not in rows, f"{line}: a second row for this combination"
+        rows[combination] = (cells[4], cells[5])
+    return rows
+
+
+def upstream(native: str, stamp: str, probe: str, harmless: str) -> dict[str, Any]:
+    """An upstream's settings for one combination; the rest as a user would write it."""
+    cfg: dict[str, Any] = {"base_url": "http://127.0.0.1:9", "repeat_harmless": harmless == "yes"}
+    if native == "yes":
+        cfg["native_key"] = {"header": "Idempotency-Key", "ttl": "24h"}
+    if stamp == "yes":
+        cfg["stamp"] = {"json_field": "client_reference"}
+    if probe == "HTTP":
+        cfg["probe"] = {"path": "/orders?client_reference={key}", "found": "items.0"}
+    if probe == "Python":
+        cfg["probe"] = {"entry_point": "shop-orders"}
+    return cfg
+
+
+def in_doubt(state: State, sent_ago: timedelta, *, may_have_sent: bool = True) -> EffectRecord:
+    """An effect first sent ``sent_ago``, its lease run out, that may have reached the upstream."""
+    sent = NOW - sent_ago
+    return replace(
+        record(state), may_have_sent=may_have_sent, first_sent_at=sent, last_sent_at=sent, created_at=sent
+    )
+
+
+def test_the_table_has_every_combination_once() -> None:
+    """Each of the 24 combinations has its row, and there is no other."""
+    assert sorted(documented()) == sorted(COMBINATIONS)
+
+
+@pytest.mark.parametrize("combination", COMBINATIONS, ids="-".join)
+@pytest.mark.parametrize("state", [State.IN_DOUBT, State.PENDING], ids=lambda s: s.value)
+def test_each_combination_is_refused_or_recovers_as_documented(
+    combination: tuple[str, str, str, str], state: State, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused combination stops loading in one line naming the probe; an accepted one sends what surely
+    never left, and recovers a fresh effect in doubt by the row's first step and an old one by its last."""
+    monkeypatch.delenv("EFFECT_GATEWAY_CONFIG", raising=False)
+    at_load, order = documented()[combination]
+    cfg = {"shop": upstream(*combination)}
+    if at_load == "refused":
+        with pytest.raises(ConfigError) as caught:
+            load_settings(None, upstreams=cfg)
+        line = str(caught.value)
+        assert line.startswith("bad setting upstreams.shop.probe: the probe looks for the effect by its key")
+        assert "\n" not in line
+        return
+    assert at_load == "accepted"
+    settings = load_settings(None, upstreams=cfg)
+    policy = upstream_policy("shop", settings.upstreams["shop"], settings.lease_grace).decision
+    steps = order.split(" → ")
+    assert all(step in STEPS for step in steps), order
+    # Only the native key's trust ends with age, so only it may come before another step.
+    assert len(steps) == 1 or (len(steps) == 2 and steps[0] == "native key"), order
+    fresh = in_doubt(state, policy.lease + timedelta(minutes=1))  # the key well within its TTL
+    old = in_doubt(state, TTL + timedelta(days=1))  # past what any native key is trusted for
+    assert decide(fresh, SAME, NOW, policy) == STEPS[steps[0]]
+    assert decide(old, SAME, NOW, policy) == STEPS[steps[-1]]
+    if state is State.IN_DOUBT:
+        never_left = in_doubt(state, TTL + timedelta(days=1), may_have_sent=False)
+        assert decide(never_left, SAME, NOW, policy) == Resend("never_sent")
+
+
+def _kubernetes_config(tmp_path: Path) -> Path:
+    docs = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "sidecar.yaml").read_text())
+    (config_map,) = [doc for doc in docs if doc and doc["kind"] == "ConfigMap"]
+    path = tmp_path / "gateway.toml"
+    path.write_text(config_map["data"]["gateway.toml"])
+    return path
+
+
+SHIPPED = {
+    "examples/gateway.toml": lambda _: ROOT / "examples" / "gateway.toml",
+    "deploy/gateway.example.toml": lambda _: ROOT / "deploy" / "gateway.example.toml",
+    "deploy/gateway.compose.toml": lambda _: ROOT / "deploy" / "gateway.compose.toml",
+    "deploy/kubernetes/sidecar.yaml": _kubernetes_config,
+    "the crash matrix's": lambda tmp: gateway_config(tmp, "postgresql://db/x", "http://a:1", "http://b:2"),
+}
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_the_shipped_configurations_still_load(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every configuration the project ships or writes loads under these refusals, and has upstreams."""
+    for variable in ("EFFECT_GATEWAY_CONFIG", "EFFECT_GATEWAY_DATABASE_URL"):
+        monkeypatch.delenv(variable, raising=False)
+    settings = load_settings(SHIPPED[name](tmp_path), need_secrets=False)
+    assert settings.upstreams
