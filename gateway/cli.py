@@ -1,9 +1,9 @@
 """``effect-gateway``: serve, check-config, migrate, effects, resolve, purge, demo.
 
 Every failure an operator can act on is one line on stderr and no traceback. Exit status 2: something to
-fix (the configuration, the command line, an effect that is not there, a port in use); 75 (EX_TEMPFAIL):
-Postgres cannot be reached, or a migration could not take a lock in time, so trying again later may
-work (a supervisor restarts on 75 and stops on 2).
+fix (the configuration, the command line, an effect that is not there, a port in use, a password, role
+or database that Postgres refuses); 75 (EX_TEMPFAIL): Postgres cannot be reached, or a migration could
+not take a lock in time, so trying again later may work (a supervisor restarts on 75 and stops on 2).
 Commands that print data print a table for a person, or JSON with ``--json``.
 """
 
@@ -29,7 +29,7 @@ import asyncpg
 from gateway import admin, embedded, jsonbody, logs, operators, problems, report
 from gateway.decision import NotAwaitingOperator
 from gateway.embedded import EmbeddedPostgres
-from gateway.errors import ConfigError, GatewayError, StoreUnavailable
+from gateway.errors import ConfigError, GatewayError, LoginRefused, StoreUnavailable
 from gateway.policy import PythonProbe, upstream_policies, upstream_policy
 from gateway.probes import Prober, load_python_probe
 from gateway.record import EffectRecord, StoredResponse
@@ -467,6 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader stopped reading (effects --json | head): stop quietly, as a pipe's writer does.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return BROKEN_PIPE
+    except LoginRefused as exc:  # before StoreUnavailable, of which it is a kind
+        return _fail(str(exc), FIX)
     except StoreUnavailable as exc:
         return _fail(str(exc), TEMPFAIL)
     except (ConfigError, UsageError, GatewayError) as exc:

@@ -21,6 +21,7 @@ import pytest
 
 from gateway.cli import main
 from gateway.decision import settle
+from gateway.embedded import EmbeddedPostgres
 from gateway.outcome import Answered
 from gateway.record import EffectRecord, StoredResponse
 from gateway.store import opened
@@ -475,6 +476,65 @@ def test_a_database_away_is_one_line_and_a_temporary_failure(
             with make_serve_running():
                 line = one_line_error(run(command, env=env), status=75)
             assert line.startswith("effect-gateway: cannot connect to Postgres:")
+
+
+# Lets the test's roles in only with their password, over the unix socket; the server's superuser
+# (which sets them up) keeps the trust the embedded server gives it.
+PASSWORDS_ONLY = "local all postgres trust\nlocal all all scram-sha-256\n"
+
+
+@pytest.fixture(scope="module")
+def postgres_checking_passwords(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Postgres of its own that asks for passwords (the test server may trust every local connection),
+    with a role ``gateway`` (password ``right``) and a role ``locked`` that may not log in; yields the
+    directory of its socket. Stopped by its pid afterwards."""
+    server = EmbeddedPostgres(tmp_path_factory.mktemp("passwords"))
+    dsn = server.start()
+
+    async def set_up() -> None:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute("create role gateway login password 'right'")
+            await conn.execute("create role locked nologin password 'right'")
+            (server.pgdata / "pg_hba.conf").write_text(PASSWORDS_ONLY)
+            await conn.execute("select pg_reload_conf()")
+        finally:
+            await conn.close()
+
+    try:
+        asyncio.run(set_up())
+        yield str(server.pgdata)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("user", "database", "refusal"),
+    [
+        ("gateway:wrong", "postgres", 'password authentication failed for user "gateway"'),
+        ("locked:right", "postgres", 'role "locked" is not permitted to log in'),
+        ("gateway:right", "nowhere", 'database "nowhere" does not exist'),
+    ],
+    ids=["wrong-password", "role-may-not-log-in", "no-such-database"],
+)
+def test_a_database_that_refuses_the_login_is_a_configuration_error(
+    postgres_checking_passwords: str, run: Callable[..., Done], user: str, database: str, refusal: str
+) -> None:
+    """Postgres refusing the password, the role or the database name: one line, exit 2 (a supervisor
+    stops instead of restarting into the same refusal), from every command that uses the database."""
+    url = f"postgresql://{user}@/{database}?host={postgres_checking_passwords}"
+    env = {"EFFECT_GATEWAY_DATABASE_URL": url, "EFFECT_GATEWAY_LISTEN": "127.0.0.1:0"}
+    for command in (
+        ["serve"],
+        ["migrate"],
+        ["effects"],
+        ["purge"],
+        ["resolve", "1", "--did-not-happen", "--attempt", "2"],
+    ):
+        line = one_line_error(run(*command, env=env))
+        assert line == f"effect-gateway: Postgres refused the connection: {refusal} (check database_url)", (
+            command
+        )
 
 
 def test_a_missing_config_file_is_one_line(tmp_path: Path, run: Callable[..., Done]) -> None:
