@@ -6,7 +6,7 @@ import unicodedata
 
 from gateway.decision import NotAwaitingOperator, resolution
 from gateway.record import EffectRecord, StoredResponse
-from gateway.report import CONTROL
+from gateway.report import CONTROLS, INVISIBLE
 from gateway.store import Store
 
 
@@ -43,9 +43,10 @@ def check_name(by: str | None) -> None:
         return
     if len(by) > MAX_NAME:
         raise BadName(f"the operator's name is longer than {MAX_NAME} characters")
-    if CONTROL.search(by):
+    categories = {unicodedata.category(char) for char in by}
+    if categories & CONTROLS:
         raise BadName("the operator's name may not hold control characters")
-    if any(unicodedata.category(char) == "Cf" for char in by):
+    if INVISIBLE in categories:
         # Invisible format characters: a right-to-left override or a zero-width space makes one name
         # look like another on the page and in the history.
         raise BadName("the operator's name may not hold invisible formatting characters")
