@@ -1,4 +1,4 @@
-"""``effect-gateway serve``: one listening socket, served by N worker processes on every core.
+"""``effect-gateway serve``: one listening socket, served by N worker processes (gateway.cores says how many).
 
 The parent binds the socket, applies the migrations once, and forks the workers; each runs the aiohttp
 application on the inherited socket (the kernel hands each new connection to one of them). A worker
@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import metrics
+from gateway import cores, metrics
 from gateway.errors import ConfigError
 from gateway.schema import migrate
 from gateway.settings import Settings, listen_host, listen_port
@@ -57,10 +57,9 @@ def bind(settings: Settings) -> socket.socket:
     return sock
 
 
-def announce(sock: socket.socket, settings: Settings, workers: int) -> None:
+def announce(sock: socket.socket, settings: Settings, workers: cores.Workers) -> None:
     port = sock.getsockname()[1]  # the real port, when listen asks for port 0
-    if workers > 1:
-        log.info("%d worker processes", workers)
+    log.info("workers: %d (%s)", workers.count, workers.source)
     # Scripts and tests read the address as this line's last word.
     print(f"effect-gateway listening on http://{listen_host(settings.listen)}:{port}", flush=True)
 
@@ -115,17 +114,19 @@ def run_loop(settings: Settings, work: Coroutine[Any, Any, None]) -> None:
 
 def run(settings: Settings, dsn: str, sock: socket.socket) -> int:
     """Serve on ``sock`` (see :func:`bind`) until SIGTERM or SIGINT; returns the exit status."""
-    workers = settings.workers or os.cpu_count() or 1
+    workers = cores.to_start(settings.workers)
     # Made before any worker starts, so that every worker counts into it and a scrape of any one of
     # them reads them all (gateway.metrics); removed when the gateway stops.
     with metrics.shared_by_workers() as shared:
-        if workers == 1:
-            run_loop(settings, _worker(settings, dsn, sock, shared, lambda: announce(sock, settings, 1)))
+        if workers.count == 1:
+            run_loop(
+                settings, _worker(settings, dsn, sock, shared, lambda: announce(sock, settings, workers))
+            )
             return 0
         asyncio.run(migrate(dsn))  # once, before any worker starts
         supervisor = Supervisor(
             lambda: run_loop(settings, _worker(settings, dsn, sock, shared)),
-            workers,
+            workers.count,
         )
         return supervisor.run(lambda: announce(sock, settings, workers))
 

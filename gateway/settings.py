@@ -261,8 +261,9 @@ class Settings(BaseSettings):
     )
 
     listen: str = "127.0.0.1:8787"
-    # Worker processes serving the one listening socket; None: one per core. Each worker has its own
-    # connection pool (pool_size) and replay cache (replay_cache_bytes).
+    # Worker processes serving the one listening socket; None: one per CPU the process may use (its
+    # cores, or its cgroup's CPU quota rounded up: gateway.cores). Each worker has its own connection
+    # pool (pool_size) and replay cache (replay_cache_bytes).
     workers: int | None = Field(default=None, ge=1)
     # The workers' event loop: "uvloop" (the extra `fast`), "asyncio", or "auto": uvloop when installed.
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
