@@ -1,9 +1,9 @@
 """``effect-gateway``: serve, check-config, migrate, effects, resolve, purge, demo.
 
 Every failure an operator can act on is one line on stderr and no traceback. Exit status 2: something to
-fix (the configuration, the command line, an effect that is not there, a port in use); 75 (EX_TEMPFAIL):
-Postgres cannot be reached, or a migration could not take a lock in time, so trying again later may
-work (a supervisor restarts on 75 and stops on 2).
+fix (the configuration, the command line, an effect that is not there, a port in use, a password, role
+or database that Postgres refuses); 75 (EX_TEMPFAIL): Postgres cannot be reached, or a migration could
+not take a lock in time, so trying again later may work (a supervisor restarts on 75 and stops on 2).
 Commands that print data print a table for a person, or JSON with ``--json``.
 """
 
@@ -29,7 +29,7 @@ import asyncpg
 from gateway import admin, embedded, jsonbody, logs, operators, problems, report
 from gateway.decision import NotAwaitingOperator
 from gateway.embedded import EmbeddedPostgres
-from gateway.errors import ConfigError, GatewayError, StoreUnavailable
+from gateway.errors import ConfigError, GatewayError, LoginRefused, StoreUnavailable
 from gateway.policy import PythonProbe, upstream_policies, upstream_policy
 from gateway.probes import Prober, load_python_probe
 from gateway.record import EffectRecord, StoredResponse
@@ -50,11 +50,15 @@ class UsageError(GatewayError):
 
 
 def say(line: str = "") -> None:
-    print(line, flush=True)
+    """Print a line for a person, every character one a terminal shows as itself (report.printable)."""
+    print(report.printable(line), flush=True)
 
 
 def emit(doc: Any, lines: list[str], as_json: bool) -> None:
-    say(json.dumps(doc, indent=1) if as_json else "\n".join(lines))
+    """Print ``lines`` for a person, or ``doc`` as JSON: pure ASCII (json.dumps escapes the rest, bidi
+    controls included), so nothing in it acts on a terminal, and a program reads every value back exact."""
+    text = json.dumps(doc, indent=1) if as_json else "\n".join(map(report.printable, lines))
+    print(text, flush=True)
 
 
 def describe_database(settings: Settings) -> str:
@@ -162,7 +166,7 @@ Progress = Callable[[str], None]
 
 def progress_printer(as_json: bool) -> Progress:
     """Progress goes to stdout for a person, to stderr when stdout carries JSON."""
-    return say if not as_json else lambda line: print(line, file=sys.stderr, flush=True)
+    return say if not as_json else lambda line: print(report.printable(line), file=sys.stderr, flush=True)
 
 
 async def migrate_reporting(dsn: str, progress: Progress) -> list[str]:
@@ -447,7 +451,8 @@ DATABASE_ONLY = frozenset({"migrate", "purge", "effects", "resolve"})
 
 
 def _fail(message: str, status: int) -> int:
-    print(f"effect-gateway: {message}", file=sys.stderr, flush=True)
+    # Escaped: an error may quote what an upstream or a probe said, and stays one line.
+    print(f"effect-gateway: {report.printable(message)}", file=sys.stderr, flush=True)
     return status
 
 
@@ -467,6 +472,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader stopped reading (effects --json | head): stop quietly, as a pipe's writer does.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return BROKEN_PIPE
+    except LoginRefused as exc:  # before StoreUnavailable, of which it is a kind
+        return _fail(str(exc), FIX)
     except StoreUnavailable as exc:
         return _fail(str(exc), TEMPFAIL)
     except (ConfigError, UsageError, GatewayError) as exc:

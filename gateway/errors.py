@@ -13,6 +13,11 @@ class StoreUnavailable(GatewayError):
     """Postgres could not be reached or answered with an error we cannot act on."""
 
 
+class LoginRefused(StoreUnavailable):
+    """Postgres is up but refuses the configured password, role or database, and will go on refusing:
+    to a request an outage like any other (503), to a command a configuration to fix (exit 2)."""
+
+
 class SchemaNewer(GatewayError):
     """The database was migrated by a newer version of the gateway, whose rows this one could misread."""
 

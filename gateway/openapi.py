@@ -513,7 +513,8 @@ def _proxy_operation(method: str) -> dict[str, Any]:
                 {
                     "name": name,
                     "in": "header",
-                    "description": "the agent's run and step, kept in the audit",
+                    "description": "the agent's run and step, kept in the audit; a control character "
+                    "or an invisible formatting one (a bidi override, a zero-width space) is a 400",
                     "schema": {"type": "string", "maxLength": MAX_LABEL},
                 }
                 for name in ("Effect-Gateway-Run", "Effect-Gateway-Step")

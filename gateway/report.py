@@ -1,11 +1,15 @@
 """What the operator's command line prints for a person: tables, one effect in full, an upstream's protection.
 
-Plain functions from values to lines of text; ``--json`` prints the same documents as JSON instead.
+Plain functions from values to lines of text; ``--json`` prints the same documents as JSON instead. The
+command line prints every line through :func:`printable`, so a value here may hold any character; a
+line is one entry of the list (a value holding a line break is escaped with the rest, and cannot pass
+for another line).
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -39,8 +43,9 @@ def when(iso: str | None) -> str:
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
-    """Columns as wide as their widest cell, two spaces apart; the last column is not padded."""
-    cells = [list(headers), *(list(row) for row in rows)]
+    """Columns as wide as their widest cell, two spaces apart; the last column is not padded. Each cell
+    is shown :func:`printable` (escaped before the widths are measured, so the columns line up)."""
+    cells = [list(headers), *([printable(cell) for cell in row] for row in rows)]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in cells]
 
@@ -77,10 +82,16 @@ def _body(doc: dict[str, Any], kind: str) -> list[str]:
         return [f"  (cannot be read back: {unreadable})"]
     if text is None:
         return ["  (purged after the retention)" if doc.get("response_purged") else "  (none)"]
-    lines = ["  " + line for line in text[:BODY_PREVIEW].splitlines() or [""]]
+    lines = ["  " + line for line in _body_lines(text[:BODY_PREVIEW])]
     if len(text) > BODY_PREVIEW:
         lines.append(f"  ... {len(text) - BODY_PREVIEW} more characters (--json shows all)")
     return lines
+
+
+def _body_lines(text: str) -> list[str]:
+    """Split a body at its own line breaks (LF or CRLF) and nowhere else; no empty line after the last."""
+    lines = _LINE_BREAK.split(text)
+    return lines[:-1] if len(lines) > 1 and not lines[-1] else lines
 
 
 def effect_detail(doc: dict[str, Any]) -> list[str]:
@@ -109,22 +120,46 @@ def effect_detail(doc: dict[str, Any]) -> list[str]:
     if (doc.get("unreadable") or {}).get("history"):
         lines.append(f"  (cannot be read back in full: {doc['unreadable']['history']})")
     for event in doc.get("history") or []:
-        rest = " ".join(
-            f"{_one_line(k)}={_one_line(v)}" for k, v in event.items() if k not in ("at", "event")
-        )
-        lines.append(f"  {when(event.get('at'))}  {_one_line(event.get('event'))}  {rest}".rstrip())
+        rest = " ".join(f"{k}={v}" for k, v in event.items() if k not in ("at", "event"))
+        lines.append(f"  {when(event.get('at'))}  {event.get('event')}  {rest}".rstrip())
     lines += ["request body", *_body(doc, "request"), "response body", *_body(doc, "response")]
     return lines
 
 
-# C0 and C1 controls, and the separators str.splitlines also breaks lines at: a value holding one (a
-# name kept by an earlier version, a reason an upstream gave) would pass for another line of the history.
-CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# What a terminal obeys or hides instead of showing, by Unicode's general category. Controls (Cc: C0,
+# DEL and C1) start escape sequences that clear the screen, set the window's title or move the cursor,
+# and a carriage return overwrites the line; the line and paragraph separators (Zl, Zp) break lines for
+# str.splitlines and some terminals, so a value holding one passes for another line.
+CONTROLS = frozenset({"Cc", "Zl", "Zp"})
+# Format characters (Cf) are invisible: bidi overrides and isolates reorder what follows them (a name
+# that reads "bobevil" is "bob" and "live" reversed), zero-width spaces and joiners hide in a word.
+INVISIBLE = "Cf"
+# Lone surrogates (Cs) stand for bytes that were not UTF-8; a terminal cannot even be sent one.
+NOT_TEXT = "Cs"
+UNSHOWN = CONTROLS | {INVISIBLE, NOT_TEXT}
+# Printable ASCII is shown as itself: only the rest is looked up (a body is mostly ASCII).
+_BEYOND_ASCII = re.compile(r"[^\x20-\x7e]")
+# A body's own lines; any other break (a lone CR, a form feed, U+2028) is escaped with the rest.
+_LINE_BREAK = re.compile(r"\r?\n")
 
 
-def _one_line(value: Any) -> str:
-    """A history value on one line, its control characters escaped as Python writes them."""
-    return CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), str(value))
+def printable(value: object) -> str:
+    """Return ``value`` as text whose every character a terminal shows as itself: those it would obey or
+    hide instead (UNSHOWN) are escaped as Python writes them (``\\x1b``, ``\\u202e``).
+
+    Every line the command line prints for a person goes through here: an effect's text comes from
+    agents, upstreams and earlier versions of the gateway, and an error may quote any of them. A
+    backslash is left as it is (bodies are full of JSON's own escapes), so ``\\x1b`` on the screen may
+    also be those four characters; ``--json`` tells them apart.
+    """
+    return _BEYOND_ASCII.sub(_escape_unshown, str(value))
+
+
+def _escape_unshown(match: re.Match[str]) -> str:
+    char = match.group()
+    if unicodedata.category(char) in UNSHOWN:
+        return char.encode("unicode_escape").decode("ascii")
+    return char
 
 
 def _probe_window(policy: UpstreamPolicy) -> str:

@@ -9,7 +9,7 @@ import asyncpg
 
 from gateway import partitions
 from gateway.errors import SchemaNewer, StoreRejected, StoreUnavailable
-from gateway.store import OUTAGE, RETRYABLE_SQLSTATES
+from gateway.store import OUTAGE, RETRYABLE_SQLSTATES, cannot_connect
 
 # Any constant will do, as long as no other application on the database uses it for another lock.
 MIGRATION_LOCK = 0x65666665637473  # "effects"
@@ -43,7 +43,7 @@ async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[st
     try:
         conn = await asyncpg.connect(dsn)
     except (OSError, asyncpg.PostgresError) as exc:
-        raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
+        raise cannot_connect(exc) from exc
     try:
         # Waits its turn behind another replica's migrations for as long as they take (whatever
         # lock_timeout or statement_timeout the role or the database sets, which apply again to the

@@ -1,4 +1,4 @@
-"""``effect-gateway serve``: one listening socket, served by N worker processes on every core.
+"""``effect-gateway serve``: one listening socket, served by N worker processes (gateway.cores says how many).
 
 The parent binds the socket, applies the migrations once, and forks the workers; each runs the aiohttp
 application on the inherited socket (the kernel hands each new connection to one of them). A worker
@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import metrics
+from gateway import cores, metrics
 from gateway.errors import ConfigError
 from gateway.schema import migrate
 from gateway.settings import Settings, listen_host, listen_port
@@ -91,9 +91,8 @@ def _url(sock: socket.socket, address: str) -> str:
     return f"http://{listen_host(address)}:{sock.getsockname()[1]}"
 
 
-def announce(sockets: Sockets, settings: Settings, workers: int) -> None:
-    if workers > 1:
-        log.info("%d worker processes", workers)
+def announce(sockets: Sockets, settings: Settings, workers: cores.Workers) -> None:
+    log.info("workers: %d (%s)", workers.count, workers.source)
     print(f"effect-gateway admin (audit, effects, metrics) on {_url(sockets.admin, settings.admin_listen)}")
     # Scripts and tests read the address as this line's last word; it comes last, once both serve.
     print(f"effect-gateway listening on {_url(sockets.proxy, settings.listen)}", flush=True)
@@ -144,19 +143,20 @@ def run_loop(settings: Settings, work: Coroutine[Any, Any, None]) -> None:
 
 def run(settings: Settings, dsn: str, sockets: Sockets) -> int:
     """Serve on ``sockets`` (see :func:`bind`) until SIGTERM or SIGINT; returns the exit status."""
-    workers = settings.workers or os.cpu_count() or 1
+    workers = cores.to_start(settings.workers)
     # Made before any worker starts, so that every worker counts into it and a scrape of any one of
     # them reads them all (gateway.metrics); removed when the gateway stops.
     with metrics.shared_by_workers() as shared:
-        if workers == 1:
+        if workers.count == 1:
             run_loop(
-                settings, _worker(settings, dsn, sockets, shared, lambda: announce(sockets, settings, 1))
+                settings,
+                _worker(settings, dsn, sockets, shared, lambda: announce(sockets, settings, workers)),
             )
             return 0
         asyncio.run(migrate(dsn))  # once, before any worker starts
         supervisor = Supervisor(
             lambda: run_loop(settings, _worker(settings, dsn, sockets, shared)),
-            workers,
+            workers.count,
         )
         return supervisor.run(lambda: announce(sockets, settings, workers))
 

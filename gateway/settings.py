@@ -328,8 +328,9 @@ class Settings(BaseSettings):
     # The audit page, the effects API and the metrics have a listener of their own: nothing an upstream
     # answers is ever served on the operator's origin, where a script in it would act with their session.
     admin_listen: str = "127.0.0.1:8788"
-    # Worker processes serving the one listening socket; None: one per core. Each worker has its own
-    # connection pool (pool_size) and replay cache (replay_cache_bytes).
+    # Worker processes serving the one listening socket; None: one per CPU the process may use (its
+    # cores, or its cgroup's CPU quota rounded up: gateway.cores). Each worker has its own connection
+    # pool (pool_size) and replay cache (replay_cache_bytes).
     workers: int | None = Field(default=None, ge=1)
     # The workers' event loop: "uvloop" (the extra `fast`), "asyncio", or "auto": uvloop when installed.
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"

@@ -37,7 +37,7 @@ from gateway.audit_query import (
     find_statement,
 )
 from gateway.decision import Settlement
-from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
+from gateway.errors import CursorUnknown, LoginRefused, StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, NewEffect, StoredResponse
 from gateway.rows import (
     HISTORY,
@@ -103,6 +103,24 @@ OUTAGE = (
     # what asyncpg raises when the server cuts a session in the middle of a message exchange
     asyncpg.exceptions.InternalClientError,
 )
+# What a server that is up answers to a login it will refuse however long one waits: a wrong password
+# (28P01, a kind of 28000), a role it does not know, that may not log in or that pg_hba.conf turns away
+# (28000), a database that does not exist (3D000). Whatever else stops a connection (the server down or
+# starting up, no connection slot free) may pass if tried again.
+LOGIN_REFUSED = (
+    asyncpg.exceptions.InvalidAuthorizationSpecificationError,
+    asyncpg.exceptions.InvalidCatalogNameError,
+)
+
+
+def cannot_connect(exc: OSError | asyncpg.PostgresError) -> StoreUnavailable:
+    """The error for a connection that could not be made: :class:`LoginRefused` when trying again
+    cannot help, else :class:`StoreUnavailable`."""
+    if isinstance(exc, LOGIN_REFUSED):
+        return LoginRefused(f"Postgres refused the connection: {exc} (check database_url)")
+    return StoreUnavailable(f"cannot connect to Postgres: {exc}")
+
+
 # Whether the effect a page read by time goes on from is one the viewer sees: asked only when the page
 # is empty. One probe of the primary key in each partition of the audit.
 _CURSOR = """
@@ -174,7 +192,7 @@ class Store:
                 command_timeout=limits.answer,
             )
         except (OSError, asyncpg.PostgresError) as exc:
-            raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
+            raise cannot_connect(exc) from exc
         return cls(pool, limits, dsn, telemetry)
 
     async def close(self) -> None:
@@ -456,7 +474,7 @@ class Store:
         try:
             conn = await asyncpg.connect(self._dsn)
         except (OSError, asyncpg.PostgresError) as exc:
-            raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
+            raise cannot_connect(exc) from exc
         try:
             await conn.execute("set statement_timeout = 0; set lock_timeout = '5s'")
             # One maintainer at a time among all gateways on the database; the others skip this round.

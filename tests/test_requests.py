@@ -65,6 +65,29 @@ async def test_a_header_read_as_one_value_sent_twice_is_refused(
 
 
 @pytest.mark.parametrize(
+    ("header", "value", "why"),
+    [
+        (b"Effect-Gateway-Run", "run-\u202e7".encode(), "may not hold invisible formatting characters"),
+        (b"Effect-Gateway-Run", "run-\u20667\u2069".encode(), "may not hold invisible formatting characters"),
+        (b"Effect-Gateway-Step", "pl\u200bace".encode(), "may not hold invisible formatting characters"),
+        (b"Effect-Gateway-Step", "4\u0085".encode(), "may not hold control characters"),
+        (b"Effect-Gateway-Run", "run-7\u2028".encode(), "may not hold control characters"),
+    ],
+    ids=["override", "isolate", "zero-width-space", "c1-control", "line-separator"],
+)
+async def test_a_run_or_step_label_an_operator_name_could_not_hold_is_refused(
+    gateway: Gateway, upstream: Upstream, dsn: str, header: bytes, value: bytes, why: str
+) -> None:
+    """Run and step labels follow the operator names' rule (no control or invisible characters): a 400
+    naming the header, and nothing is sent or recorded. (Bytes that are not UTF-8 are refused before.)"""
+    answer = await raw(gateway, POST + KEY + TOKEN + header + b": " + value + b"\r\n")
+    assert status_and_type(answer) == (400, "bad-request")
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["detail"] == f"{header.decode()} {why}"
+    assert upstream.calls == []
+    assert await effect_rows(dsn) == []
+
+
+@pytest.mark.parametrize(
     "head",
     [
         POST + KEY + b"Effect-Gateway-Token: secret-\xff\r\n",

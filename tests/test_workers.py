@@ -10,12 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
-from tests.support import Upstream, children, effect_rows, start_gateway_process
+from gateway import cores
+from tests.support import PORT_ZERO, Upstream, children, effect_rows, start_gateway_process
 
 
 def _config(tmp_path: Path, dsn: str, upstream: Upstream, **extra: str) -> Path:
@@ -65,6 +67,42 @@ async def test_a_worker_that_dies_is_replaced_and_the_others_go_on(
     assert victim not in now
     assert len(now) == 3
     assert len(await effect_rows(dsn)) == 30
+
+
+@contextlib.contextmanager
+def on_one_core() -> Iterator[None]:
+    """Processes started in the block may run on one core only, as a cpuset or taskset allows."""
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})  # this thread's, which the children it starts inherit
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+async def test_without_workers_serve_starts_one_per_cpu_it_may_use(
+    dsn: str, upstream: Upstream, tmp_path: Path
+) -> None:
+    """Allowed one core of the machine's, serve without `workers` starts one worker, not one per core of
+    the machine, says at start how many and why, and serves."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(f'database_url = "{dsn}"\n{PORT_ZERO}[upstreams.shop]\nbase_url = "{upstream.url}"\n')
+    with on_one_core():
+        gateway = start_gateway_process(config)
+    try:
+        for _ in range(10):  # a worker too many would be forked by now, or soon after
+            if started := children(gateway.proc.pid):
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as http:
+            status = await _order(http, gateway.url, "k1")
+    finally:
+        gateway.stop()
+    assert (started, status) == (set(), 201), "one worker is the serve process itself"
+    assert gateway.stderr is not None
+    logged = [json.loads(line)["message"] for line in gateway.stderr.whole() if line.startswith("{")]
+    # This test's own cgroup is the gateway's: its CPU quota, if any, is named the same way.
+    assert f"workers: 1 ({cores.workers(1, cores.read()[1]).source})" in logged
 
 
 async def test_sigterm_lets_every_worker_finish_its_calls(
