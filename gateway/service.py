@@ -508,12 +508,16 @@ class EffectService:
         """A completed effect whose response was purged: the probe may supply it; nothing is ever sent."""
         match await self._look(policy, record):
             case Found(response=response):
-                await self._store.restore(record, restore(record), response)
-                trail.recovered("probe")
-                # Stored again just now: its retention starts over (from when the record was read, at
-                # the latest), where the record still carries the time of the response it lost.
-                self._replays.remember(record, response, _clock(), stored=record.read_at)
-                return Reply(response, replayed=True, effect_id=record.id)
+                # A probe's answer may differ from one search to the next: only the first stored is
+                # given, to this request and every other, from Postgres or any worker's memory.
+                stored, restored = await self._store.restore(record, restore(record), response)
+                trail.saw(stored)
+                if stored.response is None:
+                    raise replies.purged(record, "the answer restored for it was dropped again")
+                if restored:
+                    trail.recovered("probe")
+                self._replays.remember(stored, stored.response, _clock())
+                return Reply(stored.response, replayed=True, effect_id=record.id)
             case NotFound():
                 raise replies.purged(record, "the probe no longer finds it")
             case ProbeError(reason=reason):

@@ -686,16 +686,37 @@ async def test_restore_puts_back_only_a_purged_response(subject: Subject) -> Non
     store = subject.store
     record = await completed(store)
     fresh = await store.reread(record)
-    await store.restore(fresh, Transition(State.COMPLETED, State.COMPLETED), LATER)
+    kept, restored = await store.restore(fresh, Transition(State.COMPLETED, State.COMPLETED), LATER)
+    assert (kept.response, restored) == (OK, False)
     assert (await store.reread(record)).response == OK
     await subject.backdate(10)
     await store.maintain(RETENTION)
     purged = await store.reread(record)
     assert purged.purged
-    await store.restore(purged, Transition(State.COMPLETED, State.COMPLETED), LATER)
-    restored = await store.reread(record)
-    assert restored.response == LATER
-    assert restored.state is State.COMPLETED
+    put_back, restored = await store.restore(purged, Transition(State.COMPLETED, State.COMPLETED), LATER)
+    assert (put_back.response, restored) == (LATER, True)
+    again = await store.reread(record)
+    assert again.response == LATER
+    assert again.state is State.COMPLETED
+    assert put_back.response_at == again.response_at  # the retention of the copy counts from here
+
+
+async def test_a_second_restore_of_one_purge_returns_the_first_ones_answer(subject: Subject) -> None:
+    """Two requests that read the same purge and restore it: the first answer stays, both are given it."""
+    store = subject.store
+    record = await completed(store)
+    await subject.backdate(10)
+    await store.maintain(RETENTION)
+    purged = await store.reread(record)
+    same = Transition(State.COMPLETED, State.COMPLETED)
+    first, restored_first = await store.restore(purged, same, LATER)
+    second, restored_second = await store.restore(purged, same, OK)
+    assert (restored_first, restored_second) == (True, False)
+    assert first.response == second.response == LATER
+    assert (await store.reread(record)).response == LATER
+    full = await store.get(record.id)
+    assert full is not None
+    assert [event["event"] for event in full.history].count("restored") == 1
 
 
 # --- reading -------------------------------------------------------------------------------------------
