@@ -255,10 +255,11 @@ async def send_to_review(conn: Conn, record: EffectRecord, move: Transition, why
     return await _one(
         conn,
         f"""
-        -- A new attempt number: a stalled holder that wakes up now is fenced out, and what it
-        -- saw goes to the history for the operator instead of over their head.
+        -- No new attempt: the operator judges the latest one, under the number every view shows.
+        -- Its holder, should it wake up now, is fenced out all the same (each of its writes is
+        -- fenced on pending), and what it saw goes to the history instead of over their head.
         with e as (
-            update effects e set state = 'needs_review', attempt = attempt + 1,
+            update effects e set state = 'needs_review',
                 lease_expires_at = least(lease_expires_at, now()),
                 history = history || {_stamped(5)}
             {_fenced(record)}
@@ -353,7 +354,6 @@ async def resolve(
                 response_status = $7,
                 response_at = case when $6 then now() end,
                 recovered_by = 'operator',
-                attempt = attempt + 1,
                 completed_at = case when $6 then now() end,
                 history = history || {_stamped(10)}
             {_fenced(record)}
@@ -374,6 +374,6 @@ async def resolve(
         response.status if response else None,
         head_bytes(response.headers) if response else b"",
         body,
-        _event("resolved", happened=happened, by=by, was=record.state.value),
+        _event("resolved", attempt=record.attempt, happened=happened, by=by, was=record.state.value),
         coding,
     )

@@ -267,7 +267,7 @@ class EffectService:
                         continue
                     self._took(record, reviewed)
                     log.warning("effect %s needs review (%s %s)", record.id, record.upstream, record.path)
-                    raise replies.outcome_unknown(record)
+                    raise replies.outcome_unknown(reviewed)
                 case Unknown():
                     raise replies.outcome_unknown(record)
                 case Restore():
@@ -419,7 +419,7 @@ class EffectService:
             return replies.reply(outcome, record.id)  # nothing reached the upstream: say what stopped it
         raise problems.OutcomeUnknown(
             f"the upstream {replies.describe(outcome)} but the gateway could not record the answer ({exc}); "
-            f"nothing will be sent again for this key until an operator resolves effect {record.id}",
+            f"nothing will be sent again for this key until it is resolved: {replies.how_to_resolve(record)}",
             effect_id=record.id,
         )
 

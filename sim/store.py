@@ -328,9 +328,8 @@ class SimDatabase:
         if row is None or not self._holds(row, record, source):
             return None
         was = row.state
-        # A new attempt number: a stalled holder that wakes up now is fenced out.
+        # No new attempt; a stalled holder that wakes up now is fenced out by the state.
         row.state = State.NEEDS_REVIEW
-        row.attempt += 1
         row.lease_expires_at = _least(row.lease_expires_at, now)
         row.history.append(_event("needs_review", now, attempt=record.attempt, why=why))
         self._wrote("send_to_review", was, row, now, why)
@@ -397,9 +396,10 @@ class SimDatabase:
         row.response_status = response.status if response else None
         row.response_at = now if happened else None
         row.recovered_by = "operator"
-        row.attempt += 1
         row.completed_at = now if happened else None
-        row.history.append(_event("resolved", now, happened=happened, by=by, was=record.state.value))
+        row.history.append(
+            _event("resolved", now, attempt=record.attempt, happened=happened, by=by, was=record.state.value)
+        )
         self._wrote("resolve", was, row, now)
         return self.record(row, now)
 

@@ -375,12 +375,12 @@ async def test_a_fenced_out_holder_adds_to_the_history_only(subject: Subject) ->
 
 
 async def test_send_to_review_is_fenced_and_fences_out_the_holder(subject: Subject) -> None:
-    """Review takes a new attempt number: the holder it was taken from can no longer settle."""
+    """Review keeps the attempt an operator judges, and the holder of that attempt can no longer settle."""
     store = subject.store
     record = await claimed(store, lease=EXPIRED)
     reviewed = await store.send_to_review(record, review(record), "nothing can tell")
     assert reviewed is not None
-    assert (reviewed.state, reviewed.attempt) == (State.NEEDS_REVIEW, 2)
+    assert (reviewed.state, reviewed.attempt) == (State.NEEDS_REVIEW, 1)
     assert await store.send_to_review(record, review(record), "again") is None
     assert await store.settle(record, DONE, response=OK, recovered_by=None) is None
     assert (await store.reread(record)).state is State.NEEDS_REVIEW
@@ -492,23 +492,20 @@ async def test_an_operator_cannot_resolve_while_a_lease_runs(subject: Subject) -
 
 
 async def test_an_operator_verdict_that_it_happened_completes_with_the_response(subject: Subject) -> None:
-    """Resolved as happened: completed by the operator, the response replayed, a new attempt number."""
+    """Resolved as happened: completed by the operator, the response replayed, under the attempt judged."""
     store = subject.store
     record = await claimed(store, lease=EXPIRED)
     resolved = await store.resolve(record, Transition(State.PENDING, State.COMPLETED), OK, "op")
     assert resolved is not None
-    assert (resolved.state, resolved.attempt, resolved.may_have_sent) == (State.COMPLETED, 2, True)
+    assert (resolved.state, resolved.attempt, resolved.may_have_sent) == (State.COMPLETED, 1, True)
     assert resolved.recovered_by == "operator"
     again = await store.reread(record)
     assert again.response == OK
     full = await store.get(record.id)
     assert full is not None
     assert full.history[-1]["event"] == "resolved"
-    assert (full.history[-1]["happened"], full.history[-1]["by"], full.history[-1]["was"]) == (
-        True,
-        "op",
-        "pending",
-    )
+    last = full.history[-1]
+    assert (last["attempt"], last["happened"], last["by"], last["was"]) == (1, True, "op", "pending")
 
 
 async def test_an_operator_verdict_that_it_did_not_happen_makes_it_retryable(subject: Subject) -> None:
@@ -535,7 +532,7 @@ async def test_an_operator_resolves_a_pending_record_only_once_its_lease_is_over
     dead = await claimed(store, "dead", lease=EXPIRED)
     resolved = await store.resolve(dead, Transition(State.PENDING, State.RETRYABLE), None, "op")
     assert resolved is not None
-    assert (resolved.state, resolved.attempt, resolved.may_have_sent) == (State.RETRYABLE, 2, False)
+    assert (resolved.state, resolved.attempt, resolved.may_have_sent) == (State.RETRYABLE, 1, False)
     assert resolved.recovered_by == "operator"
     assert await store.settle(dead, DONE, response=OK, recovered_by=None) is None, "the holder is fenced out"
 
