@@ -19,22 +19,11 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from tests.support import ROOT, Upstream, effect_rows, gateway_server
+from tests.test_recovery import flaky_first
 
 BODY = b'{"items":["atta"]}'
-
-
-def lost_first(upstream: Upstream) -> None:
-    """The first order is placed and then answered 500, as a crashing upstream might; later ones 201."""
-
-    async def create(request: web.Request) -> web.Response:
-        if len(upstream.effects("/orders")) == 1:
-            return web.json_response({"error": "lost"}, status=500)
-        return web.json_response({"order": len(upstream.effects("/orders"))}, status=201)
-
-    upstream.routes["/orders"] = create
 
 
 async def order(http: aiohttp.ClientSession, url: str) -> tuple[int, dict[str, Any]]:
@@ -93,7 +82,7 @@ async def test_the_command_a_409_outcome_unknown_gives_runs_and_resolves_the_eff
 ) -> None:
     """Copied from the 409 (with the response filled in where the effect happened) and run as it is,
     the command resolves the effect, and the agent's next retry gets the verdict's answer."""
-    lost_first(upstream)
+    flaky_first(upstream)
     async with (
         gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw,
         aiohttp.ClientSession() as http,
@@ -112,7 +101,7 @@ async def test_the_page_the_command_line_the_api_the_history_and_resolve_name_on
     dsn: str, upstream: Upstream
 ) -> None:
     """An effect sent once, then to review: every surface says attempt 1, and resolve takes it."""
-    lost_first(upstream)
+    flaky_first(upstream)
     async with (
         gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw,
         aiohttp.ClientSession() as http,
