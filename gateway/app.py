@@ -102,6 +102,7 @@ async def running(
         secret,
         retention=settings.retention,
         replay_cache_bytes=settings.replay_cache_bytes,
+        waiters_per_key=settings.max_waiters_per_key,
         telemetry=telemetry,
     )
     runtime = Runtime(
@@ -448,10 +449,18 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             wait=_wait(request, runtime.settings),
             run_id=run_id,
             step=step,
+            client_left=lambda: _client_left(request),
         )
     )
     trail.replayed = reply.replayed
     return to_response(reply)
+
+
+def _client_left(request: web.Request) -> bool:
+    """Whether the agent has hung up. aiohttp cancels no handler when it does (handler_cancellation is
+    off: an upstream call must not be cut short), and drops the connection's transport instead."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 async def _not_ours_to_forward(request: web.Request) -> None:

@@ -263,7 +263,8 @@ def effect(
             ("key", f'<span class="mono">{escape(record.key)}</span>'),
             ("derived key", f'<span class="mono">{escape(record.derived_key)}</span>'),
             ("run : step", escape(f"{record.run_id or '-'} : {record.step or '-'}") if run_step else "-"),
-            ("attempts", str(record.attempt)),
+            # The latest attempt: the one a verdict names (sending to review or resolving is none).
+            ("attempt", str(record.attempt)),
             ("replays", str(record.replays)),
             ("recovered by", recovered),
             ("created", time_tag(record.created_at)),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gateway import problems
@@ -29,6 +29,8 @@ class Inbound:
     wait: float
     run_id: str | None = None
     step: str | None = None
+    # Whether the agent has hung up (asked while the request waits for another with its key).
+    client_left: Callable[[], bool] = lambda: False
 
 
 # Credentials, hop-by-hop headers and the gateway's own: never in the audit, whatever the upstream.

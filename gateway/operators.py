@@ -7,6 +7,7 @@ import unicodedata
 from gateway.decision import NotAwaitingOperator, resolution
 from gateway.record import EffectRecord, StoredResponse
 from gateway.report import CONTROLS, INVISIBLE, NOT_TEXT
+from gateway.states import State
 from gateway.store import Store
 
 
@@ -19,6 +20,11 @@ def resolvable(record: EffectRecord) -> bool:
     except NotAwaitingOperator:
         return False
     return True
+
+
+def _resolved_at(record: EffectRecord, attempt: int) -> bool:
+    """Whether the history holds an operator's verdict on ``attempt`` (read with its history)."""
+    return any(e.get("event") == "resolved" and e.get("attempt") == attempt for e in record.history)
 
 
 class NoSuchEffect(LookupError):
@@ -89,10 +95,21 @@ async def resolve(
     record = await store.get(effect_id)
     if record is None:
         raise NoSuchEffect(f"no effect {effect_id}")
-    if record.attempt != attempt:
+    if attempt > record.attempt:
+        raise NotAwaitingOperator(
+            f"effect {effect_id} has had no attempt {attempt}: its latest is attempt {record.attempt} "
+            f"({record.state}), the one to judge"
+        )
+    if attempt < record.attempt:
         raise NotAwaitingOperator(
             f"effect {effect_id} changed since it was judged (attempt {attempt}, now attempt "
             f"{record.attempt}, {record.state}); look at it again"
+        )
+    if record.state is State.RETRYABLE and _resolved_at(record, attempt):
+        # A verdict keeps the attempt: a second operator on the same attempt is told what changed.
+        raise NotAwaitingOperator(
+            f"effect {effect_id} changed since it was judged: another verdict said it did not happen "
+            "(now retryable, and the next retry sends it); look at it again"
         )
     assert record.read_at is not None
     move = resolution(record, record.read_at, happened=happened)

@@ -3,7 +3,8 @@
 :class:`gateway.store.Store` runs each on a pooled connection, retries what Postgres says is
 retryable, and maps asyncpg's errors to the gateway's own; here is only what each one writes and
 reads. A write that moves a record (take over, settle, review, restore, resolve) is fenced by the
-state and attempt it was read in, so that it changes nothing once another attempt took the record;
+state and attempt it was read in, so that it changes nothing once another attempt took the record (a
+restore, which changes neither, also by the response it was read with);
 one that only adds to it (a fenced-out holder's note, replay counts) is not. Each is kept to the one
 month of the audit that holds the row: a statement that may touch every month locks them all.
 """
@@ -11,6 +12,7 @@ month of the audit that holds the row: a statement that may touch every month lo
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -19,7 +21,7 @@ from gateway.audit_query import RECORD_COLUMNS
 from gateway.decision import Settlement
 from gateway.errors import StoreRejected
 from gateway.record import EffectRecord, NewEffect, StoredResponse
-from gateway.rows import Conn, head_bytes, read_with_response, record_of
+from gateway.rows import Conn, head_bytes, read_with_response, record_of, reread
 from gateway.states import State, Transition
 
 
@@ -253,10 +255,11 @@ async def send_to_review(conn: Conn, record: EffectRecord, move: Transition, why
     return await _one(
         conn,
         f"""
-        -- A new attempt number: a stalled holder that wakes up now is fenced out, and what it
-        -- saw goes to the history for the operator instead of over their head.
+        -- No new attempt: the operator judges the latest one, under the number every view shows.
+        -- Its holder, should it wake up now, is fenced out all the same (each of its writes is
+        -- fenced on pending), and what it saw goes to the history instead of over their head.
         with e as (
-            update effects e set state = 'needs_review', attempt = attempt + 1,
+            update effects e set state = 'needs_review',
                 lease_expires_at = least(lease_expires_at, now()),
                 history = history || {_stamped(5)}
             {_fenced(record)}
@@ -292,21 +295,29 @@ async def add_replays(conn: Conn, counts: Mapping[tuple[int, datetime], int]) ->
     )
 
 
-async def restore(conn: Conn, record: EffectRecord, move: Transition, response: StoredResponse) -> None:
+async def restore(
+    conn: Conn, record: EffectRecord, move: Transition, response: StoredResponse
+) -> tuple[EffectRecord, bool]:
     """The statement of :meth:`gateway.store.Store.restore`."""
     coding, body = packing.pack(response.body)
-    await conn.execute(
+    row = await conn.fetchrow(
         f"""
         with e as (
             update effects e set response_status = $5, response_at = now(),
                 history = history || {_stamped(8)}
             {_fenced(record)}
+              -- Fenced on the response as read, which a restore changes: one that waited for another's
+              -- row lock then finds the row changed and writes nothing. The subquery below cannot see
+              -- that: it reads the bodies as they were when this statement began (READ COMMITTED).
+              and response_at is not distinct from $10
               and not exists (select from effect_bodies r where r.effect_id = e.id and r.kind = 'response'
                               and r.stored_at = e.response_at)
-            returning id
+            returning {RECORD_COLUMNS}
+        ), stored as (
+            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
+            select id, now(), 'response', $6, $9, $7 from e
         )
-        insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
-        select id, now(), 'response', $6, $9, $7 from e
+        select * from e
         """,
         record.id,
         record.created_at,
@@ -317,7 +328,12 @@ async def restore(conn: Conn, record: EffectRecord, move: Transition, response: 
         body,
         _event("restored", status=response.status, note="the probe found the effect"),
         coding,
+        record.response_at,
     )
+    if row is not None:
+        return replace(record_of(row), response=response, response_read=True), True
+    # Another request restored it first (or it was never purged): the answer on record is the one.
+    return await reread(conn, record), False
 
 
 async def resolve(
@@ -338,7 +354,6 @@ async def resolve(
                 response_status = $7,
                 response_at = case when $6 then now() end,
                 recovered_by = 'operator',
-                attempt = attempt + 1,
                 completed_at = case when $6 then now() end,
                 history = history || {_stamped(10)}
             {_fenced(record)}
@@ -359,6 +374,6 @@ async def resolve(
         response.status if response else None,
         head_bytes(response.headers) if response else b"",
         body,
-        _event("resolved", happened=happened, by=by, was=record.state.value),
+        _event("resolved", attempt=record.attempt, happened=happened, by=by, was=record.state.value),
         coding,
     )

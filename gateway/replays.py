@@ -1,7 +1,8 @@
 """Cheap replays: completed effects kept in memory, and their replay counts written in batches.
 
-A completed record never changes (the state table has no way out of completed, and its response is
-written once), so a copy in memory can answer a retry without asking Postgres. The copy is per process,
+A completed record never changes (the state table has no way out of completed, its response is
+written once, and one the retention dropped is put back once, by the first restore), so a copy in
+memory of the response Postgres holds can answer a retry without asking Postgres. The copy is per process,
 bounded in bytes, and scoped like the store: by (tenant, upstream, key).
 """
 
@@ -138,18 +139,16 @@ class Replays:
     def known(self, scope: Scope, now: float) -> Completed | None:
         return self._cache.get(scope, now)
 
-    def remember(
-        self, record: EffectRecord, response: StoredResponse, now: float, *, stored: datetime | None = None
-    ) -> None:
+    def remember(self, record: EffectRecord, response: StoredResponse, now: float) -> None:
         """Keep a completed effect for replays from memory (a keyless one is never replayed).
 
-        ``record`` is as read with (or just after) its response was stored, at ``stored`` (else its
-        ``response_at``): the store keeps the response for the retention from then, and so does the copy.
+        ``response`` must be the one Postgres holds for ``record``, as read with (or just after) it was
+        stored, at ``response_at``: the store keeps it for the retention from then, and so does the copy.
         ``now`` is this process's monotonic clock.
         """
         if record.keyless or record.read_at is None:
             return
-        stored = stored or record.response_at or record.read_at
+        stored = record.response_at or record.read_at
         left = self._retention - (record.read_at - stored)
         self._cache.put(
             (record.tenant, record.upstream, record.key),

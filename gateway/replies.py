@@ -104,7 +104,17 @@ def purged(record: EffectRecord, why: str) -> problems.Problem:
 
 def outcome_unknown(record: EffectRecord) -> problems.Problem:
     return problems.OutcomeUnknown(
-        "the effect may have happened and nothing can tell; resolve it with "
-        f"`effect-gateway resolve {record.id}` or POST /_gateway/effects/{record.id}/resolve",
+        f"the effect may have happened and nothing can tell; {how_to_resolve(record)}",
         effect_id=record.id,
+    )
+
+
+def how_to_resolve(record: EffectRecord) -> str:
+    """What an operator runs to resolve ``record`` once they know whether it happened: each command
+    complete (the one for "it happened" but for the response to replay), naming the attempt judged."""
+    command = f"effect-gateway resolve {record.id} --attempt {record.attempt}"
+    return (
+        f"an operator who finds it did not happen runs `{command} --did-not-happen`, one who finds it did "
+        f"runs `{command} --happened --status STATUS --body BODY` with the response to replay (or POST "
+        f'/_gateway/effects/{record.id}/resolve with "attempt": {record.attempt})'
     )

@@ -105,6 +105,18 @@ def stored_response(stored_at: datetime) -> str:
 NO_BODY: Mapping[str, Any] = {"headers": None, "coding": None, "content": None}
 
 
+async def reread(conn: Conn, record: EffectRecord) -> EffectRecord:
+    """The record as it is now, with its response: what the decision needs to be taken again."""
+    row = await conn.fetchrow(
+        f"select {RECORD_COLUMNS} from effects e "
+        f"where e.id = $1 and e.created_at = $2 and {partitions.in_month(record.created_at)}",
+        record.id,
+        record.created_at,
+    )
+    assert row is not None, "effects are never deleted while in use"
+    return await read_with_response(conn, row)
+
+
 async def read_with_response(conn: Conn, row: asyncpg.Record) -> EffectRecord:
     """The record of ``row`` (read without the bodies) with the response on record, if there is one."""
     if row["response_status"] is None or row["response_at"] is None:

@@ -12,7 +12,9 @@ import contextlib
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Coroutine
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar, assert_never
 
@@ -73,6 +75,17 @@ FIRST_POLL = 0.01
 MAX_POLL = 0.2
 
 
+@dataclass(slots=True)
+class _Wait:
+    """One request's wait for its twin: until when, whether it has a place among the key's waiters,
+    and how to tell that its client has left (then it has nothing to wait for)."""
+
+    deadline: float
+    client_left: Callable[[], bool]
+    poll: float = FIRST_POLL
+    seated: bool = False
+
+
 class EffectService:
     """Each request with a key to its end: claimed, sent, recorded, replayed, recovered or refused."""
 
@@ -85,6 +98,7 @@ class EffectService:
         *,
         retention: timedelta,
         replay_cache_bytes: int,
+        waiters_per_key: int | None = None,
         telemetry: Telemetry | None = None,
     ) -> None:
         self._store = store
@@ -97,9 +111,17 @@ class EffectService:
         # Twins waiting in this process are woken as soon as the record is written here; twins of a
         # request another gateway holds fall back to polling the row.
         self._waiters: dict[int, asyncio.Event] = {}
+        # How many requests wait for each effect here: waiters_per_key at most (the setting
+        # max_waiters_per_key says why), or any number when None.
+        self._waiting: Counter[int] = Counter()
+        self._waiters_per_key = waiters_per_key
 
     async def handle(self, inbound: Inbound) -> Reply:
-        """Run the request to its end even if the client goes away: its result is recorded for the retry."""
+        """Run the request to its end even if the client goes away: its result is recorded for the retry.
+
+        A request that only waits for another with its key has nothing to record: it stops waiting once
+        ``inbound.client_left()`` says so.
+        """
         return await asyncio.shield(self._spawn(self._handle(inbound)))
 
     def _spawn(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
@@ -156,7 +178,8 @@ class EffectService:
             outbound = to_send(inbound, record.derived_key)
         if created:
             return await self._attempt(record, took, policy, outbound, reason=None)
-        return await self._follow(record, request, policy, outbound, inbound.wait)
+        wait = _Wait(asyncio.get_running_loop().time() + inbound.wait, inbound.client_left)
+        return await self._follow(record, request, policy, outbound, wait)
 
     def _replay_known(self, known: Completed, request: Request) -> Reply:
         trail.replayed_from_memory(known.id)
@@ -191,21 +214,22 @@ class EffectService:
         return await self._attempt(record, took, policy, outbound, reason=None)
 
     async def _follow(
-        self, record: EffectRecord, request: Request, policy: UpstreamPolicy, outbound: Outbound, wait: float
+        self, record: EffectRecord, request: Request, policy: UpstreamPolicy, outbound: Outbound, wait: _Wait
     ) -> Reply:
         try:
             return await self._follow_until_done(record, request, policy, outbound, wait)
         finally:
+            if wait.seated:
+                self._waiting[record.id] -= 1
+                if not self._waiting[record.id]:
+                    del self._waiting[record.id]
             # A record another gateway wrote is never woken here: drop the event, lest it linger.
             if (woken := self._waiters.get(record.id)) is not None and not woken.is_set():
                 del self._waiters[record.id]
 
     async def _follow_until_done(
-        self, record: EffectRecord, request: Request, policy: UpstreamPolicy, outbound: Outbound, wait: float
+        self, record: EffectRecord, request: Request, policy: UpstreamPolicy, outbound: Outbound, wait: _Wait
     ) -> Reply:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait
-        poll = FIRST_POLL
         while True:
             assert record.read_at is not None
             action = decide(record, request, record.read_at, policy.decision)
@@ -218,22 +242,7 @@ class EffectService:
                 case Mismatch():
                     raise replies.key_reused(record.id)
                 case Busy(retry_after=retry_after):
-                    remaining = deadline - loop.time()
-                    if remaining <= 0:
-                        # A twin in flight ends within a second or so; a lease to wait out is told as is.
-                        hint = 1 if record.state is State.PENDING else math.ceil(retry_after.total_seconds())
-                        raise problems.InFlight(
-                            "another request with this key is in flight; retry, or send Prefer: wait=N",
-                            headers={"Retry-After": str(max(1, hint))},
-                            effect_id=record.id,
-                        )
-                    woken = self._waiters.setdefault(record.id, asyncio.Event())
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(
-                            woken.wait(), min(poll, remaining, retry_after.total_seconds())
-                        )
-                    poll = min(poll * 2, MAX_POLL)
-                    record = await self._reread(record)
+                    record = await self._wait_for_twin(record, retry_after, wait)
                 case Resend(reason=reason):
                     took = _clock()
                     claimed = await self._store.reclaim(
@@ -267,7 +276,7 @@ class EffectService:
                         continue
                     self._took(record, reviewed)
                     log.warning("effect %s needs review (%s %s)", record.id, record.upstream, record.path)
-                    raise replies.outcome_unknown(record)
+                    raise replies.outcome_unknown(reviewed)
                 case Unknown():
                     raise replies.outcome_unknown(record)
                 case Restore():
@@ -276,6 +285,29 @@ class EffectService:
                     raise replies.purged(record, "this upstream has no probe to ask for it")
                 case _:
                     assert_never(action)
+
+    async def _wait_for_twin(self, record: EffectRecord, retry_after: timedelta, wait: _Wait) -> EffectRecord:
+        """Wait a little for the request that holds the key, then read the record again.
+
+        Raises the 409 in-flight when the wait is over, when its client has left (it reads the record
+        at most once after), or when the key has as many waiters here as it may have.
+        """
+        remaining = wait.deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            raise _in_flight(record, retry_after, "retry, or send Prefer: wait=N")
+        if wait.client_left():
+            raise _in_flight(record, retry_after, "the client went away while waiting for it")
+        if not wait.seated:
+            waiting = self._waiting[record.id]
+            if self._waiters_per_key is not None and waiting >= self._waiters_per_key:
+                raise _in_flight(record, retry_after, f"{waiting} requests wait for it already")
+            self._waiting[record.id] += 1
+            wait.seated = True
+        woken = self._waiters.setdefault(record.id, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(woken.wait(), min(wait.poll, remaining, retry_after.total_seconds()))
+        wait.poll = min(wait.poll * 2, MAX_POLL)
+        return await self._reread(record)
 
     async def _settle(self, record: EffectRecord, settlement: Settlement, **what: Any) -> EffectRecord | None:
         saved = await self._wake_after(record, self._store.settle(record, settlement, **what))
@@ -419,7 +451,7 @@ class EffectService:
             return replies.reply(outcome, record.id)  # nothing reached the upstream: say what stopped it
         raise problems.OutcomeUnknown(
             f"the upstream {replies.describe(outcome)} but the gateway could not record the answer ({exc}); "
-            f"nothing will be sent again for this key until an operator resolves effect {record.id}",
+            f"nothing will be sent again for this key until it is resolved: {replies.how_to_resolve(record)}",
             effect_id=record.id,
         )
 
@@ -508,12 +540,16 @@ class EffectService:
         """A completed effect whose response was purged: the probe may supply it; nothing is ever sent."""
         match await self._look(policy, record):
             case Found(response=response):
-                await self._store.restore(record, restore(record), response)
-                trail.recovered("probe")
-                # Stored again just now: its retention starts over (from when the record was read, at
-                # the latest), where the record still carries the time of the response it lost.
-                self._replays.remember(record, response, _clock(), stored=record.read_at)
-                return Reply(response, replayed=True, effect_id=record.id)
+                # A probe's answer may differ from one search to the next: only the first stored is
+                # given, to this request and every other, from Postgres or any worker's memory.
+                stored, restored = await self._store.restore(record, restore(record), response)
+                trail.saw(stored)
+                if stored.response is None:
+                    raise replies.purged(record, "the answer restored for it was dropped again")
+                if restored:
+                    trail.recovered("probe")
+                self._replays.remember(stored, stored.response, _clock())
+                return Reply(stored.response, replayed=True, effect_id=record.id)
             case NotFound():
                 raise replies.purged(record, "the probe no longer finds it")
             case ProbeError(reason=reason):
@@ -524,6 +560,16 @@ class EffectService:
                     effect_id=record.id,
                 )
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _in_flight(record: EffectRecord, retry_after: timedelta, then: str) -> problems.Problem:
+    # A twin in flight ends within a second or so; a lease to wait out is told as is.
+    hint = 1 if record.state is State.PENDING else math.ceil(retry_after.total_seconds())
+    return problems.InFlight(
+        f"another request with this key is in flight; {then}",
+        headers={"Retry-After": str(max(1, hint))},
+        effect_id=record.id,
+    )
 
 
 def _clock() -> float:

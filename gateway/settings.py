@@ -358,6 +358,11 @@ class Settings(BaseSettings):
     replay_cache_bytes: int = Field(default=32 * 1024 * 1024, ge=0)
     # The upper bound for Prefer: wait=N; a longer hold ties up a connection for nothing.
     max_wait: Duration = timedelta(seconds=60)
+    # Requests of one process that may wait for one key at once; the next is answered 409 in-flight at
+    # once. A key is one step of one agent: its retries, or a burst of the same call, come in tens at
+    # most. Each waiter reads the record up to 5 times a second, so 64 cost Postgres at most 320 reads
+    # a second per key, and only while the call they wait for is in flight.
+    max_waiters_per_key: int = Field(default=64, ge=1)
     # The secret of the keyed MAC that derives upstream keys; omitted: one made at the first migration
     # and kept in the database, which every gateway on it shares. Changing it changes the keys of new
     # effects only (each record keeps the key it was sent with).

@@ -30,7 +30,6 @@ from gateway import partitions, phases
 from gateway.audit_query import (
     EXACT_OPEN_COUNT,
     OPEN_STATES,
-    RECORD_COLUMNS,
     EffectFilter,
     by_time,
     count_statement,
@@ -44,8 +43,8 @@ from gateway.rows import (
     RESPONSE,
     WITH_RESPONSE,
     Conn,
-    read_with_response,
     record_of,
+    reread,
 )
 from gateway.states import State, Transition
 from gateway.telemetry import Telemetry
@@ -332,9 +331,15 @@ class Store:
         if counts:
             await self._run("add_replays", lambda conn: phases.add_replays(conn, counts))
 
-    async def restore(self, record: EffectRecord, move: Transition, response: StoredResponse) -> None:
-        """Put back the response of a completed effect whose response was purged (a probe found it)."""
-        await self._run("restore", lambda conn: phases.restore(conn, record, move, response))
+    async def restore(
+        self, record: EffectRecord, move: Transition, response: StoredResponse
+    ) -> tuple[EffectRecord, bool]:
+        """Put back the response of a completed effect whose response was purged (a probe found it).
+
+        Only the first restore of a purge is stored: returns the record with the response on record
+        now (``response``, or the one another request stored first) and whether this call stored it.
+        """
+        return await self._run("restore", lambda conn: phases.restore(conn, record, move, response))
 
     async def resolve(
         self, record: EffectRecord, move: Transition, response: StoredResponse | None, by: str | None
@@ -384,18 +389,7 @@ class Store:
 
     async def reread(self, record: EffectRecord) -> EffectRecord:
         """The record as it is now, with its response: what the decision needs to be taken again."""
-
-        async def op(conn: Conn) -> EffectRecord:
-            row = await conn.fetchrow(
-                f"select {RECORD_COLUMNS} from effects e "
-                f"where e.id = $1 and e.created_at = $2 and {partitions.in_month(record.created_at)}",
-                record.id,
-                record.created_at,
-            )
-            assert row is not None, "effects are never deleted while in use"
-            return await read_with_response(conn, row)
-
-        return await self._run("reread", op)
+        return await self._run("reread", lambda conn: reread(conn, record))
 
     async def find(self, where: EffectFilter) -> list[EffectRecord]:
         """A page of the audit, newest first, as :func:`find_statement` reads it.

@@ -104,7 +104,9 @@ inline transition_table() {
 /* --- the store: the one row ------------------------------------------------------------------------- */
 HIDDEN mtype shown;    /* for the trail only */
 mtype st = nothing;    /* state */
-byte att;              /* attempt: raised by every claim, re-claim, review and resolution */
+byte att;              /* the version writes are fenced on: raised by every claim, re-claim, review
+                        * and resolution (the code keeps its attempt number on a review or a
+                        * resolution, and fences every write on the state as well, which they change) */
 bool mhs;              /* may_have_sent */
 byte lease_left;       /* lease_expires_at - now, 0 once it has run out */
 byte sent_age;         /* now - first_sent_at, saturating at SENT_CAP */

@@ -4,9 +4,9 @@
 gateway/store.py and gateway/partitions.py: one row per effect, a key table that keeps keys unique,
 bodies stored by time and dropped by whole days by the retention, and every statement applied at one
 instant of the database's clock. Each write is fenced exactly as its SQL is (``id``, ``created_at``,
-``attempt`` and ``state``, and the lease for an operator's verdict). It is not a mock: it answers
-what the data says, and tests/test_store_contract.py runs the same tests against it and against
-Postgres.
+``attempt`` and ``state``; the lease for an operator's verdict; the response as read for a restore).
+It is not a mock: it answers what the data says, and tests/test_store_contract.py runs the same tests
+against it and against Postgres.
 
 Where the two differ on purpose, the contract holds only what both promise: the admin's count of an
 open state above EXACT_OPEN_COUNT is Postgres's estimate there and exact here; the retention reports
@@ -328,9 +328,8 @@ class SimDatabase:
         if row is None or not self._holds(row, record, source):
             return None
         was = row.state
-        # A new attempt number: a stalled holder that wakes up now is fenced out.
+        # No new attempt; a stalled holder that wakes up now is fenced out by the state.
         row.state = State.NEEDS_REVIEW
-        row.attempt += 1
         row.lease_expires_at = _least(row.lease_expires_at, now)
         row.history.append(_event("needs_review", now, attempt=record.attempt, why=why))
         self._wrote("send_to_review", was, row, now, why)
@@ -343,17 +342,25 @@ class SimDatabase:
             if row is not None and row.created_at == created_at:
                 row.replays += n
 
-    def restore(self, record: EffectRecord, source: State, response: StoredResponse) -> None:
+    def restore(
+        self, record: EffectRecord, source: State, response: StoredResponse
+    ) -> tuple[EffectRecord, bool]:
         now = self.now()
         row = self._row(record)
-        if row is None or not self._holds(row, record, source) or self._response_kept(row):
-            return
+        assert row is not None, "effects are never deleted while in use"
+        if (
+            not self._holds(row, record, source)
+            or row.response_at != record.response_at  # another restore stored its answer first
+            or self._response_kept(row)
+        ):
+            return self.record(row, now, response=True), False
         self._store_body((row.id, "response", now), head_bytes(response.headers), response.body)
         was = row.state
         row.response_status = response.status
         row.response_at = now
         row.history.append(_event("restored", now, status=response.status, note="the probe found the effect"))
         self._wrote("restore", was, row, now)
+        return self.record(row, now, response=True), True
 
     def _response_kept(self, row: Row) -> bool:
         return row.response_at is not None and (row.id, "response", row.response_at) in self.bodies
@@ -389,9 +396,10 @@ class SimDatabase:
         row.response_status = response.status if response else None
         row.response_at = now if happened else None
         row.recovered_by = "operator"
-        row.attempt += 1
         row.completed_at = now if happened else None
-        row.history.append(_event("resolved", now, happened=happened, by=by, was=record.state.value))
+        row.history.append(
+            _event("resolved", now, attempt=record.attempt, happened=happened, by=by, was=record.state.value)
+        )
         self._wrote("resolve", was, row, now)
         return self.record(row, now)
 
@@ -642,9 +650,11 @@ class SimStore:
             return
         await self._statement("add_replays", lambda: self.db.add_replays(counts))
 
-    async def restore(self, record: EffectRecord, move: Transition, response: StoredResponse) -> None:
+    async def restore(
+        self, record: EffectRecord, move: Transition, response: StoredResponse
+    ) -> tuple[EffectRecord, bool]:
         source = move.fenced_on(record.state)
-        await self._statement(
+        return await self._statement(
             "restore",
             lambda: self.db.restore(record, source, response),
             refusable=(record.id, record.attempt),

@@ -121,8 +121,8 @@ async def _drop_database(dsn: str, name: str) -> None:
 async def awaiting_operator(dsn: str, attempt: int, effect_id: int | None = None) -> int:
     """An effect in needs_review at ``attempt`` (with the id ``effect_id``, if given), written by the store
     as a gateway writes one: claimed, taken over as its leases ran out, then given up on."""
-    if attempt < 2:
-        raise NoRule(f"an effect reaches review at attempt 2 at the earliest, not {attempt}")
+    if attempt < 1:
+        raise NoRule(f"an effect's attempts are numbered from 1, not {attempt}")
     async with opened(dsn) as store:
         if effect_id is not None:
             if await store.get(effect_id) is not None:
@@ -143,7 +143,7 @@ async def awaiting_operator(dsn: str, attempt: int, effect_id: int | None = None
             step=None,
         )
         record, _ = await store.claim(new, timedelta(0))  # a lease of nothing: it runs out at once
-        for _ in range(attempt - 2):
+        for _ in range(attempt - 1):
             assert record is not None
             record = await store.reclaim(record, take_over(record), timedelta(0), "doc", sends=True)
         assert record is not None

@@ -238,7 +238,7 @@ async def test_commands_that_read_need_only_the_database(
         ["effects"],
         ["migrate"],
         ["purge"],
-        ["resolve", "1", "--did-not-happen", "--attempt", "2"],
+        ["resolve", "1", "--did-not-happen", "--attempt", "1"],
     ):
         done = await in_thread(run, *command, config=config, env=env)
         assert done.status == 0, (command, done.err)
@@ -371,23 +371,23 @@ async def test_resolve_happened_needs_a_response(tmp_path: Path, dsn: str, run: 
     env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
     await effect(dsn, "k-1", review=True)
     line = one_line_error(
-        await in_thread(run, "resolve", "1", "--happened", "--attempt", "2", config=config, env=env)
+        await in_thread(run, "resolve", "1", "--happened", "--attempt", "1", config=config, env=env)
     )
     assert "--status and one of --body, --json-body or --body-file" in line
     line = one_line_error(
         await in_thread(
-            run, "resolve", "1", "--happened", "--attempt", "2", "--status", "201", config=config, env=env
+            run, "resolve", "1", "--happened", "--attempt", "1", "--status", "201", config=config, env=env
         )
     )
     assert "--happened needs the response" in line
     line = one_line_error(
         await in_thread(
-            run, "resolve", "1", "--did-not-happen", "--attempt", "2", "--body", "x", config=config, env=env
+            run, "resolve", "1", "--did-not-happen", "--attempt", "1", "--body", "x", config=config, env=env
         )
     )
     assert "--did-not-happen takes no response" in line
     done = await in_thread(run,
-        "resolve", "1", "--happened", "--attempt", "2", "--status", "201",
+        "resolve", "1", "--happened", "--attempt", "1", "--status", "201",
         "--json-body", '{"order_id": "ord_7"}', "--json", "--operator", "asha", config=config, env=env,
     )  # fmt: skip
     assert done.status == 0, done.err
@@ -396,7 +396,7 @@ async def test_resolve_happened_needs_a_response(tmp_path: Path, dsn: str, run: 
     assert json.loads(doc["response_body"]) == {"order_id": "ord_7"}
     assert ["Content-Type", "application/json"] in doc["response_headers"]
     again = one_line_error(
-        await in_thread(run, "resolve", "1", "--did-not-happen", "--attempt", "3", config=config, env=env)
+        await in_thread(run, "resolve", "1", "--did-not-happen", "--attempt", "1", config=config, env=env)
     )
     assert again == (
         "effect-gateway: effect 1: the effect completed; a completed effect is never resolved "
@@ -443,7 +443,7 @@ async def test_resolve_from_upstream_asks_the_probe(
     await effect(dsn, "k-2", review=True, upstream="mail")
     line = one_line_error(
         await in_thread(
-            run, "resolve", "1", "--happened", "--from-upstream", "--attempt", "2", config=config, env=env
+            run, "resolve", "1", "--happened", "--from-upstream", "--attempt", "1", config=config, env=env
         )
     )
     assert "the probe of shop found no effect with this key" in line
@@ -454,7 +454,7 @@ async def test_resolve_from_upstream_asks_the_probe(
     ):
         assert resp.status == 201
     done = await in_thread(
-        run, "resolve", "1", "--happened", "--from-upstream", "--attempt", "2", config=config, env=env
+        run, "resolve", "1", "--happened", "--from-upstream", "--attempt", "1", config=config, env=env
     )
     assert done.status == 0, done.err
     assert (
@@ -465,7 +465,7 @@ async def test_resolve_from_upstream_asks_the_probe(
     assert json.loads(shown["response_body"])["reference"] == "dk-k-1"
     line = one_line_error(
         await in_thread(
-            run, "resolve", "2", "--happened", "--from-upstream", "--attempt", "2", config=config, env=env
+            run, "resolve", "2", "--happened", "--from-upstream", "--attempt", "1", config=config, env=env
         )
     )
     assert line == (
@@ -490,7 +490,7 @@ async def test_effects_prints_a_table_and_one_effect_readably(
     assert "POST /orders" in listed[2]
     assert listed[-1] == "2 effects, newest first; 1 waiting for an operator (effect-gateway resolve ID)"
     shown = (await in_thread(run, "effects", "2", config=config, env=env)).out
-    assert shown.startswith("effect 2: needs_review (attempt 2)\n")
+    assert shown.startswith("effect 2: needs_review (attempt 1)\n")
     assert "  request        POST /orders\n" in shown
     assert "  needs_review  " in shown
     assert "why=a test put it here" in shown
@@ -665,10 +665,10 @@ async def test_hostile_ids_and_responses_on_the_command_line_are_one_line_and_ch
     await effect(dsn, "k-1", review=True)
     big = tmp_path / "big.txt"
     big.write_text("x" * 101)
-    happened = ("resolve", "1", "--happened", "--attempt", "2", "--status", "200")
+    happened = ("resolve", "1", "--happened", "--attempt", "1", "--status", "200")
     for args, says in [
         (("effects", str(2**63)), "effect id"),
-        (("resolve", str(2**63), "--attempt", "2", "--did-not-happen"), "effect id"),
+        (("resolve", str(2**63), "--attempt", "1", "--did-not-happen"), "effect id"),
         ((*happened, "--json-body", "NaN"), "--json-body is not valid JSON"),
         ((*happened, "--json-body", "1e400"), "--json-body is not valid JSON"),
         ((*happened, "--body-file", str(big)), "larger than max_response_bytes"),

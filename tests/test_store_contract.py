@@ -375,12 +375,12 @@ async def test_a_fenced_out_holder_adds_to_the_history_only(subject: Subject) ->
 
 
 async def test_send_to_review_is_fenced_and_fences_out_the_holder(subject: Subject) -> None:
-    """Review takes a new attempt number: the holder it was taken from can no longer settle."""
+    """Review keeps the attempt an operator judges, and the holder of that attempt can no longer settle."""
     store = subject.store
     record = await claimed(store, lease=EXPIRED)
     reviewed = await store.send_to_review(record, review(record), "nothing can tell")
     assert reviewed is not None
-    assert (reviewed.state, reviewed.attempt) == (State.NEEDS_REVIEW, 2)
+    assert (reviewed.state, reviewed.attempt) == (State.NEEDS_REVIEW, 1)
     assert await store.send_to_review(record, review(record), "again") is None
     assert await store.settle(record, DONE, response=OK, recovered_by=None) is None
     assert (await store.reread(record)).state is State.NEEDS_REVIEW
@@ -492,23 +492,20 @@ async def test_an_operator_cannot_resolve_while_a_lease_runs(subject: Subject) -
 
 
 async def test_an_operator_verdict_that_it_happened_completes_with_the_response(subject: Subject) -> None:
-    """Resolved as happened: completed by the operator, the response replayed, a new attempt number."""
+    """Resolved as happened: completed by the operator, the response replayed, under the attempt judged."""
     store = subject.store
     record = await claimed(store, lease=EXPIRED)
     resolved = await store.resolve(record, Transition(State.PENDING, State.COMPLETED), OK, "op")
     assert resolved is not None
-    assert (resolved.state, resolved.attempt, resolved.may_have_sent) == (State.COMPLETED, 2, True)
+    assert (resolved.state, resolved.attempt, resolved.may_have_sent) == (State.COMPLETED, 1, True)
     assert resolved.recovered_by == "operator"
     again = await store.reread(record)
     assert again.response == OK
     full = await store.get(record.id)
     assert full is not None
     assert full.history[-1]["event"] == "resolved"
-    assert (full.history[-1]["happened"], full.history[-1]["by"], full.history[-1]["was"]) == (
-        True,
-        "op",
-        "pending",
-    )
+    last = full.history[-1]
+    assert (last["attempt"], last["happened"], last["by"], last["was"]) == (1, True, "op", "pending")
 
 
 async def test_an_operator_verdict_that_it_did_not_happen_makes_it_retryable(subject: Subject) -> None:
@@ -535,7 +532,7 @@ async def test_an_operator_resolves_a_pending_record_only_once_its_lease_is_over
     dead = await claimed(store, "dead", lease=EXPIRED)
     resolved = await store.resolve(dead, Transition(State.PENDING, State.RETRYABLE), None, "op")
     assert resolved is not None
-    assert (resolved.state, resolved.attempt, resolved.may_have_sent) == (State.RETRYABLE, 2, False)
+    assert (resolved.state, resolved.attempt, resolved.may_have_sent) == (State.RETRYABLE, 1, False)
     assert resolved.recovered_by == "operator"
     assert await store.settle(dead, DONE, response=OK, recovered_by=None) is None, "the holder is fenced out"
 
@@ -686,16 +683,37 @@ async def test_restore_puts_back_only_a_purged_response(subject: Subject) -> Non
     store = subject.store
     record = await completed(store)
     fresh = await store.reread(record)
-    await store.restore(fresh, Transition(State.COMPLETED, State.COMPLETED), LATER)
+    kept, restored = await store.restore(fresh, Transition(State.COMPLETED, State.COMPLETED), LATER)
+    assert (kept.response, restored) == (OK, False)
     assert (await store.reread(record)).response == OK
     await subject.backdate(10)
     await store.maintain(RETENTION)
     purged = await store.reread(record)
     assert purged.purged
-    await store.restore(purged, Transition(State.COMPLETED, State.COMPLETED), LATER)
-    restored = await store.reread(record)
-    assert restored.response == LATER
-    assert restored.state is State.COMPLETED
+    put_back, restored = await store.restore(purged, Transition(State.COMPLETED, State.COMPLETED), LATER)
+    assert (put_back.response, restored) == (LATER, True)
+    again = await store.reread(record)
+    assert again.response == LATER
+    assert again.state is State.COMPLETED
+    assert put_back.response_at == again.response_at  # the retention of the copy counts from here
+
+
+async def test_a_second_restore_of_one_purge_returns_the_first_ones_answer(subject: Subject) -> None:
+    """Two requests that read the same purge and restore it: the first answer stays, both are given it."""
+    store = subject.store
+    record = await completed(store)
+    await subject.backdate(10)
+    await store.maintain(RETENTION)
+    purged = await store.reread(record)
+    same = Transition(State.COMPLETED, State.COMPLETED)
+    first, restored_first = await store.restore(purged, same, LATER)
+    second, restored_second = await store.restore(purged, same, OK)
+    assert (restored_first, restored_second) == (True, False)
+    assert first.response == second.response == LATER
+    assert (await store.reread(record)).response == LATER
+    full = await store.get(record.id)
+    assert full is not None
+    assert [event["event"] for event in full.history].count("restored") == 1
 
 
 # --- reading -------------------------------------------------------------------------------------------
