@@ -35,7 +35,7 @@ from gateway.runtime import (
     read_request_body,
     tenant_of,
 )
-from gateway.schema import migrate
+from gateway.schema import ready
 from gateway.service import EffectService
 from gateway.settings import ErrorFormat, Settings
 from gateway.stamp import reserved_use
@@ -109,7 +109,7 @@ def _runtime(
     settings: Settings, metrics_dir: str | None, tracer_provider: Any
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        await migrate(app[DSN])
+        await ready(app[DSN])
         policies = upstream_policies(settings)
         telemetry = Observed(Metrics(policies, metrics_dir), Tracer(tracer_provider))
         store = await Store.connect(

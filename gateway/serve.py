@@ -1,7 +1,8 @@
 """``effect-gateway serve``: one listening socket, served by N worker processes on every core.
 
-The parent binds the socket, applies the migrations once, and forks the workers; each runs the aiohttp
-application on the inherited socket (the kernel hands each new connection to one of them). A worker
+The parent binds the socket, checks the schema once (migrating it when it is behind and the role may:
+gateway.schema.ready), and forks the workers; each runs the aiohttp application on the inherited
+socket (the kernel hands each new connection to one of them). A worker
 that dies is replaced; the others go on serving. SIGTERM (or SIGINT) is passed to every worker, which
 stops accepting, finishes the calls under way and records them, and exits; then the parent exits.
 """
@@ -24,7 +25,7 @@ from aiohttp import web
 
 from gateway import metrics
 from gateway.errors import ConfigError
-from gateway.schema import migrate
+from gateway.schema import ready
 from gateway.settings import Settings, listen_host, listen_port
 
 log = logging.getLogger("effect_gateway")
@@ -122,7 +123,7 @@ def run(settings: Settings, dsn: str, sock: socket.socket) -> int:
         if workers == 1:
             run_loop(settings, _worker(settings, dsn, sock, shared, lambda: announce(sock, settings, 1)))
             return 0
-        asyncio.run(migrate(dsn))  # once, before any worker starts
+        asyncio.run(ready(dsn))  # once, before any worker starts
         supervisor = Supervisor(
             lambda: run_loop(settings, _worker(settings, dsn, sock, shared)),
             workers,
