@@ -26,6 +26,7 @@ from tests.support import (
     children,
     decisions,
     gateway_server,
+    runtime_url,
     start_gateway_process,
     upstream_server,
 )
@@ -328,7 +329,7 @@ async def test_a_scrape_of_either_worker_counts_the_requests_both_served(
     """`serve` with two workers: one scrape counts both workers' requests, and a killed worker's too."""
     config = tmp_path / "gateway.toml"
     config.write_text(
-        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nworkers = 2\nlog_format = "json"\n'
+        f'database_url = "{runtime_url(dsn)}"\nlisten = "127.0.0.1:0"\nworkers = 2\nlog_format = "json"\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\n'
     )
     temp = tmp_path / "tmp"  # where the gateway makes the workers' metrics directory
@@ -375,7 +376,7 @@ def test_a_killed_gateways_metrics_directory_is_removed_by_the_next(
     """
     config = tmp_path / "gateway.toml"
     config.write_text(
-        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nworkers = 2\n'
+        f'database_url = "{runtime_url(dsn)}"\nlisten = "127.0.0.1:0"\nworkers = 2\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\n'
     )
     temp = tmp_path / "tmp"

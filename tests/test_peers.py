@@ -21,6 +21,7 @@ from tests.support import (
     Upstream,
     effect_rows,
     gateway_server,
+    runtime_url,
     start_gateway_process,
     upstream_server,
 )
@@ -80,7 +81,7 @@ async def test_a_stalled_upload_does_not_hold_a_shutdown(
     """SIGTERM with an agent stuck mid-body: `serve` exits within the body timeout, not aiohttp's 60 s."""
     config = tmp_path / "gw.toml"
     config.write_text(
-        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nrequest_body_timeout = "1s"\n'
+        f'database_url = "{runtime_url(dsn)}"\nlisten = "127.0.0.1:0"\nrequest_body_timeout = "1s"\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\n'
     )
     gateway = start_gateway_process(config)
@@ -116,7 +117,7 @@ async def test_agents_that_do_not_read_their_answers_do_not_hold_a_shutdown(
     upstream.routes["/orders"] = large
     config = tmp_path / "gw.toml"
     config.write_text(
-        f'database_url = "{dsn}"\nlisten = "127.0.0.1:0"\nworkers = 1\n'
+        f'database_url = "{runtime_url(dsn)}"\nlisten = "127.0.0.1:0"\nworkers = 1\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\ntimeout = "2s"\n'
     )
     gateway = start_gateway_process(config)

@@ -15,12 +15,12 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from tests.support import Upstream, children, effect_rows, start_gateway_process
+from tests.support import Upstream, children, effect_rows, runtime_url, start_gateway_process
 
 
 def _config(tmp_path: Path, dsn: str, upstream: Upstream, **extra: str) -> Path:
     config = tmp_path / "gateway.toml"
-    settings = {"database_url": f'"{dsn}"', "listen": '"127.0.0.1:0"', "workers": "3", **extra}
+    settings = {"database_url": f'"{runtime_url(dsn)}"', "listen": '"127.0.0.1:0"', "workers": "3", **extra}
     lines = [f"{name} = {value}" for name, value in settings.items()]
     config.write_text("\n".join(lines) + f'\n[upstreams.shop]\nbase_url = "{upstream.url}"\ntimeout = "5s"\n')
     return config
