@@ -65,14 +65,18 @@ def _json(data: Any, status: int = 200) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """Up or down for anyone (a load balancer holds no token); the counts for who may read them.
 
-    Up means this worker serves and Postgres answers; the effect tables are not read for it, so a
-    readiness probe costs the same at a billion effects as at none. The counts (open states exact up to
-    audit_query.EXACT_OPEN_COUNT each, completed estimated; a tenant sees its own open ones) need a
-    token, and are the ones the metrics show: read at most every few seconds for each viewer, however
-    many ask.
+    Up means this worker serves, Postgres answers, and rows stored now have partitions to go into
+    (made here if they have none, as a write would). Only Postgres's catalog is read for it, never an
+    effect table, so a readiness probe costs the same at a billion effects as at none. The counts (open
+    states exact up to audit_query.EXACT_OPEN_COUNT each, completed estimated; a tenant sees its own
+    open ones) need a token, and are the ones the metrics show: read at most every few seconds for each
+    viewer, however many ask. The admin also sees the days of partitions left, and a warning when they
+    are few (partitions.WARN_DAYS).
     """
     runtime = _runtime(request)
-    await runtime.store.ping()  # down (503) when the store is
+    ahead = await runtime.store.partitions_ahead()  # down (503) when the store is
+    if ahead.days_left <= 0:
+        raise StoreUnavailable("no partition holds rows stored now, and none could be made")
     try:
         viewer = _viewer(request, runtime)
     except problems.Problem:
@@ -80,15 +84,20 @@ async def health(request: web.Request) -> web.Response:
     counts = await runtime.state_counts.get(viewer)
     if counts is None:
         raise StoreUnavailable("the effects by state could not be read")
-    return _json(
-        {
-            "status": "ok",
-            "effects": counts,
-            "needs_review": counts[State.NEEDS_REVIEW.value],
-            "upstreams": sorted(runtime.policies),
-            "worker": process.pid(),
-        }
-    )
+    doc: dict[str, Any] = {
+        "status": "ok",
+        "effects": counts,
+        "needs_review": counts[State.NEEDS_REVIEW.value],
+        "upstreams": sorted(runtime.policies),
+        "worker": process.pid(),
+    }
+    if viewer is None:  # every tenant's rows go into the same partitions: the admin's to look after
+        doc["partitions"] = {"days_left": round(ahead.days_left, 2)}
+        warning = ahead.warning()
+        if warning is not None:
+            doc["status"] = "warning"
+            doc["warnings"] = [warning]
+    return _json(doc)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -100,7 +109,12 @@ async def metrics(request: web.Request) -> web.Response:
         # A tenant's token reads its own effects (the open ones, as health counts them) and nothing
         # else: every other metric is the whole gateway's, every tenant's traffic in it.
         return web.Response(body=states_exposition(counts), headers=EXPOSITION)
-    return web.Response(body=runtime.telemetry.metrics.exposition(counts), headers=EXPOSITION)
+    try:
+        ahead = await runtime.store.partitions_ahead()
+    except StoreUnavailable as exc:  # as the counts: left out of this scrape, the counters still answer
+        log.warning("partitions' days left out of the metrics: %s", exc)
+        ahead = None
+    return web.Response(body=runtime.telemetry.metrics.exposition(counts, ahead), headers=EXPOSITION)
 
 
 def _body_fields(prefix: str, body: bytes | None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 
-from gateway import admin, audit_routes, browser, codings, openapi, operators, problems
+from gateway import admin, audit_routes, browser, codings, openapi, operators, problems, schema
 from gateway.body import RequestBody, read_body
 from gateway.errors import BodyUnreadable, StoreRejected, StoreUnavailable
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
@@ -38,7 +38,6 @@ from gateway.runtime import (
     read_request_body,
     tenant_of,
 )
-from gateway.schema import migrate
 from gateway.service import EffectService
 from gateway.settings import ErrorFormat, Settings, is_loopback, listen_host
 from gateway.stamp import reserved_use
@@ -83,7 +82,7 @@ async def running(
     instead of the global one. On the way out the calls under way finish and record before the store
     closes (bounded by the longest lease).
     """
-    await migrate(dsn)
+    await schema.ready(dsn)
     policies = upstream_policies(settings)
     telemetry = Observed(Metrics(policies, metrics_dir), Tracer(tracer_provider))
     store = await Store.connect(

@@ -33,7 +33,7 @@ from gateway.errors import ConfigError, GatewayError, LoginRefused, StoreUnavail
 from gateway.policy import PythonProbe, upstream_policies, upstream_policy
 from gateway.probes import Prober, load_python_probe
 from gateway.record import EffectRecord, StoredResponse
-from gateway.schema import migrate
+from gateway.schema import grant_to, migrate, ready
 from gateway.settings import Settings, load_settings
 from gateway.store import Store, opened
 from gateway.upstream import UpstreamClient
@@ -181,10 +181,19 @@ async def migrate_reporting(dsn: str, progress: Progress) -> list[str]:
 def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
     progress = progress_printer(args.json)
     progress(f"migrating {describe_database(settings)}")
+
+    async def run(dsn: str) -> list[str]:
+        applied = await migrate_reporting(dsn, progress)
+        if args.grant_to is not None:
+            await grant_to(dsn, args.grant_to)
+            progress(f"granted {args.grant_to} what serve needs (docs/operations.md, Database roles)")
+        return applied
+
     with database(settings) as dsn:
-        applied = asyncio.run(migrate_reporting(dsn, progress))
+        applied = asyncio.run(run(dsn))
     if args.json:
-        emit({"applied": applied}, [], True)
+        granted = {"granted_to": args.grant_to} if args.grant_to is not None else {}
+        emit({"applied": applied} | granted, [], True)
     elif not applied:
         say("the schema is up to date")
     return 0
@@ -192,7 +201,7 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
 
 async def purge_reporting(store: Store, retention: timedelta, progress: Progress) -> list[int]:
     """Drop the days of bodies past the retention, reporting each day; returns each day's body count."""
-    dropped = await store.maintain(retention, progress)
+    dropped = await store.maintain(retention, progress, purge=True)
     return [part.rows for part in dropped]
 
 
@@ -200,7 +209,7 @@ def cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
     progress = progress_printer(args.json)
 
     async def run(dsn: str) -> list[int]:
-        await migrate(dsn)
+        await ready(dsn)
         async with opened(dsn) as store:
             return await purge_reporting(store, settings.retention, progress)
 
@@ -250,7 +259,7 @@ def cmd_effects(settings: Settings, args: argparse.Namespace) -> int:
         effect_id(args.id)
 
     async def run(dsn: str) -> list[dict[str, Any]]:
-        await migrate(dsn)
+        await ready(dsn)
         async with opened(dsn) as store:
             if args.id is not None:
                 return [admin.effect_json(await _read_effect(store, args.id), full=True)]
@@ -346,7 +355,7 @@ def cmd_resolve(settings: Settings, args: argparse.Namespace) -> int:
         given = _given_response(args, settings.max_response_bytes)
 
     async def run(dsn: str) -> dict[str, Any]:
-        await migrate(dsn)
+        await ready(dsn)
         async with opened(dsn) as store:
             response = given
             if happened and response is None:
@@ -395,7 +404,10 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run the gateway")
     sub.add_parser("check-config", help="check the configuration as serve would; what protects each upstream")
-    sub.add_parser("migrate", help="apply schema migrations and exit")
+    mig = sub.add_parser("migrate", help="apply schema migrations and exit")
+    mig.add_argument(
+        "--grant-to", metavar="ROLE", help="then grant ROLE (made by you) what serve needs, and no more"
+    )
     sub.add_parser("purge", help="drop stored bodies older than the retention (audit rows stay)")
     sub.add_parser("demo", help="run the grocery agent's crash matrix (embedded Postgres, real SIGKILLs)")
 

@@ -22,6 +22,18 @@ class SchemaNewer(GatewayError):
     """The database was migrated by a newer version of the gateway, whose rows this one could misread."""
 
 
+class SchemaBehind(GatewayError):
+    """The database's schema is older than this gateway, and its role may not migrate it: the owner must."""
+
+
+class PrivilegesMissing(GatewayError):
+    """The gateway's database role lacks a privilege that serving needs; the message names each."""
+
+
+class NoSuchRole(GatewayError):
+    """The role to grant privileges to is not in the database (roles are made by the DBA, not by us)."""
+
+
 class BodyUnreadable(GatewayError):
     """A stored body this gateway cannot read back: a coding it does not know, or bytes that fail their
     check. Never replayed as garbage, and never a reason to send the effect again."""

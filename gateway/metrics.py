@@ -37,6 +37,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from gateway import process
 from gateway.audit_query import EXACT_OPEN_COUNT
 from gateway.errors import StoreRejected, StoreUnavailable
+from gateway.partitions import Ahead
 
 log = logging.getLogger("effect_gateway")
 
@@ -87,6 +88,7 @@ STATEMENTS = (
     "reread",
     "find",
     "state_counts",
+    "partitions_ahead",
     "ping",
 )
 PROBE_RESULTS = ("found", "not_found", "failed")
@@ -197,6 +199,8 @@ class Metrics:
         self._upstreams = {name: UpstreamMetrics(self, name) for name in upstreams}
         self._states = _StateGauge()
         self.registry.register(self._states)
+        self._ahead = _AheadGauge()
+        self.registry.register(self._ahead)
 
     def upstream(self, name: str) -> UpstreamMetrics:
         found = self._upstreams.get(name)
@@ -204,9 +208,11 @@ class Metrics:
             found = self._upstreams[name] = UpstreamMetrics(self, name)
         return found
 
-    def exposition(self, counts: Mapping[str, int] | None) -> bytes:
-        """The Prometheus text of every metric, with ``counts`` as the effects by state (None: left out)."""
+    def exposition(self, counts: Mapping[str, int] | None, ahead: Ahead | None = None) -> bytes:
+        """The Prometheus text of every metric, with ``counts`` as the effects by state and ``ahead`` as
+        the partitions' days left (None: left out)."""
         self._states.counts = counts
+        self._ahead.ahead = ahead
         return generate_latest(self.registry)
 
 
@@ -231,6 +237,31 @@ class _StateGauge:
             f"Effect records by state: open states exact up to {EXACT_OPEN_COUNT:,} each and estimated"
             " above, completed from Postgres's estimate on large tables.",
             labels=["state"],
+        )
+
+
+class _AheadGauge:
+    """Days of partitions left for rows stored from now on, per table: read from Postgres's catalog at
+    each scrape (the gateway's as a whole, like the effects by state)."""
+
+    def __init__(self) -> None:
+        self.ahead: Ahead | None = None
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        if self.ahead is not None:
+            family.add_metric(["effects"], self.ahead.audit.total_seconds() / 86400)
+            family.add_metric(["effect_bodies"], self.ahead.bodies.total_seconds() / 86400)
+        yield family
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "effect_gateway_partition_days_left",
+            "Days until rows stored from now on find no partition of the table to go into (0: none now).",
+            labels=["table"],
         )
 
 

@@ -249,14 +249,21 @@ def _admin_paths() -> dict[str, Any]:
                             "type": "object",
                             "required": ["status"],
                             "properties": {
-                                "status": {"const": "ok"},
+                                # "warning" (the admin's view only) when the partitions run out soon
+                                "status": {"enum": ["ok", "warning"]},
                                 "effects": {"type": "object", "additionalProperties": {"type": "integer"}},
                                 "needs_review": {"type": "integer"},
                                 "upstreams": {"type": "array", "items": _TEXT},
                                 "worker": {"type": "integer"},
+                                "partitions": {
+                                    "type": "object",
+                                    "required": ["days_left"],
+                                    "properties": {"days_left": {"type": "number", "minimum": 0}},
+                                },
+                                "warnings": {"type": "array", "items": _TEXT},
                             },
                         },
-                        "this worker serves and Postgres answers",
+                        "this worker serves, Postgres answers, and rows stored now have partitions",
                     ),
                     **_problem_responses(("store-unavailable",)),
                 },

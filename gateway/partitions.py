@@ -20,10 +20,16 @@ AnyConn: TypeAlias = "asyncpg.Connection[asyncpg.Record] | asyncpg.pool.PoolConn
 
 AUDIT = "effects"
 BODIES = "effect_bodies"
-# Made ahead of need, so that an insert never finds no partition for its row even if the periodic
-# maintenance stops for a while: the days of the coming week, and the current and next month.
-BODY_DAYS_AHEAD = 7
+# Made ahead of need, so that an insert never finds no partition for its row even if making them fails
+# for a while: the coming two weeks of days, and the current and next month (at least 28 days more).
+# Every gateway makes them at start and every purge_interval, so the days left stay at 14 to 15; the
+# warning below comes once a week has passed without any made, and leaves a week to find out why. Each
+# day made ahead is an empty table and its index, 16 KB, and plans prune it away.
+BODY_DAYS_AHEAD = 14
 AUDIT_MONTHS_AHEAD = 1
+# Health and the log warn when rows stored from now on have partitions for fewer days than this: a
+# week, so that a warning raised on a Friday evening still leaves days after a long weekend to act.
+WARN_DAYS = 7
 # A day of bodies is named by its first day (see _ENSURE).
 _BODY_DAY = re.compile(r"effect_bodies_(\d{4})_(\d{2})_(\d{2})")
 
@@ -63,8 +69,27 @@ def _quiet(_: str) -> None:
 MAKE_LOCK_WAIT = "250ms"
 
 
+async def make_ahead(conn: AnyConn) -> bool:
+    """Make the partitions that rows stored now and in the coming days go into, as the tables' owner.
+
+    Through migration 014's function, so any role granted EXECUTE on it may, the runtime role included.
+    False when they could not be made now: the retention is detaching a day, or another session is
+    making them (either holds the table's lock for a moment).
+    """
+    try:
+        async with conn.transaction():
+            await conn.execute(f"set local lock_timeout = '{MAKE_LOCK_WAIT}'")
+            await conn.execute(
+                "select effect_gateway_make_partitions($1, $2)", BODY_DAYS_AHEAD, AUDIT_MONTHS_AHEAD
+            )
+    except asyncpg.exceptions.LockNotAvailableError:
+        return False
+    return True
+
+
 async def ensure(conn: AnyConn, at: datetime | None = None) -> bool:
-    """The partitions that rows stored now (or at ``at``) and soon will go into.
+    """The partitions that rows stored now (or at ``at``) and soon will go into, made with the
+    connection's own privileges (the owner's: tests and tools that store rows in the past).
 
     False when they could not be made now because the retention is detaching a day (it makes them).
     """
@@ -115,7 +140,9 @@ async def listed(conn: AnyConn, parent: str) -> list[Partition]:
     for r in rows:
         count = await row_count(conn, f'"{r["name"]}"', r["estimate"], r["heap"])
         found.append(
-            Partition(r["name"], *_bounds(r["bound"]), rows=count, bytes=r["bytes"], detaching=r["detaching"])
+            Partition(
+                r["name"], *bounds_of(r["bound"]), rows=count, bytes=r["bytes"], detaching=r["detaching"]
+            )
         )
     return found
 
@@ -125,6 +152,65 @@ async def row_count(conn: AnyConn, table: str, estimate: int, heap_bytes: int, w
     if heap_bytes <= EXACT_COUNT_BYTES:
         return int(await conn.fetchval(f"select count(*) from {table} where {where}"))
     return estimate if estimate >= 0 else heap_bytes // ROW_BYTES_GUESS
+
+
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """How long rows stored from now on still have partitions to go into, in each table."""
+
+    audit: timedelta
+    bodies: timedelta
+
+    @property
+    def days_left(self) -> float:
+        """Days until the first row with no partition to go into (0: rows stored now have none)."""
+        return min(self.audit, self.bodies) / timedelta(days=1)
+
+    def warning(self) -> str | None:
+        """What to tell an operator when fewer than WARN_DAYS are left; None when more are."""
+        if self.days_left >= WARN_DAYS:
+            return None
+        return (
+            f"the partitions for new rows run out in {self.days_left:.1f} days (audit {_days(self.audit)}, "
+            f"bodies {_days(self.bodies)}): gateways make them every purge_interval, so making them has "
+            "failed for a while; see the log, and check that the gateway's role may execute "
+            "effect_gateway_make_partitions (effect-gateway migrate --grant-to ROLE)"
+        )
+
+
+def _days(span: timedelta) -> str:
+    return f"{span / timedelta(days=1):.1f} days"
+
+
+_BOUNDS = """
+    select now() as now, array_agg(p.relname order by c.relname) as parents,
+           array_agg(pg_get_expr(c.relpartbound, c.oid) order by c.relname) as bounds
+    from pg_inherits i join pg_class c on c.oid = i.inhrelid join pg_class p on p.oid = i.inhparent
+    where i.inhparent in ('effects'::regclass, 'effect_bodies'::regclass) and not i.inhdetachpending
+"""
+
+
+async def ahead(conn: AnyConn) -> Ahead:
+    """How far ahead of now (Postgres's clock) the partitions of each table reach without a gap.
+
+    Reads the catalog only: no effect table, and no privilege on any partition.
+    """
+    row = await conn.fetchrow(_BOUNDS)
+    assert row is not None  # an aggregate without group by returns its one row
+    spans: dict[str, list[tuple[datetime, datetime]]] = {AUDIT: [], BODIES: []}
+    for parent, bound in zip(row["parents"] or (), row["bounds"] or (), strict=True):
+        spans[parent].append(bounds_of(bound))
+    return Ahead(audit=reach(spans[AUDIT], row["now"]), bodies=reach(spans[BODIES], row["now"]))
+
+
+def reach(spans: list[tuple[datetime, datetime]], now: datetime) -> timedelta:
+    """How long after ``now`` the ``spans`` (partitions' [lower, upper)) cover every moment; 0 when none
+    covers ``now`` itself."""
+    until = now
+    for lower, upper in sorted(spans):
+        if lower <= until < upper:
+            until = upper
+    return until - now
 
 
 def month_of(at: datetime) -> tuple[datetime, datetime]:
@@ -160,7 +246,8 @@ def within(column: str, bounds: tuple[datetime, datetime]) -> str:
     return f"{column} >= '{lower.isoformat()}' and {column} < '{upper.isoformat()}'"
 
 
-def _bounds(bound: str) -> tuple[datetime, datetime]:
+def bounds_of(bound: str) -> tuple[datetime, datetime]:
+    """[lower, upper) of a partition, from its bound as pg_get_expr writes it."""
     # "FOR VALUES FROM ('2026-12-02 00:00:00+00') TO ('2026-12-03 00:00:00+00')"
     lower, upper = (part.split("'")[1] for part in bound.split(" TO "))
     return datetime.fromisoformat(lower), datetime.fromisoformat(upper)

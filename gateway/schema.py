@@ -1,14 +1,27 @@
-"""The schema: versioned migrations in gateway/migrations/*.sql, applied under an advisory lock."""
+"""The schema: versioned migrations in gateway/migrations/*.sql, applied under an advisory lock.
+
+``migrate`` is the owner's: it makes and changes the tables. ``ready`` is what every other command
+runs at start: it checks that the schema is current and that the role has what serving needs, and
+runs no DDL when it is, so that serve can run with a role of reads and writes only.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from importlib import resources
 
 import asyncpg
 
-from gateway import partitions
-from gateway.errors import SchemaNewer, StoreRejected, StoreUnavailable
+from gateway import partitions, roles
+from gateway.errors import (
+    NoSuchRole,
+    PrivilegesMissing,
+    SchemaBehind,
+    SchemaNewer,
+    StoreRejected,
+    StoreUnavailable,
+)
 from gateway.store import OUTAGE, RETRYABLE_SQLSTATES, cannot_connect
 
 # Any constant will do, as long as no other application on the database uses it for another lock.
@@ -33,6 +46,100 @@ def migration_files() -> list[tuple[int, str, str]]:
 
 def _quiet(_: str) -> None:
     pass
+
+
+@asynccontextmanager
+async def _connected(dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    """A connection of its own, closed after; an outage, on connecting or later, is StoreUnavailable."""
+    try:
+        conn = await asyncpg.connect(dsn)
+    except (OSError, asyncpg.PostgresError) as exc:
+        raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
+    try:
+        yield conn
+    except (*OUTAGE, asyncpg.InterfaceError) as exc:
+        raise StoreUnavailable(f"Postgres went away: {type(exc).__name__}: {exc}") from exc
+    finally:
+        await conn.close()
+
+
+async def ready(dsn: str, progress: Callable[[str], None] = _quiet) -> list[str]:
+    """Make sure the schema is this gateway's and its role may serve; returns the migrations applied.
+
+    A current schema is read, not changed: no migration statement runs, and the role needs no more than
+    roles.RUNTIME_PRIVILEGES (any it lacks are named, to grant). A schema behind is migrated when the
+    role may (it owns the tables, or there are none yet and it may make them: one role for everything,
+    as with the embedded Postgres); otherwise the owner must, and this says so.
+    """
+    async with _connected(dsn) as conn:
+        version = await _version(conn)
+        known = migration_files()
+        latest = known[-1][0]
+        if version > latest:
+            raise SchemaNewer(_newer(version, known[-1][1]))
+        if version < latest:
+            if not await _may_migrate(conn, version):
+                owner = await roles.owner_of_tables(conn) if version else None
+                who = f"the owner of the tables ({owner})" if owner else "the role that is to own the tables"
+                raise SchemaBehind(
+                    f"the schema is at migration {version}, this gateway needs {latest}: run "
+                    f"`effect-gateway migrate` as {who}"
+                )
+        else:
+            lacking = await roles.missing(conn)
+            if lacking:
+                raise PrivilegesMissing(await _grant_them(conn, lacking))
+            return []
+    return await migrate(dsn, progress)
+
+
+async def _version(conn: asyncpg.Connection) -> int:
+    """The last migration applied to the database (0: none, not even the table that records them)."""
+    if await conn.fetchval("select to_regclass('effect_gateway_migrations')") is None:
+        return 0
+    try:
+        last: int | None = await conn.fetchval("select max(version) from effect_gateway_migrations")
+    except asyncpg.exceptions.InsufficientPrivilegeError:
+        raise PrivilegesMissing(
+            await _grant_them(conn, ["select on table effect_gateway_migrations"])
+        ) from None
+    return last or 0
+
+
+async def _may_migrate(conn: asyncpg.Connection, version: int) -> bool:
+    if version:  # changing the tables takes their owner's privileges
+        owns: bool = await conn.fetchval(
+            "select pg_has_role(current_user, relowner, 'usage') from pg_class "
+            "where oid = 'effect_gateway_migrations'::regclass"
+        )
+        return owns
+    may_create: bool = await conn.fetchval("select has_schema_privilege(current_schema(), 'create')")
+    return may_create
+
+
+async def _grant_them(conn: asyncpg.Connection, lacking: list[str]) -> str:
+    user = await conn.fetchval("select current_user")
+    owner = await roles.owner_of_tables(conn)
+    return (
+        f"the role {user} lacks {', '.join(lacking)}: run `effect-gateway migrate --grant-to {user}` as the "
+        f"owner of the tables ({owner})"
+    )
+
+
+async def grant_to(dsn: str, role: str) -> None:
+    """Grant ``role`` what serving needs (roles.RUNTIME_PRIVILEGES); run by the owner, after migrating."""
+    async with _connected(dsn) as conn:
+        if not await conn.fetchval("select exists (select from pg_roles where rolname = $1)", role):
+            raise NoSuchRole(
+                f"no role named {role!r}: make it first (create role ... login password ...), then grant"
+            )
+        try:
+            await roles.grant(conn, role)
+        except asyncpg.exceptions.InsufficientPrivilegeError as exc:
+            raise PrivilegesMissing(
+                f"cannot grant {role} what serving needs ({exc}): run this as the owner of the tables "
+                f"({await roles.owner_of_tables(conn)})"
+            ) from None
 
 
 async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[str]:
@@ -78,20 +185,24 @@ async def _apply_pending(conn: asyncpg.Connection, progress: Callable[[str], Non
     done = {r["version"] for r in await conn.fetch("select version from effect_gateway_migrations")}
     known = migration_files()
     if done and max(done) > known[-1][0]:
-        # A rollback past a migration: this version would read and write rows it does not know the form
-        # of (a deflated body as the bytes sent, say). Refusing to start is the safe answer.
-        raise SchemaNewer(
-            f"the database's schema is at migration {max(done)}, newer than this gateway's last "
-            f"({known[-1][1]}): run the version of the gateway that migrated it, or a newer one"
-        )
+        raise SchemaNewer(_newer(max(done), known[-1][1]))
     applied: list[str] = []
     for version, name, sql in known:
         if version not in done:
             progress(f"applying {name}")
             await _apply(conn, version, name, sql)
             applied.append(name)
-    await partitions.ensure(conn)
+    await partitions.make_ahead(conn)
     return applied
+
+
+def _newer(version: int, last: str) -> str:
+    # A rollback past a migration: this version would read and write rows it does not know the form
+    # of (a deflated body as the bytes sent, say). Refusing to start is the safe answer.
+    return (
+        f"the database's schema is at migration {version}, newer than this gateway's last ({last}): run "
+        "the version of the gateway that migrated it, or a newer one"
+    )
 
 
 async def _apply(conn: asyncpg.Connection, version: int, name: str, sql: str) -> None:

@@ -1,7 +1,8 @@
 """``effect-gateway serve``: one listening socket, served by N worker processes (gateway.cores says how many).
 
-The parent binds the socket, applies the migrations once, and forks the workers; each runs the aiohttp
-application on the inherited socket (the kernel hands each new connection to one of them). A worker
+The parent binds the socket, checks the schema once (migrating it when it is behind and the role may:
+gateway.schema.ready), and forks the workers; each runs the aiohttp application on the inherited
+socket (the kernel hands each new connection to one of them). A worker
 that dies is replaced; the others go on serving. SIGTERM (or SIGINT) is passed to every worker, which
 stops accepting, finishes the calls under way and records them, and exits; then the parent exits.
 """
@@ -23,9 +24,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import cores, metrics
+from gateway import cores, metrics, schema
 from gateway.errors import ConfigError
-from gateway.schema import migrate
 from gateway.settings import Settings, listen_host, listen_port
 
 log = logging.getLogger("effect_gateway")
@@ -153,7 +153,7 @@ def run(settings: Settings, dsn: str, sockets: Sockets) -> int:
                 _worker(settings, dsn, sockets, shared, lambda: announce(sockets, settings, workers)),
             )
             return 0
-        asyncio.run(migrate(dsn))  # once, before any worker starts
+        asyncio.run(schema.ready(dsn))  # once, before any worker starts
         supervisor = Supervisor(
             lambda: run_loop(settings, _worker(settings, dsn, sockets, shared)),
             workers.count,

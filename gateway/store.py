@@ -26,7 +26,7 @@ from typing import Self, TypeVar
 import asyncpg
 import asyncpg.pool
 
-from gateway import partitions, phases
+from gateway import partitions, phases, roles
 from gateway.audit_query import (
     EXACT_OPEN_COUNT,
     OPEN_STATES,
@@ -36,7 +36,7 @@ from gateway.audit_query import (
     find_statement,
 )
 from gateway.decision import Settlement
-from gateway.errors import CursorUnknown, LoginRefused, StoreRejected, StoreUnavailable
+from gateway.errors import CursorUnknown, LoginRefused, PrivilegesMissing, StoreRejected, StoreUnavailable
 from gateway.record import EffectRecord, NewEffect, StoredResponse
 from gateway.rows import (
     HISTORY,
@@ -126,9 +126,12 @@ _CURSOR = """
     select exists (select from effects c where c.id = $1 and ($2::text is null or c.tenant = $2))
 """
 # Each month of the audit with Postgres's row estimate and its size: small ones are counted exactly,
-# large ones estimated (partitions.row_count), so the counts never scan a large month.
+# large ones estimated (partitions.row_count), so the counts never scan a large month. A month is
+# counted through the audit with its bounds (pruned to that month when planned), not by its name:
+# partitions do not take their parent's grants, and the gateway's role may read only the parent.
 _PARTITION_SIZES = """
-    select c.oid::regclass::text as part, c.reltuples::bigint as rows, pg_relation_size(c.oid) as bytes
+    select pg_get_expr(c.relpartbound, c.oid) as bound, c.reltuples::bigint as rows,
+           pg_relation_size(c.oid) as bytes
     from pg_inherits i join pg_class c on c.oid = i.inhrelid
     where i.inhparent = 'effects'::regclass
 """
@@ -138,6 +141,13 @@ MAINTENANCE_LOCK = 0x6566666563747301
 # What Postgres rolls back whole and says to try again: the same statement can then succeed. Anything
 # else it refuses would be refused again.
 RETRYABLE_SQLSTATES = (asyncpg.exceptions.SerializationError, asyncpg.exceptions.DeadlockDetectedError)
+# How long a write that found no partition for its row waits for the table's lock to make one (seconds).
+# Another gateway making them holds it for milliseconds, and the retention detaches a day only once the
+# days ahead exist, so its long waits never meet a write that needs a partition; ten seconds is the
+# statement bound's default, beyond which Postgres is not keeping up anyway.
+PARTITIONS_WAIT = 10.0
+# The first pause between tries while another session holds the table; it doubles up to a second.
+PARTITIONS_PAUSE = 0.05
 
 
 def session_settings(limits: StoreLimits) -> dict[str, str]:
@@ -163,6 +173,7 @@ class Store:
         self._limits = limits
         self._dsn = dsn
         self._telemetry = telemetry or Telemetry()
+        self._retention_left = False  # said once: this role leaves the retention to the tables' owner
 
     @classmethod
     async def connect(
@@ -220,11 +231,16 @@ class Store:
                         f"Postgres aborted the statement {attempt + 1} times: {type(exc).__name__}: {exc}"
                     ) from exc
             except asyncpg.exceptions.CheckViolationError as exc:
-                # "no partition of relation ... found for row": the maintenance fell behind. Make the
-                # partitions (below, out of this handler, so that an outage there is mapped as well)
-                # and try the statement once more.
-                if "no partition" not in str(exc) or attempt:
+                if "no partition" not in str(exc):
                     raise StoreRejected(f"Postgres refused the write: {exc}") from exc
+                # "no partition of relation ... found for row": none was made for this row's time (they
+                # are made two weeks ahead; an operator dropped one, or making them has failed that
+                # long). Make them (below, out of this handler, so that an outage there is mapped as
+                # well) and try the statement again. Never a refusal: Postgres would take the row once
+                # its partition exists, and a settle carrying the upstream's answer that was refused
+                # would send the effect to review.
+                if attempt == 2:
+                    raise StoreUnavailable(f"no partition for the row after making them: {exc}") from exc
                 behind = True
             except OUTAGE as exc:
                 if isinstance(exc, TimeoutError):
@@ -264,10 +280,29 @@ class Store:
             log.debug("a Postgres connection could not be reset and was closed", exc_info=True)
 
     async def _catch_up_partitions(self) -> None:
-        # Through _attempts, like any statement: its outages and refusals are mapped the same way.
-        if not await self._attempts(partitions.ensure):
-            # The retention holds the lock while it detaches a day, and makes them itself once done.
-            raise StoreUnavailable("the partitions for new rows are being made; try again")
+        """Make the partitions for rows stored now, waiting up to PARTITIONS_WAIT for the table's lock.
+
+        Any failure is StoreUnavailable, never StoreRejected: what was to be written is not at fault.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PARTITIONS_WAIT
+        pause = PARTITIONS_PAUSE
+        while True:
+            try:
+                # Through _attempts, like any statement: its outages are mapped the same way.
+                if await self._attempts(partitions.make_ahead):
+                    return
+            except StoreRejected as exc:
+                raise StoreUnavailable(
+                    f"the partitions for rows stored now could not be made: {exc}"
+                ) from exc
+            if loop.time() + pause > deadline:
+                raise StoreUnavailable(
+                    f"the partitions for rows stored now could not be made within {PARTITIONS_WAIT:g}s: "
+                    "another session holds the table's lock; try again"
+                )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
     # --- the idempotency phases -------------------------------------------------------------------
 
@@ -434,11 +469,18 @@ class Store:
             estimated = 0
             for part in await conn.fetch(_PARTITION_SIZES):
                 if part["bytes"] <= partitions.EXACT_COUNT_BYTES:
+                    month = partitions.within("created_at", partitions.bounds_of(part["bound"]))
                     counts[State.COMPLETED.value] += await partitions.row_count(
-                        conn, part["part"], part["rows"], part["bytes"], "state = 'completed'"
+                        conn,
+                        partitions.AUDIT,
+                        part["rows"],
+                        part["bytes"],
+                        f"{month} and state = 'completed'",
                     )
                 else:
-                    estimated += await partitions.row_count(conn, part["part"], part["rows"], part["bytes"])
+                    estimated += await partitions.row_count(
+                        conn, partitions.AUDIT, part["rows"], part["bytes"]
+                    )
             if estimated:
                 # The open effects are nearly all in the large (older or current) partitions' estimate.
                 open_ = sum(counts[s.value] for s in OPEN_STATES)
@@ -446,6 +488,17 @@ class Store:
             return counts
 
         return await self._run("state_counts", op)
+
+    async def partitions_ahead(self) -> partitions.Ahead:
+        """How long rows stored from now on still have partitions to go into.
+
+        When rows stored now have none, they are made first, as a write that found none would make them.
+        """
+        ahead = await self._run("partitions_ahead", partitions.ahead)
+        if ahead.days_left <= 0:
+            await self._catch_up_partitions()
+            ahead = await self._run("partitions_ahead", partitions.ahead)
+        return ahead
 
     async def ping(self) -> None:
         """Whether Postgres answers (health), without touching the effect tables."""
@@ -458,10 +511,13 @@ class Store:
     # --- retention --------------------------------------------------------------------------------
 
     async def maintain(
-        self, retention: timedelta, progress: partitions.Progress = partitions._quiet
+        self, retention: timedelta, progress: partitions.Progress = partitions._quiet, *, purge: bool = False
     ) -> list[partitions.Partition]:
-        """Make the coming partitions and drop the days of bodies past the retention.
+        """Make the coming partitions, and drop the days of bodies past the retention if this role may.
 
+        Dropping a day takes the privileges of the owner of effect_bodies: a gateway running with the
+        runtime role only makes the partitions, and says once that the retention is left to the owner
+        (``effect-gateway purge`` on a schedule). ``purge``: the owner's command, which refuses instead.
         On a connection of its own without the pool's timeouts: detaching waits for transactions that
         may still read the partition (it blocks none of them).
         """
@@ -471,11 +527,32 @@ class Store:
             raise cannot_connect(exc) from exc
         try:
             await conn.execute("set statement_timeout = 0; set lock_timeout = '5s'")
+            if not await roles.runs_retention(conn):
+                owner = await roles.owner_of_tables(conn)
+                if purge:
+                    raise PrivilegesMissing(
+                        f"dropping days of bodies takes the privileges of the owner of the tables ({owner}): "
+                        f"run effect-gateway purge as {owner}"
+                    )
+                await self._make_ahead(conn)
+                if not self._retention_left:
+                    self._retention_left = True
+                    log.info(
+                        "this gateway's database role does not own the tables, so it leaves the retention "
+                        "to `effect-gateway purge` run by their owner (%s) on a schedule "
+                        "(docs/operations.md, Database roles); it makes the partitions ahead",
+                        owner,
+                    )
+                return []
             # One maintainer at a time among all gateways on the database; the others skip this round.
             if not await conn.fetchval("select pg_try_advisory_lock($1)", MAINTENANCE_LOCK):
                 log.debug("another gateway is maintaining the partitions; skipped")
                 return []
-            await partitions.ensure(conn)
+            if not await self._make_ahead(conn):
+                # A day is detached only once the days ahead exist: a write that finds no partition
+                # then never waits for a detach (see PARTITIONS_WAIT).
+                log.info("the partitions ahead could not be made now; the retention waits for the next round")
+                return []
             return await partitions.drop_expired_bodies(conn, retention, progress)
         except OUTAGE as exc:
             raise StoreUnavailable(f"Postgres is unavailable: {type(exc).__name__}: {exc}") from exc
@@ -487,6 +564,21 @@ class Store:
         finally:
             if not conn.is_closed():
                 await conn.close()
+
+    async def _make_ahead(self, conn: asyncpg.Connection) -> bool:
+        """The partitions ahead made on the retention's connection; the log says why when they could not
+        be, and warns when few days are left."""
+        try:
+            made = await partitions.make_ahead(conn)
+        except OUTAGE:
+            raise
+        except asyncpg.PostgresError as exc:  # EXECUTE revoked, the function dropped, a table in the way
+            log.warning("the partitions ahead could not be made: %s: %s", type(exc).__name__, exc)
+            made = False
+        warning = (await partitions.ahead(conn)).warning()
+        if warning is not None:
+            log.warning("%s", warning)
+        return made
 
 
 @asynccontextmanager

@@ -10,8 +10,9 @@ against it and against Postgres.
 
 Where the two differ on purpose, the contract holds only what both promise: the admin's count of an
 open state above EXACT_OPEN_COUNT is Postgres's estimate there and exact here; the retention reports
-every day it dropped there, empty ones too, and here only the days that held bodies; and a filter by
-key finds the effect through the key table there and by the row's key here.
+every day it dropped there, empty ones too, and here only the days that held bodies; a filter by
+key finds the effect through the key table there and by the row's key here; and there, rows go into
+partitions made ahead by time, where here every time has a home (and one role owns everything).
 
 :class:`SimStore` is one connection's view of it, with the same methods as ``Store``: each statement
 travels to the database (a delay), is applied there atomically (or not: an outage), and its answer
@@ -681,10 +682,17 @@ class SimStore:
     async def state_counts(self, tenant: str | None = None) -> dict[str, int]:
         return await self._statement("state_counts", lambda: self.db.state_counts(tenant))
 
+    async def partitions_ahead(self) -> partitions.Ahead:
+        # Bodies here are kept by time with no table per day: a row stored at any time has a home.
+        return await self._statement(
+            "partitions_ahead", lambda: partitions.Ahead(audit=timedelta.max, bodies=timedelta.max)
+        )
+
     async def ping(self) -> None:
         await self._statement("ping", lambda: None)
 
     async def maintain(
-        self, retention: timedelta, progress: partitions.Progress = partitions._quiet
+        self, retention: timedelta, progress: partitions.Progress = partitions._quiet, *, purge: bool = False
     ) -> list[partitions.Partition]:
+        # One role here, which owns everything: purge or not, the retention runs.
         return await self._statement("maintain", lambda: self.db.maintain(retention, progress))

@@ -52,6 +52,7 @@ class World:
 def started_world(dsn: str, scratch: Path) -> Iterator[World]:
     """The demo upstreams and the example gateway on an empty audit; everything stopped (by pid) after."""
     asyncio.run(empty_effects(dsn))
+    asyncio.run(_documented_role(dsn))
     journal_dsn = asyncio.run(_fresh_database(dsn, JOURNAL_DATABASE))
     shutil.copy(EXAMPLE, scratch / "gateway.toml")
     env = {k: v for k, v in os.environ.items() if not k.startswith("EFFECT_GATEWAY_")}
@@ -97,6 +98,22 @@ def started_world(dsn: str, scratch: Path) -> Iterator[World]:
         for service in reversed(started):
             service.stop()
         asyncio.run(_drop_database(dsn, JOURNAL_DATABASE))
+
+
+# The runtime role docs/operations.md makes with psql (a line that does not run here) before its
+# `migrate --grant-to` names it.
+DOCUMENTED_ROLE = "effect_gateway_runtime"
+
+
+async def _documented_role(dsn: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        if not await conn.fetchval(
+            "select exists (select from pg_roles where rolname = $1)", DOCUMENTED_ROLE
+        ):
+            await conn.execute(f"create role {DOCUMENTED_ROLE}")
+    finally:
+        await conn.close()
 
 
 async def _fresh_database(dsn: str, name: str) -> str:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import asyncpg
 from aiohttp import web
@@ -21,6 +22,7 @@ from gateway.app import PROXY_ROUTE, runners
 from gateway.decision import review as review_move
 from gateway.record import EffectRecord, NewEffect
 from gateway.runtime import RUNTIME, Runtime
+from gateway.schema import grant_to
 from gateway.settings import load_settings
 from gateway.store import Store, StoreLimits, opened, session_settings
 
@@ -161,14 +163,63 @@ class Gateway:
     runtime: Runtime
 
 
+# The role the suite's gateways run with: made by tests/conftest.py (unless TEST_RUNTIME_DATABASE_URL
+# names one made beforehand) and granted what docs/operations.md says serve needs, by the code behind
+# `effect-gateway migrate --grant-to`, and nothing else: a statement that needs more fails in the suite.
+RUNTIME_ROLE = "effect_gateway_test_runtime"
+RUNTIME_PASSWORD = "runtime-of-the-tests"  # a test server's role, reachable only from this machine
+
+
+def runtime_role() -> tuple[str, str]:
+    """The runtime role's name and password: TEST_RUNTIME_DATABASE_URL's user, else the suite's own."""
+    given = os.environ.get("TEST_RUNTIME_DATABASE_URL")
+    if not given:
+        return RUNTIME_ROLE, RUNTIME_PASSWORD
+    parts = urlsplit(given)
+    if not parts.username:
+        raise RuntimeError("TEST_RUNTIME_DATABASE_URL names no user")
+    return unquote(parts.username), unquote(parts.password or "")
+
+
+def runtime_url(dsn: str) -> str:
+    """``dsn``'s database as the runtime role reaches it: the same server and database, its own login."""
+    user, password = runtime_role()
+    parts = urlsplit(dsn)
+    where = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{quote(user, safe='')}:{quote(password, safe='')}@{where}"))
+
+
+async def grant_runtime(dsn: str) -> None:
+    """The runtime role granted what serve needs in ``dsn``'s database (migrated), as its owner grants it;
+    made first (login, password) unless TEST_RUNTIME_DATABASE_URL names one, which takes the right to
+    make roles (superuser or CREATEROLE)."""
+    user, password = runtime_role()
+    if not os.environ.get("TEST_RUNTIME_DATABASE_URL"):
+        conn = await asyncpg.connect(dsn)
+        try:
+            exists = await conn.fetchval("select exists (select from pg_roles where rolname = $1)", user)
+            # The password is a literal: a role's password cannot be a statement's parameter.
+            how = f"login password '{password}'"
+            await conn.execute(f"{'alter' if exists else 'create'} role {user} {how}")
+        except asyncpg.exceptions.InsufficientPrivilegeError as exc:
+            raise RuntimeError(
+                f"the tests' database user may not make the role {user} ({exc}): give it CREATEROLE, or make "
+                "a role with login and a password and name it in TEST_RUNTIME_DATABASE_URL"
+            ) from None
+        finally:
+            await conn.close()
+    await grant_to(dsn, user)
+
+
 @asynccontextmanager
 async def gateway_server(dsn: str, tracer_provider: Any = None, **settings: Any) -> AsyncIterator[Gateway]:
-    """The real gateway on 127.0.0.1, both listeners on port 0, against the test Postgres.
+    """The real gateway on 127.0.0.1, both listeners on port 0, on the test Postgres as the runtime role.
 
+    ``dsn``: the owner's URL of a migrated database, whose runtime role was granted (grant_runtime).
     ``tracer_provider``: an OpenTelemetry TracerProvider to receive its spans.
     """
     configured = load_settings(None, listen="127.0.0.1:0", admin_listen="127.0.0.1:0", **settings)
-    async with runners(configured, dsn, tracer_provider=tracer_provider) as both:
+    async with runners(configured, runtime_url(dsn), tracer_provider=tracer_provider) as both:
         await web.TCPSite(both.proxy, "127.0.0.1", 0).start()
         await web.TCPSite(both.admin, "127.0.0.1", 0).start()
         yield Gateway(
@@ -235,6 +286,7 @@ async def failing_database(server_dsn: str, name: str) -> AsyncIterator[FailingD
     await admin.execute(f"create database {name}")
     db = FailingDatabase(other_database(server_dsn, name), name, admin)
     await migrate(db.dsn)
+    await grant_runtime(db.dsn)
     try:
         yield db
     finally:
@@ -349,9 +401,17 @@ async def raw_upstream(answer: bytes) -> AsyncIterator[RawUpstream]:
         await server.wait_closed()
 
 
-# The retention drops bodies a week after they are stored; tests move them ten days back (serve's
-# periodic retention runs every 50 ms) and keep no copies in memory, which would outlive the move.
-RETAINED: dict[str, Any] = {"retention": "7d", "purge_interval": "50ms", "replay_cache_bytes": 0}
+# The retention drops bodies a week after they are stored; tests move them ten days back and purge as
+# the tables' owner (the suite's gateways run as the runtime role, which leaves the retention to the
+# owner), and keep no copies in memory, which would outlive the move.
+RETAINED: dict[str, Any] = {"retention": "7d", "replay_cache_bytes": 0}
+
+
+async def purge_as_owner(dsn: str, retention: timedelta = timedelta(days=7)) -> None:
+    """What `effect-gateway purge` run by the tables' owner does: the days of bodies past ``retention``
+    dropped (``dsn``: the owner's URL)."""
+    async with opened(dsn) as store:
+        await store.maintain(retention, purge=True)
 
 
 async def backdate_bodies(dsn: str, days: int = 10) -> None:

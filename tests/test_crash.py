@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.support import CRASH_MATRIX, PORT_ZERO, Upstream, effect_rows, start_gateway_process
+from tests.support import CRASH_MATRIX, PORT_ZERO, Upstream, effect_rows, runtime_url, start_gateway_process
 
 pytestmark = pytest.mark.crash
 
@@ -60,7 +60,7 @@ EXPECTED: dict[tuple[str, str], tuple[int, int, str]] = {
 def _config(tmp_path: Path, dsn: str, upstream: Upstream, policy: str) -> Path:
     config = tmp_path / "gateway.toml"
     config.write_text(
-        f'database_url = "{dsn}"\n{PORT_ZERO}workers = 1\n'
+        f'database_url = "{runtime_url(dsn)}"\n{PORT_ZERO}workers = 1\n'
         # a short lease, so the restarted gateway need not wait long for the dead one's to run out
         'lease_grace = "300ms"\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\ntimeout = "1s"\n{policy}'

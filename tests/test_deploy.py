@@ -30,6 +30,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gateway import cli
 from gateway.policy import upstream_policies
 from gateway.settings import Settings, load_settings, parse_duration
 from tests.support import ROOT, other_database
@@ -132,8 +133,13 @@ def kubernetes_docs() -> Iterator[tuple[Path, dict[str, Any]]]:
                 yield path, doc
 
 
-def kubernetes_doc(kind: str) -> dict[str, Any]:
-    (found,) = [doc for _, doc in kubernetes_docs() if doc["kind"] == kind]
+def kubernetes_doc(kind: str, name: str | None = None) -> dict[str, Any]:
+    """The one manifest of ``kind`` (named ``name``, when given)."""
+    (found,) = [
+        doc
+        for _, doc in kubernetes_docs()
+        if doc["kind"] == kind and (name is None or doc["metadata"]["name"] == name)
+    ]
     return found
 
 
@@ -272,7 +278,7 @@ def test_the_gateway_is_a_native_sidecar_on_loopback(monkeypatch: pytest.MonkeyP
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert "http://127.0.0.1:8787/_gateway/health" in " ".join(sidecar[probe]["exec"]["command"]), probe
     config_map = kubernetes_doc("ConfigMap")
-    secret = kubernetes_doc("Secret")
+    secret = kubernetes_doc("Secret", "effect-gateway")
     assert [s["secretRef"]["name"] for s in sidecar["envFrom"]] == [secret["metadata"]["name"]]
     (volume,) = [v for v in pod["volumes"] if "configMap" in v]
     assert volume["configMap"]["name"] == config_map["metadata"]["name"]
@@ -292,6 +298,36 @@ def test_the_gateway_is_a_native_sidecar_on_loopback(monkeypatch: pytest.MonkeyP
     assert settings.workers * (WORKER_MEMORY_BESIDE_CACHE + settings.replay_cache_bytes) < limit
     longest = max(p.lease for p in upstream_policies(settings).values())
     assert timedelta(seconds=pod["terminationGracePeriodSeconds"]) > longest
+
+
+def test_only_the_owners_jobs_read_the_owners_secret() -> None:
+    """The owner's database URL reaches the migrate Job (which grants the sidecar's role) and the hourly
+    purge CronJob, with the sidecar's configuration; the agent's pod reads only the runtime role's."""
+    owner = kubernetes_doc("Secret", "effect-gateway-owner")["metadata"]["name"]
+    runtime = kubernetes_doc("Secret", "effect-gateway")["stringData"]["EFFECT_GATEWAY_DATABASE_URL"]
+    assert "effect_gateway_runtime" in runtime
+    pod = kubernetes_doc("Deployment")["spec"]["template"]["spec"]
+    read = {
+        s["secretRef"]["name"]
+        for c in pod["initContainers"] + pod["containers"]
+        for s in c.get("envFrom", [])
+    }
+    assert owner not in read
+    jobs = {
+        "Job": kubernetes_doc("Job")["spec"]["template"]["spec"],
+        "CronJob": kubernetes_doc("CronJob")["spec"]["jobTemplate"]["spec"]["template"]["spec"],
+    }
+    commands = {}
+    for kind, spec in jobs.items():
+        (container,) = spec["containers"]
+        assert [s["secretRef"]["name"] for s in container["envFrom"]] == [owner], kind
+        assert container["args"][:2] == ["--config", "/etc/effect-gateway/gateway.toml"], kind
+        (volume,) = spec["volumes"]
+        assert volume["configMap"]["name"] == kubernetes_doc("ConfigMap")["metadata"]["name"], kind
+        commands[kind] = cli.parser().parse_args(container["args"])
+    assert (commands["Job"].command, commands["Job"].grant_to) == ("migrate", "effect_gateway_runtime")
+    assert commands["CronJob"].command == "purge"
+    assert kubernetes_doc("CronJob")["spec"]["concurrencyPolicy"] == "Forbid"
 
 
 def systemd_unit() -> configparser.RawConfigParser:
@@ -326,6 +362,42 @@ def test_systemd_accepts_the_unit(tmp_path: Path) -> None:
     )
     done = subprocess.run(
         ["systemd-analyze", "verify", str(tmp_path / "effect-gateway.service")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+
+
+def test_the_purge_timer_runs_purge_as_the_owner_hourly() -> None:
+    """The retention's unit runs `purge` once per start with the owner's URL, from a file of its own (the
+    gateway's unit never reads it); its timer starts it hourly, and after a boot a run the host missed."""
+    unit = configparser.RawConfigParser(strict=False)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read_string((DEPLOY / "effect-gateway-purge.service").read_text())
+    service = unit["Service"]
+    assert service["Type"] == "oneshot"
+    assert service["ExecStart"].endswith("--config /etc/effect-gateway/gateway.toml purge")
+    assert service["EnvironmentFile"] == "/etc/effect-gateway/owner.env"
+    assert "owner.env" not in systemd_unit()["Service"]["EnvironmentFile"]
+    timer = configparser.RawConfigParser(strict=False)
+    timer.read_string((DEPLOY / "effect-gateway-purge.timer").read_text())
+    assert timer["Timer"]["OnCalendar"] == "hourly"
+    assert timer["Timer"]["Persistent"] == "true"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_accepts_the_purge_timer(tmp_path: Path) -> None:
+    """systemd-analyze verify finds nothing wrong with the retention's unit and its timer."""
+    installed = Path(sys.executable).parent / "effect-gateway"
+    for name in ("effect-gateway-purge.service", "effect-gateway-purge.timer"):
+        text = (DEPLOY / name).read_text()
+        (tmp_path / name).write_text(
+            text.replace("/opt/effect-gateway/.venv/bin/effect-gateway", str(installed))
+        )
+    done = subprocess.run(
+        ["systemd-analyze", "verify", *(str(p) for p in sorted(tmp_path.iterdir()))],
         capture_output=True,
         text=True,
         timeout=60,

@@ -16,7 +16,7 @@ from gateway.decision import settle, take_over
 from gateway.outcome import Answered
 from gateway.record import NewEffect, StoredResponse
 from gateway.store import opened
-from tests.support import PORT_ZERO, Upstream, effect_rows, start_gateway_process
+from tests.support import PORT_ZERO, Upstream, effect_rows, runtime_url, start_gateway_process
 
 NEW = NewEffect(
     tenant="default",
@@ -67,7 +67,7 @@ async def test_a_stalled_gateway_process_is_fenced_out(dsn: str, upstream: Upstr
     upstream.routes["/orders"] = order
     config = tmp_path / "a.toml"
     config.write_text(
-        f'database_url = "{dsn}"\n{PORT_ZERO}workers = 1\nlease_grace = "500ms"\n'
+        f'database_url = "{runtime_url(dsn)}"\n{PORT_ZERO}workers = 1\nlease_grace = "500ms"\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\ntimeout = "1s"\n'
         'native_key = { header = "Idempotency-Key" }\n'
     )
@@ -114,7 +114,7 @@ async def test_a_gateway_stalled_before_sending_does_not_send_after_its_lease(
     upstream.serve_search()
     config = tmp_path / "a.toml"
     config.write_text(
-        f'database_url = "{dsn}"\n{PORT_ZERO}workers = 1\nlease_grace = "300ms"\n'
+        f'database_url = "{runtime_url(dsn)}"\n{PORT_ZERO}workers = 1\nlease_grace = "300ms"\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\ntimeout = "700ms"\n'
         'stamp = { json_field = "client_reference" }\n'
         # the search lists an order as it is placed: its "not found" is trusted at once

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from gateway.logs import resolve_format
-from tests.support import PORT_ZERO, Upstream, start_gateway_process
+from tests.support import PORT_ZERO, Upstream, runtime_url, start_gateway_process
 
 # Values the log must never hold: each is distinctive, so a search for it cannot miss.
 SECRETS = {
@@ -36,7 +36,7 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 def _config(tmp_path: Path, dsn: str, upstream: Upstream) -> Path:
     config = tmp_path / "gateway.toml"
     config.write_text(
-        f'database_url = "{dsn}"\n{PORT_ZERO}workers = 1\n'
+        f'database_url = "{runtime_url(dsn)}"\n{PORT_ZERO}workers = 1\n'
         '[tenants.grocer]\ntoken = "env:GROCER_TOKEN"\n[admin]\ntoken = "env:ADMIN_TOKEN"\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\n'
         'inject_headers = { Authorization = "env:SHOP_SECRET" }\n'

@@ -27,6 +27,7 @@ from tests.support import (
     children,
     decisions,
     gateway_server,
+    runtime_url,
     start_gateway_process,
     upstream_server,
 )
@@ -329,7 +330,7 @@ async def test_a_scrape_of_either_worker_counts_the_requests_both_served(
     """`serve` with two workers: one scrape counts both workers' requests, and a killed worker's too."""
     config = tmp_path / "gateway.toml"
     config.write_text(
-        f'database_url = "{dsn}"\n{PORT_ZERO}workers = 2\nlog_format = "json"\n'
+        f'database_url = "{runtime_url(dsn)}"\n{PORT_ZERO}workers = 2\nlog_format = "json"\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\n'
     )
     temp = tmp_path / "tmp"  # where the gateway makes the workers' metrics directory
@@ -376,7 +377,8 @@ def test_a_killed_gateways_metrics_directory_is_removed_by_the_next(
     """
     config = tmp_path / "gateway.toml"
     config.write_text(
-        f'database_url = "{dsn}"\n{PORT_ZERO}workers = 2\n[upstreams.shop]\nbase_url = "{upstream.url}"\n'
+        f'database_url = "{runtime_url(dsn)}"\n{PORT_ZERO}workers = 2\n'
+        f'[upstreams.shop]\nbase_url = "{upstream.url}"\n'
     )
     temp = tmp_path / "tmp"
     temp.mkdir()
@@ -406,7 +408,7 @@ def test_every_metric_is_in_the_operations_guide() -> None:
     exported = Metrics(["shop"]).exposition({"completed": 0}).decode()
     names = {line.split()[2] for line in exported.splitlines() if line.startswith("# HELP ")}
     guide = (ROOT / "docs" / "operations.md").read_text()
-    assert len(names) == 9
+    assert len(names) == 10
     assert [name for name in sorted(names) if f"`{name}`" not in guide] == []
 
 

@@ -28,6 +28,7 @@ from tests.support import (
     decisions,
     effect_rows,
     gateway_server,
+    runtime_url,
     start_gateway_process,
 )
 from tests.test_store_contract import RETENTION, completed
@@ -148,7 +149,7 @@ async def test_agents_restoring_at_once_across_workers_all_get_the_one_stored_an
     searches = changing_search(upstream)
     config = tmp_path / "gateway.toml"
     config.write_text(
-        f'database_url = "{dsn}"\n{PORT_ZERO}workers = 2\nlog_format = "json"\n' + shop(upstream)
+        f'database_url = "{runtime_url(dsn)}"\n{PORT_ZERO}workers = 2\nlog_format = "json"\n' + shop(upstream)
     )
     gateway = start_gateway_process(config)
     conns: list[Pinned] = []

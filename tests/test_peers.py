@@ -22,6 +22,7 @@ from tests.support import (
     Upstream,
     effect_rows,
     gateway_server,
+    runtime_url,
     start_gateway_process,
     upstream_server,
 )
@@ -81,7 +82,7 @@ async def test_a_stalled_upload_does_not_hold_a_shutdown(
     """SIGTERM with an agent stuck mid-body: `serve` exits within the body timeout, not aiohttp's 60 s."""
     config = tmp_path / "gw.toml"
     config.write_text(
-        f'database_url = "{dsn}"\n{PORT_ZERO}request_body_timeout = "1s"\n'
+        f'database_url = "{runtime_url(dsn)}"\n{PORT_ZERO}request_body_timeout = "1s"\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\n'
     )
     gateway = start_gateway_process(config)
@@ -117,7 +118,7 @@ async def test_agents_that_do_not_read_their_answers_do_not_hold_a_shutdown(
     upstream.routes["/orders"] = large
     config = tmp_path / "gw.toml"
     config.write_text(
-        f'database_url = "{dsn}"\n{PORT_ZERO}workers = 1\n'
+        f'database_url = "{runtime_url(dsn)}"\n{PORT_ZERO}workers = 1\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\ntimeout = "2s"\n'
     )
     gateway = start_gateway_process(config)

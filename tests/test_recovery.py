@@ -14,7 +14,15 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.support import RETAINED, ROOT, Upstream, backdate_bodies, effect_rows, gateway_server
+from tests.support import (
+    RETAINED,
+    ROOT,
+    Upstream,
+    backdate_bodies,
+    effect_rows,
+    gateway_server,
+    purge_as_owner,
+)
 
 SEARCH = {"method": "GET", "path": "/orders/search?ref={key}", "found": "items.0", "status": 201}
 
@@ -376,11 +384,8 @@ async def test_after_the_retention_a_retry_is_answered_by_the_probe_or_410(
         first = await order(http, gw.url)
         assert first[0] == 201
         await backdate_bodies(dsn, days=10)
-        for _ in range(100):  # the periodic purge in serve drops the bodies
-            (row,) = await effect_rows(dsn)
-            if row["response_body"] is None:
-                break
-            await asyncio.sleep(0.05)
+        await purge_as_owner(dsn)  # the owner's purge, on its schedule, drops the bodies
+        (row,) = await effect_rows(dsn)
         assert row["response_body"] is None
         assert row["request_body"] is None
         assert row["state"] == "completed"

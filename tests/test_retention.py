@@ -17,6 +17,7 @@ import asyncpg
 import pytest
 
 from gateway import partitions
+from gateway import store as store_module
 from gateway.decision import Policy, settle, take_over, too_soon
 from gateway.errors import StoreUnavailable
 from gateway.outcome import Answered
@@ -334,10 +335,13 @@ async def test_a_new_effect_with_no_day_to_go_into_makes_the_day_and_is_kept(dsn
     assert kept.request_body == effect("behind").request_body
 
 
-async def test_a_day_that_cannot_be_made_now_is_a_wait_and_nothing_is_kept(dsn: str, store: Store) -> None:
-    """Today has no partition and another session holds the lock making one needs: the claim is
-    unavailable for now (a 503 to try again), not refused as if the request were at fault, and the key
-    stays free for that retry."""
+async def test_a_day_that_cannot_be_made_now_is_a_wait_and_nothing_is_kept(
+    dsn: str, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Today has no partition and another session holds the lock making one needs for longer than the
+    store waits: the claim is unavailable for now (a 503 to try again), not refused as if the request
+    were at fault, and the key stays free for that retry."""
+    monkeypatch.setattr(store_module, "PARTITIONS_WAIT", 0.5)  # the lock is held past it all the same
     holder = await asyncpg.connect(dsn)
     try:
         await _drop_todays_body_partitions(holder)
@@ -345,7 +349,7 @@ async def test_a_day_that_cannot_be_made_now_is_a_wait_and_nothing_is_kept(dsn: 
         await tx.start()
         # The lock a detach holds, which new rows do not wait for and a new partition does.
         await holder.execute("lock table effect_bodies in share update exclusive mode")
-        with pytest.raises(StoreUnavailable, match="being made"):
+        with pytest.raises(StoreUnavailable, match=r"could not be made within 0\.5s"):
             await store.claim(effect("behind"), LEASE)
         await tx.rollback()
     finally:

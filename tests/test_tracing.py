@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from gateway.tracing import trace_id_of
-from tests.support import PORT_ZERO, Upstream, gateway_server, start_gateway_process
+from tests.support import PORT_ZERO, Upstream, gateway_server, runtime_url, start_gateway_process
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -151,7 +151,7 @@ async def test_without_opentelemetry_the_gateway_serves_and_logs_text_as_set(
     (blocked / "__init__.py").write_text('raise ImportError("opentelemetry is not installed here")\n')
     config = tmp_path / "gateway.toml"
     config.write_text(
-        f'database_url = "{dsn}"\n{PORT_ZERO}workers = 1\nlog_format = "text"\n'
+        f'database_url = "{runtime_url(dsn)}"\n{PORT_ZERO}workers = 1\nlog_format = "text"\n'
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\n'
     )
     gateway = start_gateway_process(config, {"PYTHONPATH": str(blocked.parent)})

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from agent_example.upstreams import mail, payments
-from tests.support import PORT_ZERO, effect_rows, start_gateway_process
+from tests.support import PORT_ZERO, effect_rows, runtime_url, start_gateway_process
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ async def test_a_charge_whose_key_the_upstream_forgot_is_found_by_metadata_searc
     """Gateway killed after the payments API answered; the key is past its TTL; search finds the charge."""
     config = tmp_path / "gw.toml"
     config.write_text(
-        f'database_url = "{dsn}"\n{PORT_ZERO}workers = 1\nlease_grace = "300ms"\n'
+        f'database_url = "{runtime_url(dsn)}"\n{PORT_ZERO}workers = 1\nlease_grace = "300ms"\n'
         f'[upstreams.payments]\nbase_url = "{payments_url}"\ntimeout = "1s"\n'
         'native_key = { header = "Idempotency-Key", ttl = "1s" }\n'
         'stamp = { form_field = "metadata[idempotency_key]" }\n'

@@ -17,13 +17,13 @@ import aiohttp
 from aiohttp import web
 
 from gateway import cores
-from tests.support import PORT_ZERO, Upstream, children, effect_rows, start_gateway_process
+from tests.support import PORT_ZERO, Upstream, children, effect_rows, runtime_url, start_gateway_process
 
 
 def _config(tmp_path: Path, dsn: str, upstream: Upstream, **extra: str) -> Path:
     config = tmp_path / "gateway.toml"
     settings = {
-        "database_url": f'"{dsn}"',
+        "database_url": f'"{runtime_url(dsn)}"',
         "listen": '"127.0.0.1:0"',
         "admin_listen": '"127.0.0.1:0"',
         "workers": "3",
@@ -86,7 +86,9 @@ async def test_without_workers_serve_starts_one_per_cpu_it_may_use(
     """Allowed one core of the machine's, serve without `workers` starts one worker, not one per core of
     the machine, says at start how many and why, and serves."""
     config = tmp_path / "gateway.toml"
-    config.write_text(f'database_url = "{dsn}"\n{PORT_ZERO}[upstreams.shop]\nbase_url = "{upstream.url}"\n')
+    config.write_text(
+        f'database_url = "{runtime_url(dsn)}"\n{PORT_ZERO}[upstreams.shop]\nbase_url = "{upstream.url}"\n'
+    )
     with on_one_core():
         gateway = start_gateway_process(config)
     try:
