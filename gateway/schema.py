@@ -54,7 +54,7 @@ async def _connected(dsn: str) -> AsyncIterator[asyncpg.Connection]:
     try:
         conn = await asyncpg.connect(dsn)
     except (OSError, asyncpg.PostgresError) as exc:
-        raise StoreUnavailable(f"cannot connect to Postgres: {exc}") from exc
+        raise cannot_connect(exc) from exc
     try:
         yield conn
     except (*OUTAGE, asyncpg.InterfaceError) as exc:
