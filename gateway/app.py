@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import sys
@@ -17,35 +16,28 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 
-from gateway import admin, audit_routes, browser, codings, openapi, operators, problems, schema
+from gateway import admin, audit_routes, browser, codings, openapi, operators, problems
 from gateway.body import RequestBody, read_body
 from gateway.errors import BodyUnreadable, StoreRejected, StoreUnavailable
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.inbound import Inbound
 from gateway.jsonbody import JsonRefused
-from gateway.keys import MAX_LABEL, KeySyntaxError, LogHash, looks_made_up, parse_key
-from gateway.metrics import CachedCounts, Metrics
-from gateway.policy import UpstreamPolicy, upstream_policies
-from gateway.probes import Prober
+from gateway.keys import MAX_LABEL, KeySyntaxError, looks_made_up, parse_key
+from gateway.parts import longest_lease, running
+from gateway.policy import UpstreamPolicy
 from gateway.record import StoredResponse
 from gateway.replies import Reply
 from gateway.runtime import (
     RUNTIME,
     ClientGone,
-    Runtime,
     check_headers,
     check_host,
     read_request_body,
     tenant_of,
 )
-from gateway.service import EffectService
-from gateway.settings import ErrorFormat, Settings, is_loopback, listen_host
+from gateway.settings import ErrorFormat, Settings
 from gateway.stamp import reserved_use
-from gateway.store import Store, StoreLimits
-from gateway.telemetry import Observed
-from gateway.tracing import Tracer
 from gateway.trail import CURRENT, Trail
-from gateway.upstream import UpstreamClient
 from gateway.urlencoded import FormRefused
 from gateway.wire import HeaderRefused, RawHeadResponse
 
@@ -69,54 +61,6 @@ GATEWAY_PATHS = "_gateway"
 # The one gateway path on the agents' listener: what a load balancer or an orchestrator polls.
 READINESS = "/_gateway/health"
 _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\d+)", re.IGNORECASE)
-
-
-@asynccontextmanager
-async def running(
-    settings: Settings, dsn: str, *, metrics_dir: str | None = None, tracer_provider: Any = None
-) -> AsyncIterator[Runtime]:
-    """Start the gateway's parts on the Postgres at ``dsn`` (already running); stop them on the way out.
-
-    ``metrics_dir``: the directory its worker processes share their metrics in (gateway.metrics), or
-    None for metrics of its own. ``tracer_provider``: an OpenTelemetry TracerProvider for its spans,
-    instead of the global one. On the way out the calls under way finish and record before the store
-    closes (bounded by the longest lease).
-    """
-    await schema.ready(dsn)
-    policies = upstream_policies(settings)
-    telemetry = Observed(Metrics(policies, metrics_dir), Tracer(tracer_provider))
-    store = await Store.connect(
-        dsn, max_size=settings.pool_size, limits=store_limits(settings), telemetry=telemetry
-    )
-    client = UpstreamClient(policies.values(), settings.max_response_bytes, telemetry)
-    prober = Prober(client)
-    for policy in policies.values():
-        prober.check(policy)
-    given = settings.key_secret
-    secret = given.get_secret_value().encode() if given else await store.key_secret()
-    service = EffectService(
-        store,
-        client,
-        prober,
-        secret,
-        retention=settings.retention,
-        replay_cache_bytes=settings.replay_cache_bytes,
-        waiters_per_key=settings.max_waiters_per_key,
-        telemetry=telemetry,
-    )
-    runtime = Runtime(
-        settings, policies, store, service, telemetry, CachedCounts(store.state_counts), LogHash(secret)
-    )
-    purger = asyncio.create_task(_maintain_periodically(store, settings))
-    try:
-        yield runtime
-    finally:
-        purger.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await purger
-        await service.drain(timeout=_longest_lease(policies))
-        await client.close()
-        await store.close()
 
 
 def _application(settings: Settings, *middlewares: Middleware) -> web.Application:
@@ -154,8 +98,9 @@ def make_proxy_app(settings: Settings) -> web.Application:
 
 def make_admin_app(settings: Settings) -> web.Application:
     """The operators' side, on ``admin_listen``: health with counts, metrics, the effects and the audit."""
-    loopback = is_loopback(listen_host(settings.admin_listen, "admin_listen"))
-    app = _application(settings, problem_middleware, _request_checks(loopback_host=loopback))
+    # Open to whoever reaches it only without an admin token and tenants: then, as for the agents'
+    # listener without tenants, only a loopback name may be asked for (see runtime.check_host).
+    app = _application(settings, problem_middleware, _request_checks(loopback_host=settings.admin_open))
     admin.add_routes(app)
     audit_routes.add_routes(app)
     app.router.add_get(openapi.PATH, openapi.serve)
@@ -209,29 +154,7 @@ async def _finish_calls(app: web.Application) -> None:
     instead of aiohttp waiting that long for handlers that may still be calling their upstream.
     """
     runtime = app[RUNTIME]
-    await runtime.service.drain(timeout=_longest_lease(runtime.policies))
-
-
-def _longest_lease(policies: dict[str, UpstreamPolicy]) -> float:
-    return max((p.lease.total_seconds() for p in policies.values()), default=0.0)
-
-
-async def _maintain_periodically(store: Store, settings: Settings) -> None:
-    """Partitions made ahead, and days of bodies past the retention dropped, every purge_interval."""
-    while True:
-        try:
-            await store.maintain(settings.retention, progress=log.info)
-        except StoreUnavailable as exc:
-            log.warning("retention skipped: %s", exc)
-        except Exception:  # a periodic job must outlive any one failure; the next round tries again
-            log.exception("retention failed")
-        await asyncio.sleep(settings.purge_interval.total_seconds())
-
-
-def store_limits(settings: Settings) -> StoreLimits:
-    return StoreLimits(
-        acquire=settings.pool_timeout, statement=settings.statement_timeout, lock=settings.lock_timeout
-    )
+    await runtime.service.drain(timeout=longest_lease(runtime.policies))
 
 
 class ServerLog(logging.LoggerAdapter[logging.Logger]):

@@ -29,7 +29,7 @@ import asyncpg
 from gateway import admin, embedded, jsonbody, logs, operators, problems, report
 from gateway.decision import NotAwaitingOperator
 from gateway.embedded import EmbeddedPostgres
-from gateway.errors import ConfigError, GatewayError, LoginRefused, StoreUnavailable
+from gateway.errors import CannotListen, ConfigError, GatewayError, LoginRefused, StoreUnavailable
 from gateway.policy import PythonProbe, upstream_policies, upstream_policy
 from gateway.probes import Prober, load_python_probe
 from gateway.record import EffectRecord, StoredResponse
@@ -102,7 +102,7 @@ def cmd_serve(settings: Settings, _args: argparse.Namespace) -> int:
     check_probes(settings)
     try:
         sockets = serve.bind(settings)
-    except serve.CannotListen as exc:
+    except CannotListen as exc:
         raise UsageError(str(exc)) from None
     with database(settings) as dsn:
         return serve.run(settings, dsn, sockets)

@@ -52,7 +52,7 @@ class _Quota:
 
     @property
     def workers(self) -> int:
-        # Rounded up in whole numbers, where a float's ceil could make 3 of a quota that is 3 exactly.
+        # Rounded up in integers: the ceiling of a division in floats could make 4 of a quota of exactly 3.
         return -(-self.quota // self.period)
 
 

@@ -9,6 +9,10 @@ class ConfigError(GatewayError):
     """The configuration cannot be used; the message is one line naming the setting."""
 
 
+class CannotListen(GatewayError):
+    """A listening socket could not be bound (a port in use, an address not here); says which setting."""
+
+
 class StoreUnavailable(GatewayError):
     """Postgres could not be reached or answered with an error we cannot act on."""
 

@@ -345,6 +345,16 @@ def _admin_paths() -> dict[str, Any]:
 
 
 LOCATION = {"Location": {"schema": _TEXT}}
+# The listeners' default ports (gateway.settings: listen, admin_listen).
+PROXY_PORT, ADMIN_PORT = 8787, 8788
+
+
+def _server(description: str, port: int) -> dict[str, Any]:
+    return {
+        "url": "http://{host}:{port}",
+        "description": description,
+        "variables": {"host": {"default": "127.0.0.1"}, "port": {"default": str(port)}},
+    }
 
 
 def _audit_paths() -> dict[str, Any]:
@@ -566,6 +576,11 @@ def _problem_schema() -> dict[str, Any]:
     }
 
 
+def operations(item: dict[str, Any]) -> dict[str, Any]:
+    """The operations of a path item by method, without its other fields (``servers``)."""
+    return {method: operation for method, operation in item.items() if method in PROXY_METHODS}
+
+
 @cache
 def document() -> dict[str, Any]:
     """The whole document (one per process: everything in it is a constant of the code)."""
@@ -576,12 +591,20 @@ def document() -> dict[str, Any]:
             "version": "1",
             "description": "An idempotency sidecar: the proxy, its admin API and its audit pages. Errors "
             'are problem+json; an upstream configured with error_format = "stripe" answers the proxy\'s '
-            "errors in Stripe's shape instead (docs/contract.md).",
+            "errors in Stripe's shape instead (docs/contract.md). Two listeners serve it: the proxy's path "
+            "is the agents' (the listen setting), every /_gateway/ path the admin listener's (admin_listen), "
+            "where this document is served; the agents' listener also answers GET /_gateway/health, up or "
+            "down only.",
         },
+        # The default addresses; a configuration names its own (listen, admin_listen).
+        "servers": [_server("the admin listener (admin_listen)", ADMIN_PORT)],
         "paths": {
             **_admin_paths(),
             **_audit_paths(),
-            "/{upstream}/{path}": {method: _proxy_operation(method) for method in PROXY_METHODS},
+            "/{upstream}/{path}": {
+                "servers": [_server("the agents' listener (listen)", PROXY_PORT)],
+                **{method: _proxy_operation(method) for method in PROXY_METHODS},
+            },
         },
         "components": {
             "schemas": {"Problem": _problem_schema(), **_effect_schemas()},

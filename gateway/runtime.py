@@ -74,7 +74,7 @@ def _names_loopback(host: str) -> bool:
 
 
 def check_host(request: web.Request) -> None:
-    """Answer only requests addressed to a loopback name, on a listener that trusts its callers.
+    """Answer only requests addressed to a loopback name, on a listener that asks its callers for no token.
 
     Such a listener is on loopback, so only this machine's processes reach it, but a person's browser
     does too: a web page on a name whose DNS answer is then switched to 127.0.0.1 (DNS rebinding) is
@@ -86,9 +86,9 @@ def check_host(request: web.Request) -> None:
     host = request.host
     if not _names_loopback(host):
         raise problems.BadRequest(
-            f"Host {host!r} is not a loopback name: this listener answers only requests to localhost, "
-            "127.0.0.1 or [::1] (configure [tenants], or an admin token for admin_listen, to reach it by "
-            "another name)"
+            f"Host {host!r} is not a loopback name: a listener that asks for no token answers only "
+            "requests to localhost, 127.0.0.1 or [::1] (configure [tenants], and an [admin] token for the "
+            "admin listener, to reach it by another name)"
         )
 
 

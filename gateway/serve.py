@@ -1,8 +1,9 @@
-"""``effect-gateway serve``: one listening socket, served by N worker processes (gateway.cores says how many).
+"""``effect-gateway serve``: two listening sockets, served by N worker processes (gateway.cores: how many).
 
-The parent binds the socket, checks the schema once (migrating it when it is behind and the role may:
-gateway.schema.ready), and forks the workers; each runs the aiohttp application on the inherited
-socket (the kernel hands each new connection to one of them). A worker
+The parent binds the agents' socket (``listen``) and the operators' (``admin_listen``), checks the schema
+once (migrating it when it is behind and the role may: gateway.schema.ready), and forks the workers;
+each runs the two aiohttp applications on the inherited sockets (the kernel hands each new connection
+to one of them). A worker
 that dies is replaced; the others go on serving. SIGTERM (or SIGINT) is passed to every worker, which
 stops accepting, finishes the calls under way and records them, and exits; then the parent exits.
 """
@@ -25,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway import cores, metrics, schema
-from gateway.errors import ConfigError
+from gateway.errors import CannotListen, ConfigError
 from gateway.settings import Settings, listen_host, listen_port
 
 log = logging.getLogger("effect_gateway")
@@ -53,10 +54,6 @@ class Sockets:
 
     proxy: socket.socket
     admin: socket.socket
-
-
-class CannotListen(Exception):
-    """A listening socket could not be bound; says which setting and why."""
 
 
 def bind(settings: Settings) -> Sockets:
@@ -87,8 +84,9 @@ def _bind(address: str, setting: str) -> socket.socket:
 
 
 def _url(sock: socket.socket, address: str) -> str:
-    # The real port, when the setting asks for port 0.
-    return f"http://{listen_host(address)}:{sock.getsockname()[1]}"
+    # The real port, when the setting asks for port 0; an IPv6 address in brackets, as URLs write it.
+    host = listen_host(address)
+    return f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}"
 
 
 def announce(sockets: Sockets, settings: Settings, workers: cores.Workers) -> None:

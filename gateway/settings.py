@@ -328,7 +328,7 @@ class Settings(BaseSettings):
     # The audit page, the effects API and the metrics have a listener of their own: nothing an upstream
     # answers is ever served on the operator's origin, where a script in it would act with their session.
     admin_listen: str = "127.0.0.1:8788"
-    # Worker processes serving the one listening socket; None: one per CPU the process may use (its
+    # Worker processes serving the two listening sockets; None: one per CPU the process may use (its
     # cores, or its cgroup's CPU quota rounded up: gateway.cores). Each worker has its own connection
     # pool (pool_size) and replay cache (replay_cache_bytes).
     workers: int | None = Field(default=None, ge=1)

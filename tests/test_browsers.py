@@ -140,13 +140,10 @@ async def _needs_review(http: aiohttp.ClientSession, url: str) -> None:
 async def test_a_script_in_an_upstreams_page_cannot_resolve_an_effect_with_the_operators_session(
     db: str, shop: Upstream, http: aiohttp.ClientSession, browser: Browser, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The operator is signed in to the audit; a page an upstream answers (relayed by the proxy) runs a
-    script that tries to read an effect's page and post "did not happen": it reads nothing, the effect
-    still waits for an operator, and the agent's retry sends nothing.
-
-    Served on the audit's origin, that script read the CSRF token and the attempt, and its verdict let
-    the next retry place the order a second time.
-    """
+    """A script in a page an upstream answers reads nothing of the audit the operator is signed in to,
+    resolves nothing, and the agent's retry sends nothing."""
+    # Served on the audit's origin, the script read the CSRF token and the attempt, posted "did not
+    # happen", and the next retry placed the order a second time.
     shop.calls.clear()
     monkeypatch.setenv("ADMIN", "adm-1")
     seen: list[dict[str, Any]] = []
@@ -224,12 +221,10 @@ _ATTACK = """<!doctype html><title>Help</title><p>Help</p><script>
 async def test_a_page_on_another_origin_cannot_send_an_effect_through_the_gateway(
     db: str, shop: Upstream, http: aiohttp.ClientSession, browser: Browser
 ) -> None:
-    """A page on another local origin posts a keyed order through the gateway, whose upstream answers CORS
-    preflights for anyone: the browser's preflight is refused, and the upstream receives nothing.
-
-    Forwarded, the upstream's preflight answer let the page's POST through, with the credentials the
-    gateway injects.
-    """
+    """A page on another origin cannot place an order through the gateway, even where the upstream
+    answers every CORS preflight: the upstream receives nothing."""
+    # Forwarded, the upstream's preflight answer let the page's POST through, with the credentials the
+    # gateway injects.
     shop.calls.clear()
 
     async def permissive(request: web.Request) -> web.Response:

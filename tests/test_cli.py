@@ -35,6 +35,7 @@ from tests.support import (
     claim_effect,
     effect,
     effect_rows,
+    runtime_url,
     start_gateway_process,
 )
 
@@ -516,6 +517,31 @@ async def test_effects_json_into_head_ends_quietly(tmp_path: Path, dsn: str) -> 
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert out.decode() == "[\n"
     assert err.decode() == "status 141\n"
+
+
+async def test_serve_on_ipv6_loopback_announces_addresses_that_work(
+    tmp_path: Path, dsn: str, upstream: Upstream
+) -> None:
+    """On [::1], serve prints both listeners as URLs with the address in brackets, and each answers."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'database_url = "{runtime_url(dsn)}"\nlisten = "[::1]:0"\nadmin_listen = "[::1]:0"\nworkers = 1\n'
+        f'[upstreams.shop]\nbase_url = "{upstream.url}"\n'
+    )
+    gateway = start_gateway_process(config)
+    try:
+        assert gateway.url.startswith("http://[::1]:")
+        assert gateway.admin_url is not None
+        assert gateway.admin_url.startswith("http://[::1]:")
+        async with aiohttp.ClientSession() as http:
+            async with http.post(
+                f"{gateway.url}/shop/orders", data=b"{}", headers={"Idempotency-Key": "v6"}
+            ) as r:
+                assert r.status == 201
+            async with http.get(f"{gateway.admin_url}/_gateway/effects") as listed:
+                assert [e["key"] for e in (await listed.json())["effects"]] == ["v6"]
+    finally:
+        gateway.stop()
 
 
 def test_a_port_in_use_is_one_line(tmp_path: Path, postgres_dsn: str) -> None:

@@ -30,17 +30,15 @@ async def _route_of(app: web.Application, method: str, path: str) -> AbstractRou
 
 
 async def test_the_document_has_every_route_and_only_routes() -> None:
-    """Each documented operation is a route of the listener that serves it, and every route is documented.
-
-    The proxy's path is the agents' listener's; every other path is the admin listener's, where nothing
-    of an upstream's is ever served. The agents' listener has one path of the gateway's own besides the
-    proxy: the readiness probe, at the admin listener's health path.
-    """
+    """Each documented operation is a route of the listener that serves it, and every route is documented."""
+    # The proxy's path is the agents' listener's; every other path is the admin listener's, where nothing
+    # of an upstream's is ever served. The agents' listener has one path of the gateway's own besides the
+    # proxy: the readiness probe, at the admin listener's health path.
     settings = load_settings(None, upstreams={})
     apps = {"proxy": make_proxy_app(settings), "admin": make_admin_app(settings)}
     documented: dict[AbstractRoute, set[str]] = {}
     for path, item in openapi.document()["paths"].items():
-        for method in item:
+        for method in openapi.operations(item):
             app = apps["proxy" if path == "/{upstream}/{path}" else "admin"]
             route = await _route_of(app, method.upper(), path)
             assert route is not None, f"{method.upper()} {path} is documented but no route serves it"
@@ -81,7 +79,7 @@ def test_the_document_lists_every_problem_type_with_its_status() -> None:
     """Clients branch on problem types: the document names each one under its own status, on some route."""
     listed: dict[str, set[int]] = {}
     for item in openapi.document()["paths"].values():
-        for operation in item.values():
+        for operation in openapi.operations(item).values():
             for status, response in operation["responses"].items():
                 body = response.get("content", {}).get(problems.CONTENT_TYPE, {}).get("schema", {})
                 for part in body.get("allOf", []):

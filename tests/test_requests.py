@@ -203,6 +203,10 @@ async def test_an_open_gateway_answers_only_requests_addressed_to_loopback(
 
 
 async def test_a_gateway_with_tenants_answers_any_host(gateway: Gateway, upstream: Upstream) -> None:
-    """With tenants, the token says who may use the gateway, whatever name it is reached by."""
+    """With tenants and an admin token, tokens say who may use either listener, whatever name it is
+    reached by."""
     answer = await raw(gateway, b"POST /shop/orders HTTP/1.1\r\nHost: gateway.internal\r\n" + KEY + TOKEN)
     assert status_and_type(answer)[0] == 201
+    # The admin listener asks for a token too: a reverse proxy in front of it may pass its own name on.
+    head = b"GET /_gateway/effects HTTP/1.1\r\nHost: audit.internal\r\nAuthorization: Bearer adm-1\r\n"
+    assert status_and_type(await raw_exchange(gateway.admin_url, head))[0] == 200

@@ -76,7 +76,7 @@ CASES = max(8, settings.default.max_examples // 10)
 RUNS = [
     pytest.param(f"{method.upper()} {path}", mode, id=f"{method.upper()} {path}-{mode.value}")
     for path, item in openapi.document()["paths"].items()
-    for method, operation in item.items()
+    for method, operation in openapi.operations(item).items()
     for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
     if mode is GenerationMode.POSITIVE or "parameters" in operation or "requestBody" in operation
 ]
@@ -171,7 +171,7 @@ def harness(postgres_dsn: str) -> Iterator[Harness]:
         assert document == json.loads(json.dumps(openapi.document()))
         # This gateway's upstreams, and one it does not have: free text would almost never name one.
         proxy = document["paths"][PROXY]
-        for operation in proxy.values():
+        for operation in openapi.operations(proxy).values():
             for parameter in operation["parameters"]:
                 if parameter["name"] == "upstream":
                     parameter["schema"] = {"enum": [*UPSTREAMS, NOWHERE]}

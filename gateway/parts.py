@@ -1,0 +1,102 @@
+"""The gateway's parts, started and stopped together, whatever serves them.
+
+The store, the upstream client and its prober, the effect service and the periodic maintenance, built
+from the settings once per process (each worker of ``serve`` has its own) and handed to the two
+applications of :mod:`gateway.app` as a :class:`gateway.runtime.Runtime`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from gateway import schema
+from gateway.errors import StoreUnavailable
+from gateway.keys import LogHash
+from gateway.metrics import CachedCounts, Metrics
+from gateway.policy import UpstreamPolicy, upstream_policies
+from gateway.probes import Prober
+from gateway.runtime import Runtime
+from gateway.service import EffectService
+from gateway.settings import Settings
+from gateway.store import Store, StoreLimits
+from gateway.telemetry import Observed
+from gateway.tracing import Tracer
+from gateway.upstream import UpstreamClient
+
+log = logging.getLogger("effect_gateway")
+
+
+@asynccontextmanager
+async def running(
+    settings: Settings, dsn: str, *, metrics_dir: str | None = None, tracer_provider: Any = None
+) -> AsyncIterator[Runtime]:
+    """Start the gateway's parts on the Postgres at ``dsn`` (already running); stop them on the way out.
+
+    ``metrics_dir``: the directory its worker processes share their metrics in (gateway.metrics), or
+    None for metrics of its own. ``tracer_provider``: an OpenTelemetry TracerProvider for its spans,
+    instead of the global one. On the way out the calls under way finish and record before the store
+    closes (bounded by the longest lease).
+    """
+    await schema.ready(dsn)
+    policies = upstream_policies(settings)
+    telemetry = Observed(Metrics(policies, metrics_dir), Tracer(tracer_provider))
+    store = await Store.connect(
+        dsn, max_size=settings.pool_size, limits=store_limits(settings), telemetry=telemetry
+    )
+    client = UpstreamClient(policies.values(), settings.max_response_bytes, telemetry)
+    prober = Prober(client)
+    for policy in policies.values():
+        prober.check(policy)
+    given = settings.key_secret
+    secret = given.get_secret_value().encode() if given else await store.key_secret()
+    service = EffectService(
+        store,
+        client,
+        prober,
+        secret,
+        retention=settings.retention,
+        replay_cache_bytes=settings.replay_cache_bytes,
+        waiters_per_key=settings.max_waiters_per_key,
+        telemetry=telemetry,
+    )
+    runtime = Runtime(
+        settings, policies, store, service, telemetry, CachedCounts(store.state_counts), LogHash(secret)
+    )
+    purger = asyncio.create_task(_maintain_periodically(store, settings))
+    try:
+        yield runtime
+    finally:
+        purger.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await purger
+        await service.drain(timeout=longest_lease(policies))
+        await client.close()
+        await store.close()
+
+
+def longest_lease(policies: dict[str, UpstreamPolicy]) -> float:
+    """Seconds the longest call under way may still take to finish and be recorded."""
+    return max((p.lease.total_seconds() for p in policies.values()), default=0.0)
+
+
+async def _maintain_periodically(store: Store, settings: Settings) -> None:
+    """Partitions made ahead, and days of bodies past the retention dropped, every purge_interval."""
+    while True:
+        try:
+            await store.maintain(settings.retention, progress=log.info)
+        except StoreUnavailable as exc:
+            log.warning("retention skipped: %s", exc)
+        except Exception:  # a periodic job must outlive any one failure; the next round tries again
+            log.exception("retention failed")
+        await asyncio.sleep(settings.purge_interval.total_seconds())
+
+
+def store_limits(settings: Settings) -> StoreLimits:
+    return StoreLimits(
+        acquire=settings.pool_timeout, statement=settings.statement_timeout, lock=settings.lock_timeout
+    )
