@@ -396,6 +396,18 @@ class Settings(BaseSettings):
         # The file's contents arrive as init arguments (see load_settings); variables override the file.
         return (env_settings, init_settings)
 
+    @field_validator("lease_grace")
+    @classmethod
+    def _some_grace(cls, grace: timedelta) -> timedelta:
+        # The grace is also the most that may pass between the claim and the request leaving: with none,
+        # every keyed request is late, taken again, and in the end refused unsent.
+        if grace <= timedelta(0):
+            raise ValueError(
+                "must be more than 0s: it is also the time a claimed request has to leave, and with none "
+                "no keyed request would ever be sent"
+            )
+        return grace
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         listen_host(self.listen)  # raises with a clear message

@@ -84,6 +84,8 @@ def test_the_config_variable_names_the_file(tmp_path: Path, monkeypatch: pytest.
         ('[upstreams.shop]\nbase_url = "http://x"\nmax_connections = 0', "max_connections"),
         ('[upstreams.shop]\nbase_url = "http://x"\nconnect_timeout = "0s"', "upstreams.shop"),
         ('request_body_timeout = "0s"', "request_body_timeout"),
+        # no time between the claim and the send: every keyed request was late, and none was ever sent
+        ('lease_grace = "0s"', "lease_grace: must be more than 0s"),
         ('[upstreams.m]\nbase_url = "x"\nfingerprint_fields = ["a"]\nfingerprint_ignore = ["b"]', "not both"),
         ('[upstreams.m]\nbase_url = "http://x"\nfingerprint_ignore = []', "at least one field"),
         ('[upstreams.m]\nbase_url = "http://x"\nfingerprint_fields = ["a..b"]', "fingerprint_fields"),
