@@ -118,6 +118,32 @@ async def test_the_agents_listener_serves_no_admin_route(
             assert (ready.status, await ready.json()) == (200, {"status": "ok"})
 
 
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Sec-Fetch-Site": "none", "Sec-Fetch-Mode": "navigate"},
+        {"Origin": LISTED, "Sec-Fetch-Site": "cross-site"},
+    ],
+    ids=["typed-address", "listed-origin"],
+)
+async def test_a_browsers_cookies_never_reach_the_upstream(
+    db: str, shop: Upstream, http: aiohttp.ClientSession, headers: dict[str, str]
+) -> None:
+    """A request a browser sent carries the cookies of the gateway's host, every port's: the upstream
+    gets none of them. An agent's own Cookie header still goes through."""
+    shop.calls.clear()
+    cookie = {"Cookie": "local_app_session=s3cr3t; effect_gateway_audit=x"}
+    async with gateway_server(db, upstreams=upstreams(shop, browser_origins=[LISTED])) as gw:
+        async with http.get(f"{gw.url}/shop/catalogue", headers={**headers, **cookie}) as resp:
+            assert resp.status == 201
+        async with http.get(f"{gw.url}/shop/catalogue", headers=cookie) as agents:
+            assert agents.status == 201
+    from_browser, from_agent = shop.calls
+    assert "Cookie" not in from_browser.headers
+    assert not [value for name, value in from_browser.header_list if name.lower() == "cookie"]
+    assert from_agent.headers["Cookie"] == cookie["Cookie"]
+
+
 # --- in a real browser ------------------------------------------------------------------------------
 
 
@@ -285,3 +311,37 @@ _CROSS_ORIGIN = """<!doctype html><title>Win a prize</title><script>
   await fetch("/result", {{method: "POST", body: result}});
 }})();
 </script>"""
+
+
+async def test_a_local_apps_cookie_is_not_sent_upstream_when_the_person_opens_a_link_through_the_gateway(
+    db: str, shop: Upstream, browser: Browser
+) -> None:
+    """Cookies ignore ports: another web app on 127.0.0.1 sets its session cookie, and the person then
+    opens the shop's page through the gateway. The shop gets the page request, without that cookie.
+
+    The gateway forwarded the browser's Cookie header, so the upstream received the local app's session.
+    """
+    shop.calls.clear()
+
+    async def sign_in(request: web.Request) -> web.Response:
+        resp = web.Response(text="signed in")
+        resp.set_cookie("local_app_session", "s3cr3t-local-session", path="/", httponly=True)
+        return resp
+
+    local_app = web.Application()
+    local_app.router.add_get("/", sign_in)
+    async with serving(local_app) as local, gateway_server(db, upstreams=upstreams(shop)) as gw:
+        context = await browser.new_context()
+        try:
+            tab = await context.new_page()
+            await tab.goto(local + "/")
+            cookies = [c["name"] for c in await context.cookies(gw.url)]
+            assert cookies == ["local_app_session"]  # the browser holds it for the gateway's host too
+            answer = await tab.goto(gw.url + "/shop/catalogue")
+            assert answer is not None
+            assert answer.status == 201
+        finally:
+            await context.close()
+    (page,) = shop.calls
+    assert page.path == "/catalogue"
+    assert not [value for name, value in page.header_list if name.lower() == "cookie"]
