@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 
-from gateway import admin, audit_routes, browser, codings, openapi, operators, problems
+from gateway import admin, audit_routes, browser, codings, legible, openapi, problems
 from gateway.body import RequestBody, read_body
 from gateway.errors import BodyUnreadable, StoreRejected, StoreUnavailable
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
@@ -295,7 +295,7 @@ def split_target(raw_path: str) -> tuple[str, str, str]:
 
 
 def _label(request: web.Request, header: str) -> str | None:
-    """Return the agent's run or step label, held to the rule of operators' names (operators.flaw):
+    """Return the agent's run or step label, held to the rule of operators' names (legible.flaw):
     people read both in the audit, where a right-to-left override or a zero-width space would make one
     run look like another."""
     value = request.headers.get(header)
@@ -303,7 +303,7 @@ def _label(request: web.Request, header: str) -> str | None:
         return None
     if len(value) > MAX_LABEL:
         raise problems.BadRequest(f"{header} is longer than {MAX_LABEL} characters")
-    why = operators.flaw(value)
+    why = legible.flaw(value)
     if why is not None:
         raise problems.BadRequest(f"{header} {why}")
     return value

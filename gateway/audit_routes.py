@@ -35,7 +35,17 @@ from gateway.decision import NotAwaitingOperator, resolution
 from gateway.effect_page import ResolveForm, Verdict
 from gateway.record import EffectRecord, StoredResponse
 from gateway.runtime import RUNTIME, Runtime, is_admin, read_request_body, tenant_of
-from gateway.sessions import ADMIN, COOKIE, LIFETIME, Principal, Session, SessionKeys, holder
+from gateway.sessions import (
+    ADMIN,
+    COOKIE,
+    LIFETIME,
+    Principal,
+    Session,
+    SessionKeys,
+    forgetting,
+    holder,
+    sent_sessions,
+)
 from gateway.settings import Settings
 
 # No scripts, no frames, no plug-ins; styles only from our own stylesheet; forms post only to us.
@@ -241,7 +251,9 @@ async def _viewer(request: web.Request) -> Viewer | None:
     if settings.tenants and "Effect-Gateway-Token" in request.headers:
         tenant = tenant_of(request, settings)
         return Viewer(tenant, f"tenant {tenant} (token)", None, keys)
-    session = keys.read(request.cookies.get(COOKIE), _tokens(settings), _now())
+    sent = _sessions_sent(request)
+    # Two sessions: another page set one, and which is the operator's the request does not say.
+    session = keys.read(sent[0], _tokens(settings), _now()) if len(sent) == 1 else None
     if session is None:
         return None
     who = f"{session.principal.label} · until {audit_page.utc(session.expires)}"
@@ -273,10 +285,33 @@ def _check_form(request: web.Request, viewer: Viewer, form: Mapping[str, object]
         )
 
 
-def _sign_in_page(next_path: str, error: str | None = None) -> web.Response:
-    return _html(
-        audit_page.sign_in(next_path, error), 401, **{"WWW-Authenticate": 'Bearer realm="effect-gateway"'}
+def _sessions_sent(request: web.Request) -> list[str]:
+    return sent_sessions(request.headers.getall("Cookie", ()))
+
+
+def _forget_sessions(request: web.Request, resp: web.StreamResponse, keep: str | None = None) -> None:
+    """Delete every copy of the session cookie this request could carry (but the one at ``keep``)."""
+    for value in forgetting(request.rel_url.raw_path, request.host, secure=_https(request), keep=keep):
+        resp.headers.add("Set-Cookie", value)
+
+
+_TWO_SESSIONS = (
+    "Your browser sent two audit sessions: a page on another port of this host set one (cookies are "
+    "shared by every port of a host), and which one is yours cannot be told. Both are deleted; sign in "
+    "again."
+)
+
+
+def _sign_in_page(request: web.Request, next_path: str, error: str | None = None) -> web.Response:
+    two = len(_sessions_sent(request)) > 1
+    resp = _html(
+        audit_page.sign_in(next_path, error or (_TWO_SESSIONS if two else None)),
+        401,
+        **{"WWW-Authenticate": 'Bearer realm="effect-gateway"'},
     )
+    if two:
+        _forget_sessions(request, resp)
+    return resp
 
 
 def _safe_next(value: object) -> str:
@@ -290,7 +325,7 @@ def _safe_next(value: object) -> str:
 async def list_effects(request: web.Request) -> web.StreamResponse:
     viewer = await _viewer(request)
     if viewer is None:
-        return _sign_in_page(request.path_qs)
+        return _sign_in_page(request, request.path_qs)
     runtime = _runtime(request)
     # An HTML form sends every field; an empty one is no filter.
     query = {k: v.strip() for k, v in request.query.items() if v.strip()}
@@ -341,7 +376,7 @@ def _verdict(record: EffectRecord, viewer: Viewer, form: ResolveForm | None = No
 async def show_effect(request: web.Request) -> web.StreamResponse:
     viewer = await _viewer(request)
     if viewer is None:
-        return _sign_in_page(request.path_qs)
+        return _sign_in_page(request, request.path_qs)
     record = await _load(request, viewer.tenant)
     outcome = OUTCOMES.get(request.query.get("resolved", ""))
     message = ("ok", outcome) if outcome else None
@@ -410,7 +445,8 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
     """An operator's verdict from the page, carried out by :func:`gateway.operators.resolve`."""
     viewer = await _viewer(request)
     if viewer is None:
-        return _sign_in_page(BASE + "/" + request.match_info["id"], "Your session ended: sign in again.")
+        ended = None if len(_sessions_sent(request)) > 1 else "Your session ended: sign in again."
+        return _sign_in_page(request, BASE + "/" + request.match_info["id"], ended)
     form = await _form(request)
     _check_form(request, viewer, form)
     if not viewer.may_resolve:
@@ -477,9 +513,13 @@ async def sign_in(request: web.Request) -> web.StreamResponse:
     token = token.strip() if isinstance(token, str) else ""
     principal = holder(token, _tokens(settings)) if token else None
     if principal is None:
-        return _sign_in_page(next_path, "That token is neither the admin token nor a tenant's token.")
+        return _sign_in_page(
+            request, next_path, "That token is neither the admin token nor a tenant's token."
+        )
     cookie, _ = (await _keys(request)).issue(principal, token, _now())
     resp = _redirect(next_path)
+    # Any copy at another path (set by a page on another port) would be sent beside the new one.
+    _forget_sessions(request, resp, keep=BASE)
     resp.set_cookie(
         COOKIE,
         cookie,
@@ -499,7 +539,7 @@ async def sign_out(request: web.Request) -> web.StreamResponse:
     if viewer is not None and viewer.session is not None:
         _check_form(request, viewer, form)
     resp = _redirect(BASE)
-    resp.del_cookie(COOKIE, path=BASE, httponly=True, samesite="Strict", secure=_https(request))
+    _forget_sessions(request, resp)
     return resp
 
 

@@ -26,7 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
 
-from gateway import admin, embedded, jsonbody, logs, operators, problems, report
+from gateway import admin, embedded, jsonbody, legible, logs, operators, problems, report
 from gateway.decision import NotAwaitingOperator
 from gateway.embedded import EmbeddedPostgres
 from gateway.errors import CannotListen, ConfigError, GatewayError, LoginRefused, StoreUnavailable
@@ -50,14 +50,14 @@ class UsageError(GatewayError):
 
 
 def say(line: str = "") -> None:
-    """Print a line for a person, every character one a terminal shows as itself (report.printable)."""
-    print(report.printable(line), flush=True)
+    """Print a line for a person, every character one a terminal shows as itself (legible.printable)."""
+    print(legible.printable(line), flush=True)
 
 
 def emit(doc: Any, lines: list[str], as_json: bool) -> None:
     """Print ``lines`` for a person, or ``doc`` as JSON: pure ASCII (json.dumps escapes the rest, bidi
     controls included), so nothing in it acts on a terminal, and a program reads every value back exact."""
-    text = json.dumps(doc, indent=1) if as_json else "\n".join(map(report.printable, lines))
+    text = json.dumps(doc, indent=1) if as_json else "\n".join(map(legible.printable, lines))
     print(text, flush=True)
 
 
@@ -166,7 +166,7 @@ Progress = Callable[[str], None]
 
 def progress_printer(as_json: bool) -> Progress:
     """Progress goes to stdout for a person, to stderr when stdout carries JSON."""
-    return say if not as_json else lambda line: print(report.printable(line), file=sys.stderr, flush=True)
+    return say if not as_json else lambda line: print(legible.printable(line), file=sys.stderr, flush=True)
 
 
 async def migrate_reporting(dsn: str, progress: Progress) -> list[str]:
@@ -464,7 +464,7 @@ DATABASE_ONLY = frozenset({"migrate", "purge", "effects", "resolve"})
 
 def _fail(message: str, status: int) -> int:
     # Escaped: an error may quote what an upstream or a probe said, and stays one line.
-    print(f"effect-gateway: {report.printable(message)}", file=sys.stderr, flush=True)
+    print(f"effect-gateway: {legible.printable(message)}", file=sys.stderr, flush=True)
     return status
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from gateway import problems
+from gateway import browser, problems
 from gateway.body import RequestBody
 from gateway.fingerprint import NEVER_FINGERPRINTED
 from gateway.policy import UpstreamPolicy
@@ -48,7 +48,8 @@ def redacted(headers: Mapping[str, str], policy: UpstreamPolicy) -> dict[str, st
 
 
 def to_send(inbound: Inbound, derived_key: str | None) -> Outbound:
-    """The request as it goes upstream: under ``derived_key`` (stamped, or as the upstream's native key)."""
+    """The request as it goes upstream: under ``derived_key`` (stamped, or as the upstream's native key),
+    and without a browser's cookies."""
     try:
         return build_outbound(
             inbound.upstream,
@@ -56,7 +57,7 @@ def to_send(inbound: Inbound, derived_key: str | None) -> Outbound:
             inbound.method,
             inbound.path,
             inbound.query,
-            inbound.headers,
+            browser.cookieless(inbound.headers),
             inbound.body,
         )
     except StampError as exc:

@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal, TextIO
 
 from gateway import process
+from gateway.legible import printable
 from gateway.trail import CURRENT, Trail
 
 LogFormat = Literal["auto", "json", "text"]
@@ -55,17 +56,36 @@ class JsonLines(logging.Formatter):
 
 
 class Text(logging.Formatter):
-    """The classic line, with the request's trace id at its end when the agent sent one."""
+    """The classic line, with the request's trace id at its end when the agent sent one.
+
+    Written for a terminal, so every character a terminal would obey or hide is escaped, as the
+    command line escapes it (:func:`gateway.legible.printable`): a line quotes request paths (aiohttp
+    decodes ``%1b`` to a real ESC), errors and what upstreams and probes said. A message is one line;
+    a traceback keeps its own line breaks.
+    """
 
     def __init__(self) -> None:
         super().__init__(_TEXT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return printable(super().formatMessage(record))
+
+    def formatException(self, ei: Any) -> str:
+        return _each_line_printable(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _each_line_printable(super().formatStack(stack_info))
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         trail = CURRENT.get()
         if trail is not None and trail.trace_id is not None:
-            line += f" trace={trail.trace_id}"
+            line += f" trace={printable(trail.trace_id)}"
         return line
+
+
+def _each_line_printable(text: str) -> str:
+    return "\n".join(printable(line) for line in text.split("\n"))
 
 
 def resolve_format(log_format: LogFormat, stream: TextIO) -> Literal["json", "text"]:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import unicodedata
-
 from gateway.decision import NotAwaitingOperator, resolution
+from gateway.legible import flaw
 from gateway.record import EffectRecord, StoredResponse
-from gateway.report import CONTROLS, INVISIBLE, NOT_TEXT
 from gateway.states import State
 from gateway.store import Store
 
@@ -40,29 +38,9 @@ class BadName(ValueError):
 MAX_NAME = 200
 
 
-def flaw(name: str) -> str | None:
-    """Say why ``name`` cannot be kept in the audit and shown as a name, or None when it can.
-
-    The one rule for the names people read in the audit: an operator's, and an agent's run and step
-    labels. No control characters (a NUL, which Postgres's jsonb cannot hold; a line break, which
-    would pass for another line of the history where it is shown as text), no invisible formatting
-    characters (a right-to-left override or a zero-width space makes one name look like another on
-    the page and in the history), and only UTF-8 (bytes from the command line, or a header sent in
-    another encoding, that are not).
-    """
-    categories = {unicodedata.category(char) for char in name}
-    if categories & CONTROLS:
-        return "may not hold control characters"
-    if INVISIBLE in categories:
-        return "may not hold invisible formatting characters"
-    if NOT_TEXT in categories:
-        return "is not UTF-8 text"
-    return None
-
-
 def check_name(by: str | None) -> None:
-    """Raises :class:`BadName` for a name the history cannot keep (see :func:`flaw`), or one over
-    MAX_NAME."""
+    """Raise :class:`BadName` for a name the history cannot keep (see :func:`gateway.legible.flaw`), or
+    one over MAX_NAME."""
     if by is None:
         return
     if len(by) > MAX_NAME:

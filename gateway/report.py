@@ -9,11 +9,11 @@ for another line).
 from __future__ import annotations
 
 import re
-import unicodedata
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from gateway.legible import printable
 from gateway.policy import HttpProbe, PythonProbe, UpstreamPolicy
 
 # Bodies longer than this are cut in the readable view of an effect; --json shows them whole.
@@ -126,40 +126,8 @@ def effect_detail(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-# What a terminal obeys or hides instead of showing, by Unicode's general category. Controls (Cc: C0,
-# DEL and C1) start escape sequences that clear the screen, set the window's title or move the cursor,
-# and a carriage return overwrites the line; the line and paragraph separators (Zl, Zp) break lines for
-# str.splitlines and some terminals, so a value holding one passes for another line.
-CONTROLS = frozenset({"Cc", "Zl", "Zp"})
-# Format characters (Cf) are invisible: bidi overrides and isolates reorder what follows them (a name
-# that reads "bobevil" is "bob" and "live" reversed), zero-width spaces and joiners hide in a word.
-INVISIBLE = "Cf"
-# Lone surrogates (Cs) stand for bytes that were not UTF-8; a terminal cannot even be sent one.
-NOT_TEXT = "Cs"
-UNSHOWN = CONTROLS | {INVISIBLE, NOT_TEXT}
-# Printable ASCII is shown as itself: only the rest is looked up (a body is mostly ASCII).
-_BEYOND_ASCII = re.compile(r"[^\x20-\x7e]")
 # A body's own lines; any other break (a lone CR, a form feed, U+2028) is escaped with the rest.
 _LINE_BREAK = re.compile(r"\r?\n")
-
-
-def printable(value: object) -> str:
-    """Return ``value`` as text whose every character a terminal shows as itself: those it would obey or
-    hide instead (UNSHOWN) are escaped as Python writes them (``\\x1b``, ``\\u202e``).
-
-    Every line the command line prints for a person goes through here: an effect's text comes from
-    agents, upstreams and earlier versions of the gateway, and an error may quote any of them. A
-    backslash is left as it is (bodies are full of JSON's own escapes), so ``\\x1b`` on the screen may
-    also be those four characters; ``--json`` tells them apart.
-    """
-    return _BEYOND_ASCII.sub(_escape_unshown, str(value))
-
-
-def _escape_unshown(match: re.Match[str]) -> str:
-    char = match.group()
-    if unicodedata.category(char) in UNSHOWN:
-        return char.encode("unicode_escape").decode("ascii")
-    return char
 
 
 def _probe_window(policy: UpstreamPolicy) -> str:

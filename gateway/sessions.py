@@ -16,8 +16,10 @@ import base64
 import binascii
 import hashlib
 import hmac
+import ipaddress
+import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -72,6 +74,74 @@ def _b64(raw: bytes) -> str:
 
 def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def sent_sessions(cookie_headers: Iterable[str]) -> list[str]:
+    """Every value the browser sent under :data:`COOKIE` in these Cookie headers, in the order sent.
+
+    Read here rather than by aiohttp, which keeps the last value of a name. Cookies ignore ports: a page
+    on another port of this host (an upstream's page on the agents' listener, any local web app) can set
+    a cookie of this name for ``Path=/``, and the browser sends it after the operator's own. More than
+    one value means someone else set one, and which is the operator's the request does not say.
+    """
+    values = []
+    for header in cookie_headers:
+        for pair in header.split(";"):
+            name, equals, value = pair.partition("=")
+            if equals and name.strip(" \t") == COOKIE:
+                values.append(value.strip(" \t"))
+    return values
+
+
+# What a path or a host may hold to be written into a Set-Cookie header as it is.
+_COOKIE_PATH = re.compile(r"/[A-Za-z0-9/_.~%-]*")
+_HOST_NAME = re.compile(r"[a-z0-9-]+(\.[a-z0-9-]+)+")
+_EXPIRED = "Max-Age=0; Expires=Thu, 01 Jan 1970 00:00:00 GMT"
+
+
+def _paths(path: str) -> list[str]:
+    """Every cookie path that a browser sends with a request for ``path`` (RFC 6265, section 5.1.4):
+    each leading part that ends before or at a slash, and the path itself."""
+    found = ["/"]
+    for at, char in enumerate(path):
+        if char == "/" and at > 0:
+            found += [path[:at], path[: at + 1]]
+    found.append(path)
+    return [p for p in dict.fromkeys(found) if _COOKIE_PATH.fullmatch(p)]
+
+
+def _domains(host: str) -> list[str]:
+    """The domains whose cookies a browser sends to ``host`` (``name:port``): the name and each one above
+    it, of two labels at least. None for an address, whose cookies are the host's own only."""
+    name = host.rpartition(":")[0] if host.rpartition(":")[2].isdigit() else host
+    name = name.lower()
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+        return []
+    except ValueError:
+        pass
+    if not _HOST_NAME.fullmatch(name):
+        return []
+    labels = name.split(".")
+    return [".".join(labels[at:]) for at in range(len(labels) - 1)]
+
+
+def forgetting(path: str, host: str, *, secure: bool, keep: str | None = None) -> list[str]:
+    """Set-Cookie values that delete every copy of the session cookie a browser could send with a
+    request for ``path`` on ``host``: at each path that matches it, for the host alone and for each
+    domain above it. ``keep``: the path whose host-only copy is left alone (the one signing in sets).
+
+    The browser deletes only a cookie whose name, domain and path all match, and the request names none
+    of them, so each is named. One set by a page from a domain this host is not under cannot reach it.
+    """
+    flags = "; HttpOnly; SameSite=Strict" + ("; Secure" if secure else "")
+    domains = [""] + [f"; Domain={domain}" for domain in _domains(host)]
+    return [
+        f"{COOKIE}=; {_EXPIRED}; Path={each}{domain}{flags}"
+        for each in _paths(path)
+        for domain in domains
+        if not (each == keep and not domain)
+    ]
 
 
 def holder(token: str, tokens: Mapping[Principal, str]) -> Principal | None:

@@ -30,6 +30,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from gateway import browser
 from gateway.errors import ConfigError
 from gateway.headers import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP, same_header
 
@@ -197,6 +198,9 @@ def browser_origin(value: str) -> str:
         raise ValueError("'null' cannot be listed: any sandboxed page or local file sends it")
     if not _ORIGIN.match(value) or value != value.lower():
         raise ValueError(f"{value!r} is not an origin such as https://app.example.com (lower case, no path)")
+    why = browser.origin_flaw(value)
+    if why is not None:
+        raise ValueError(f"{value!r} is never what a browser sends: {why}")
     return value
 
 
@@ -395,6 +399,47 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The file's contents arrive as init arguments (see load_settings); variables override the file.
         return (env_settings, init_settings)
+
+    @field_validator("upstreams")
+    @classmethod
+    def _no_page_of_the_gateway(
+        cls, upstreams: dict[str, UpstreamSettings], info: ValidationInfo
+    ) -> dict[str, UpstreamSettings]:
+        # Every upstream's pages are served on the agents' listener: with its origin listed, a script in any
+        # of them calls this upstream same-origin, with the credentials the gateway injects. The admin
+        # listener serves the audit, whose pages call no upstream.
+        served = {
+            "listen": "the gateway's own address, where every upstream's pages are served: a script in any "
+            "of them could call {name} with the credentials the gateway injects",
+            "admin_listen": "the gateway's admin address, where the audit is served: no page of the "
+            "gateway's own may call {name} with the credentials it injects",
+        }
+        for setting, where in served.items():
+            address = info.data.get(setting)
+            try:
+                host, port = listen_host(str(address), setting), listen_port(str(address))
+            except ValueError:
+                continue  # the address itself is reported by _check
+            for name, upstream in upstreams.items():
+                for origin in upstream.browser_origins:
+                    if browser.served_at(origin, host, port):
+                        raise ValueError(
+                            f"{name}.browser_origins: {origin!r} is {setting} {address!r}, "
+                            + where.format(name=name)
+                        )
+        return upstreams
+
+    @field_validator("lease_grace")
+    @classmethod
+    def _some_grace(cls, grace: timedelta) -> timedelta:
+        # The grace is also the most that may pass between the claim and the request leaving: with none,
+        # every keyed request is late, taken again, and in the end refused unsent.
+        if grace <= timedelta(0):
+            raise ValueError(
+                "must be more than 0s: it is also the time a claimed request has to leave, and with none "
+                "no keyed request would ever be sent"
+            )
+        return grace
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

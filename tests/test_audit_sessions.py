@@ -18,7 +18,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway import urlencoded
-from gateway.sessions import ADMIN, COOKIE, LIFETIME, Principal, SessionKeys, holder
+from gateway.sessions import (
+    ADMIN,
+    COOKIE,
+    LIFETIME,
+    Principal,
+    SessionKeys,
+    forgetting,
+    holder,
+    sent_sessions,
+)
 from tests.strategies import FORM_BYTES, spelled, whatwg_pairs
 from tests.support import Gateway, Upstream, effect_rows, gateway_server
 
@@ -73,6 +82,28 @@ def test_only_a_configured_token_signs_in_and_csrf_tokens_are_per_session() -> N
     assert keys.csrf_ok(one, keys.csrf(one))
     assert not keys.csrf_ok(two, keys.csrf(one))
     assert not keys.csrf_ok(one, "")
+
+
+def _attributes(set_cookie: str) -> dict[str, str]:
+    """A Set-Cookie value's attributes, by lower-case name."""
+    pairs = (part.strip().partition("=") for part in set_cookie.split(";")[1:])
+    return {name.lower(): value for name, _, value in pairs}
+
+
+def test_every_copy_of_a_session_cookie_a_browser_could_send_is_named_for_deletion() -> None:
+    """Deleting takes the name, the path and the domain: each path that reaches the page, for the host
+    alone and each domain above a host name (none for an address); the copy to keep is left alone."""
+    sent = [f"a=1; {COOKIE}=x;{COOKIE} = y ; {COOKIE.upper()}=z", f"{COOKIE}=w"]
+    assert sent_sessions(sent) == ["x", "y", "w"]
+    on_a_name = forgetting(AUDIT, "audit.gw.example:8788", secure=True, keep=AUDIT)
+    targets = [(_attributes(value)["path"], _attributes(value).get("domain")) for value in on_a_name]
+    paths = ["/", "/_gateway", "/_gateway/", AUDIT]
+    domains = [None, "audit.gw.example", "gw.example"]
+    assert targets == [(p, d) for p in paths for d in domains if (p, d) != (AUDIT, None)]
+    assert all(value.endswith("; HttpOnly; SameSite=Strict; Secure") for value in on_a_name)
+    on_an_address = forgetting(AUDIT + "/12", "[::1]:8788", secure=False)
+    assert [_attributes(value)["path"] for value in on_an_address] == [*paths, AUDIT + "/", AUDIT + "/12"]
+    assert all(_attributes(value)["max-age"] == "0" for value in on_an_address)
 
 
 # --- over HTTP ---------------------------------------------------------------------------------------
@@ -427,6 +458,54 @@ async def test_a_verdicts_body_and_headers_are_replayed_as_typed(
             )
     assert replayed == (201, ["\xa0one\xa0"], ["two"], "\n  first\nsecond")
     assert "<pre>\n\n  first\nsecond</pre>" in page  # the page shows the answer's first line break too
+
+
+def _deleted_paths(resp: aiohttp.ClientResponse) -> list[str]:
+    """The paths at which the answer deletes the session cookie (for this host alone)."""
+    answered = [
+        _attributes(value)
+        for value in resp.headers.getall("Set-Cookie", ())
+        if value.startswith(f"{COOKIE}=;")
+    ]
+    return [each["path"] for each in answered if each.get("max-age") == "0" and "domain" not in each]
+
+
+async def test_two_session_cookies_are_no_session_and_both_are_deleted(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
+) -> None:
+    """A browser that sends two audit sessions (a page on another port of the host set one for Path=/)
+    gets the sign-in page saying so, in either order, and the answer deletes the cookie at every path
+    that reaches the page. aiohttp kept the last one: a tenant's session planted after the admin's
+    showed the operator that tenant's view, and a junk one locked the operator out for good."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
+        admin = _cookie(await _sign_in(http, gw.admin_url, "adm-1"))
+        tenant = _cookie(await _sign_in(http, gw.admin_url, "tok-a"))
+        for first, second in ((admin, tenant), (tenant, admin), (admin, "junk")):
+            cookie = f"{COOKIE}={first}; other_app=1; {COOKIE}={second}"
+            async with http.get(f"{gw.admin_url}{AUDIT}/7", headers={"Cookie": cookie}) as resp:
+                page = await resp.text()
+                assert resp.status == 401
+                assert "two audit sessions" in page
+                assert "tenant a" not in page
+                deleted = _deleted_paths(resp)
+        assert deleted == ["/", "/_gateway", "/_gateway/", AUDIT, AUDIT + "/", AUDIT + "/7"]
+        status, page = await _page(http, gw.admin_url + AUDIT, admin)
+        assert status == 200  # one session: the admin's, as before
+        assert "admin" in page
+
+
+async def test_signing_in_deletes_every_other_copy_and_keeps_its_own(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
+) -> None:
+    """Signing in sets the new session for the audit's path last, after deleting the copies at every
+    other path, so a copy another page set cannot outlive the sign-in."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens) as gw:
+        resp = await _sign_in(http, gw.admin_url, "adm-1", Cookie=f"{COOKIE}=tossed")
+        assert resp.status == 303
+        assert _deleted_paths(resp) == ["/", "/_gateway", "/_gateway/", AUDIT + "/", AUDIT + "/sign-in"]
+        last = resp.headers.getall("Set-Cookie")[-1]
+        assert last.startswith(f"{COOKIE}={_cookie(resp)};")
+        assert f"Path={AUDIT}" in last
 
 
 async def test_a_cookie_of_other_text_is_no_session(

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from playwright.async_api import Browser
+from playwright.async_api import Browser, BrowserContext, Page
 
 from tests.support import Upstream, effect_rows, empty_effects, gateway_server, serving, upstream_server
 
@@ -116,6 +116,32 @@ async def test_the_agents_listener_serves_no_admin_route(
                 assert on_admin.status == 200 or path == AUDIT + "/1"
         async with http.get(gw.url + "/_gateway/health") as ready:
             assert (ready.status, await ready.json()) == (200, {"status": "ok"})
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Sec-Fetch-Site": "none", "Sec-Fetch-Mode": "navigate"},
+        {"Origin": LISTED, "Sec-Fetch-Site": "cross-site"},
+    ],
+    ids=["typed-address", "listed-origin"],
+)
+async def test_a_browsers_cookies_never_reach_the_upstream(
+    db: str, shop: Upstream, http: aiohttp.ClientSession, headers: dict[str, str]
+) -> None:
+    """A request a browser sent carries the cookies of the gateway's host, every port's: the upstream
+    gets none of them. An agent's own Cookie header still goes through."""
+    shop.calls.clear()
+    cookie = {"Cookie": "local_app_session=s3cr3t; effect_gateway_audit=x"}
+    async with gateway_server(db, upstreams=upstreams(shop, browser_origins=[LISTED])) as gw:
+        async with http.get(f"{gw.url}/shop/catalogue", headers={**headers, **cookie}) as resp:
+            assert resp.status == 201
+        async with http.get(f"{gw.url}/shop/catalogue", headers=cookie) as agents:
+            assert agents.status == 201
+    from_browser, from_agent = shop.calls
+    assert "Cookie" not in from_browser.headers
+    assert not [value for name, value in from_browser.header_list if name.lower() == "cookie"]
+    assert from_agent.headers["Cookie"] == cookie["Cookie"]
 
 
 # --- in a real browser ------------------------------------------------------------------------------
@@ -280,3 +306,137 @@ _CROSS_ORIGIN = """<!doctype html><title>Win a prize</title><script>
   await fetch("/result", {{method: "POST", body: result}});
 }})();
 </script>"""
+
+
+async def test_a_local_apps_cookie_is_not_sent_upstream_when_the_person_opens_a_link_through_the_gateway(
+    db: str, shop: Upstream, browser: Browser
+) -> None:
+    """Cookies ignore ports: another web app on 127.0.0.1 sets its session cookie, and the person then
+    opens the shop's page through the gateway. The shop gets the page request, without that cookie.
+
+    The gateway forwarded the browser's Cookie header, so the upstream received the local app's session.
+    """
+    shop.calls.clear()
+
+    async def sign_in(request: web.Request) -> web.Response:
+        resp = web.Response(text="signed in")
+        resp.set_cookie("local_app_session", "s3cr3t-local-session", path="/", httponly=True)
+        return resp
+
+    local_app = web.Application()
+    local_app.router.add_get("/", sign_in)
+    async with serving(local_app) as local, gateway_server(db, upstreams=upstreams(shop)) as gw:
+        context = await browser.new_context()
+        try:
+            tab = await context.new_page()
+            await tab.goto(local + "/")
+            cookies = [c["name"] for c in await context.cookies(gw.url)]
+            assert cookies == ["local_app_session"]  # the browser holds it for the gateway's host too
+            answer = await tab.goto(gw.url + "/shop/catalogue")
+            assert answer is not None
+            assert answer.status == 201
+        finally:
+            await context.close()
+    (page,) = shop.calls
+    assert page.path == "/catalogue"
+    assert not [value for name, value in page.header_list if name.lower() == "cookie"]
+
+
+# A page that sets a cookie of the audit's name for every path of its host: cookies ignore ports, so the
+# browser sends it to the admin listener too, after the operator's own (longer paths first).
+_TOSS = """<!doctype html><title>Help</title><p>Help</p><script>
+document.cookie = "effect_gateway_audit={value}; path=/";
+document.title = "tossed";
+</script>"""
+
+
+async def _sign_in(tab: Page, admin_url: str, token: str) -> None:
+    await tab.goto(admin_url + AUDIT)
+    await tab.get_by_label("Token").fill(token)
+    await tab.get_by_role("button", name="Sign in").click()
+    await tab.wait_for_load_state()
+
+
+async def _visit(tab: Page, url: str) -> None:
+    await tab.goto(url)
+    await tab.wait_for_function("document.title === 'tossed'", timeout=30_000)
+
+
+async def _session_paths(context: BrowserContext) -> list[str]:
+    return sorted(c["path"] for c in await context.cookies() if c["name"] == "effect_gateway_audit")
+
+
+async def test_a_cookie_an_upstreams_page_sets_for_every_path_cannot_lock_the_operator_out(
+    db: str, shop: Upstream, browser: Browser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator is signed in; a page an upstream returns sets a junk audit cookie for Path=/. The
+    audit then asks to sign in again, saying why, and signing in works: the junk copy is gone.
+
+    aiohttp kept the last cookie of the name, the junk one, and the operator stayed locked out, signing
+    in again and again."""
+    monkeypatch.setenv("ADMIN", "adm-1")
+
+    async def page(request: web.Request) -> web.Response:
+        return web.Response(text=_TOSS.format(value="x"), content_type="text/html")
+
+    shop.routes["/help"] = page
+    async with gateway_server(db, upstreams=upstreams(shop), admin={"token": "env:ADMIN"}) as gw:
+        context = await browser.new_context()
+        try:
+            tab = await context.new_page()
+            await _sign_in(tab, gw.admin_url, "adm-1")
+            await tab.get_by_role("heading", name="Effects").wait_for()
+            await _visit(tab, gw.url + "/shop/help")
+            assert await _session_paths(context) == ["/", AUDIT]
+            await tab.goto(gw.admin_url + AUDIT)
+            await tab.get_by_role("heading", name="Sign in").wait_for()
+            told = await tab.content()
+            await _sign_in(tab, gw.admin_url, "adm-1")
+            # A page of the audit loads in milliseconds; 10 s only bounds the wait for one that never comes.
+            await tab.get_by_role("heading", name="Effects").wait_for(timeout=10_000)
+            assert await _session_paths(context) == [AUDIT]
+        finally:
+            await context.close()
+    assert "Your browser sent two audit sessions" in told
+
+
+async def test_a_tenants_session_planted_by_another_local_page_never_becomes_the_operators(
+    db: str, shop: Upstream, browser: Browser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tenant signs in, takes its own session cookie, and has a page on another local port set it for
+    Path=/ in the operator's browser. The operator, signed in as admin, is asked to sign in again; they
+    never see the audit as that tenant.
+
+    The planted session was read instead of the operator's, and the operator saw one tenant's effects
+    as if they were all."""
+    monkeypatch.setenv("ADMIN", "adm-1")
+    monkeypatch.setenv("T1", "tenant-one-token")
+    settings: dict[str, Any] = {"admin": {"token": "env:ADMIN"}, "tenants": {"t1": {"token": "env:T1"}}}
+    async with gateway_server(db, upstreams=upstreams(shop), **settings) as gw:
+        tenants_browser = await browser.new_context()
+        try:
+            await _sign_in(await tenants_browser.new_page(), gw.admin_url, "tenant-one-token")
+            (planted,) = [
+                c["value"] for c in await tenants_browser.cookies() if c["name"] == "effect_gateway_audit"
+            ]
+        finally:
+            await tenants_browser.close()
+
+        async def page(request: web.Request) -> web.Response:
+            return web.Response(text=_TOSS.format(value=planted), content_type="text/html")
+
+        other = web.Application()
+        other.router.add_get("/", page)
+        async with serving(other) as elsewhere:
+            context = await browser.new_context()
+            try:
+                tab = await context.new_page()
+                await _sign_in(tab, gw.admin_url, "adm-1")
+                await tab.get_by_text("admin · until").wait_for()
+                await _visit(tab, elsewhere + "/")
+                await tab.goto(gw.admin_url + AUDIT)
+                shown = await tab.content()
+            finally:
+                await context.close()
+    assert "Your browser sent two audit sessions" in shown
+    assert "tenant t1" not in shown

@@ -869,11 +869,11 @@ async def test_an_effect_whose_history_was_changed_by_hand_is_shown_and_resolved
 @pytest.mark.parametrize(
     ("name", "why"),
     [
-        ("asha\n  2026-12-04 20:00:00Z  claimed  attempt=1", "may not hold control characters"),
-        ("asha\x00", "may not hold control characters"),
+        ("asha\n  2026-12-04 20:00:00Z  claimed  attempt=1", "may not hold U+000A, a control character"),
+        ("asha\x00", "may not hold U+0000, a control character"),
         ("a" * 201, "is longer than 200 characters"),
-        ("bob\u202elive", "may not hold invisible formatting characters"),  # shows as "bobevil"
-        ("a\u200bsha", "may not hold invisible formatting characters"),
+        ("bob\u202elive", "may not hold U+202E, a bidi control, which reorders the text around it"),
+        ("a\u200bsha", "may not hold U+200B, an invisible character"),
         ("asha \udcff", "is not UTF-8 text"),  # a command-line byte that is not UTF-8, as Python has it
     ],
     ids=["a-line-break", "a-nul", "too-long", "right-to-left-override", "zero-width-space", "not-utf-8"],

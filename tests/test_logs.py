@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import logging
 import os
 import pty
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from gateway.logs import resolve_format
+from gateway.logs import Text, resolve_format
 from tests.support import PORT_ZERO, Upstream, runtime_url, start_gateway_process
 
 # Values the log must never hold: each is distinctive, so a search for it cannot miss.
@@ -122,3 +125,77 @@ def test_auto_writes_text_to_a_terminal_and_json_otherwise() -> None:
         os.close(follower)
     assert resolve_format("auto", io.StringIO()) == "json"
     assert resolve_format("text", io.StringIO()) == "text"
+
+
+# What a terminal obeys rather than shows: ESC (escape sequences), BEL (ends one), a C1 CSI, a carriage
+# return (overwrites the line), a right-to-left override.
+OBEYED = ("\x1b", "\x07", "\x9b", "\r", "\u202e")
+
+
+async def _hang_up_mid_body(url: str, target: str) -> None:
+    """Send a request head whose body never arrives whole, and hang up."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: k1\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{".encode()
+    )
+    await writer.drain()
+    await asyncio.sleep(0.3)
+    writer.close()
+    await writer.wait_closed()
+
+
+async def test_the_text_log_shows_what_a_terminal_would_obey_escaped(
+    dsn: str, upstream: Upstream, tmp_path: Path
+) -> None:
+    """A path that percent-encodes escape sequences (set the window's title, clear the screen, red) is
+    logged with them escaped, on both listeners: the log line reads ``\\x1b]0;...`` and the terminal
+    that shows serve's text log obeys none of it. It obeyed: aiohttp decodes ``%1b`` to a real ESC."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'database_url = "{runtime_url(dsn)}"\n{PORT_ZERO}workers = 1\nlog_format = "text"\n'
+        f'[upstreams.shop]\nbase_url = "{upstream.url}"\n'
+    )
+    gateway = start_gateway_process(config)
+    assert gateway.stderr is not None
+    assert gateway.admin_url is not None
+    log = gateway.stderr
+    try:
+        await _hang_up_mid_body(gateway.url, "/shop/orders%1b%5d0;PWNED%07%1b%5b2J%c2%9b31m%0dRED%e2%80%ae")
+        await _hang_up_mid_body(gateway.admin_url, "/_gateway/audit/%1b%5b2J%1b%5b5mBLINK/resolve")
+        # The lines are written as each connection closes; stopping the gateway flushes stderr.
+        await asyncio.sleep(0.5)
+    finally:
+        gateway.stop()
+    lines = log.whole()
+    went = [line for line in lines if "went away" in line]
+    assert len(went) == 2, lines
+    for line in lines:
+        assert not any(char in line for char in OBEYED), line
+    assert "/shop/orders\\x1b]0;PWNED\\x07\\x1b[2J\\x9b31m\\rRED\\u202e: the client went away" in went[0]
+    assert "/_gateway/audit/\\x1b[2J\\x1b[5mBLINK/resolve: the client went away" in went[1]
+
+
+def test_a_text_lines_message_is_one_line_and_its_traceback_keeps_its_lines() -> None:
+    """An error quoting an upstream (escape sequences, a line break) is one line of message, escaped; the
+    traceback under it still breaks into its lines, with what a terminal would obey escaped."""
+    try:
+        raise RuntimeError("the shop said: \x1b[2J\rcleared")
+    except RuntimeError:
+        record = logging.LogRecord(
+            "effect_gateway",
+            logging.ERROR,
+            __file__,
+            1,
+            "probe failed: %s",
+            ("\x1b]0;owned\x07\n2026-12-07 08:00:00,000 INFO effect_gateway: all fine",),
+            sys.exc_info(),
+        )
+    text = Text().format(record)
+    first, *traceback = text.split("\n")
+    forged = "2026-12-07 08:00:00,000 INFO effect_gateway: all fine"
+    assert first.endswith(f"ERROR effect_gateway: probe failed: \\x1b]0;owned\\x07\\n{forged}")
+    assert traceback[0] == "Traceback (most recent call last):"
+    assert traceback[-1] == "RuntimeError: the shop said: \\x1b[2J\\rcleared"
+    assert not any(char in text for char in OBEYED)

@@ -64,27 +64,62 @@ async def test_a_header_read_as_one_value_sent_twice_is_refused(
     assert await effect_rows(dsn) == []
 
 
+BIDI = "a bidi control, which reorders the text around it"
+SELECTOR = "a variation selector, kept only right after a letter, mark or symbol beyond ASCII"
+
+
 @pytest.mark.parametrize(
     ("header", "value", "why"),
     [
-        (b"Effect-Gateway-Run", "run-\u202e7".encode(), "may not hold invisible formatting characters"),
-        (b"Effect-Gateway-Run", "run-\u20667\u2069".encode(), "may not hold invisible formatting characters"),
-        (b"Effect-Gateway-Step", "pl\u200bace".encode(), "may not hold invisible formatting characters"),
-        (b"Effect-Gateway-Step", "4\u0085".encode(), "may not hold control characters"),
-        (b"Effect-Gateway-Run", "run-7\u2028".encode(), "may not hold control characters"),
+        (b"Effect-Gateway-Run", "run-\u202e7", f"U+202E, {BIDI}"),
+        (b"Effect-Gateway-Run", "run-\u20667\u2069", f"U+2066, {BIDI}"),
+        (b"Effect-Gateway-Step", "pl\u200bace", "U+200B, an invisible character"),
+        (b"Effect-Gateway-Step", "4\u0085", "U+0085, a control character"),
+        (b"Effect-Gateway-Run", "run-7\u2028", "U+2028, a line or paragraph separator"),
+        # Invisible, and not format characters: each made a run that looks like "run-1" and is not.
+        (b"Effect-Gateway-Run", "run-1\u3164", "U+3164, an invisible character"),
+        (b"Effect-Gateway-Run", "run-1\u115f", "U+115F, an invisible character"),
+        (b"Effect-Gateway-Run", "run-1\u034f", "U+034F, an invisible character"),
+        (b"Effect-Gateway-Step", "place\u17b4", "U+17B4, an invisible character"),
+        (b"Effect-Gateway-Run", "run-1\ufe00", f"U+FE00, {SELECTOR}"),
+        (b"Effect-Gateway-Run", "run-1\U000e0100", f"U+E0100, {SELECTOR}"),
     ],
-    ids=["override", "isolate", "zero-width-space", "c1-control", "line-separator"],
-)
+    ids=[
+        "override", "isolate", "zero-width-space", "c1-control", "line-separator", "hangul-filler",
+        "choseong-filler", "grapheme-joiner", "khmer-inherent-vowel", "selector", "ideographic-selector",
+    ],
+)  # fmt: skip
 async def test_a_run_or_step_label_an_operator_name_could_not_hold_is_refused(
-    gateway: Gateway, upstream: Upstream, dsn: str, header: bytes, value: bytes, why: str
+    gateway: Gateway, upstream: Upstream, dsn: str, header: bytes, value: str, why: str
 ) -> None:
-    """Run and step labels follow the operator names' rule (no control or invisible characters): a 400
-    naming the header, and nothing is sent or recorded. (Bytes that are not UTF-8 are refused before.)"""
-    answer = await raw(gateway, POST + KEY + TOKEN + header + b": " + value + b"\r\n")
+    """Run and step labels follow the operator names' rule (nothing a screen would obey, hide or
+    reorder): a 400 naming the header and the character, and nothing is sent or recorded. (Bytes that
+    are not UTF-8 are refused before.)"""
+    answer = await raw(gateway, POST + KEY + TOKEN + header + b": " + value.encode() + b"\r\n")
     assert status_and_type(answer) == (400, "bad-request")
-    assert json.loads(answer.partition(b"\r\n\r\n")[2])["detail"] == f"{header.decode()} {why}"
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["detail"] == f"{header.decode()} may not hold {why}"
     assert upstream.calls == []
     assert await effect_rows(dsn) == []
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645",  # Persian: a non-joiner inside the word
+        "\U0001f468\u200d\U0001f469\u200d\U0001f467 weekly shop",  # an emoji joined with joiners
+        "\u2764\ufe0f order",  # an emoji's colour form
+    ],
+    ids=["persian", "emoji-sequence", "emoji-selector"],
+)
+async def test_a_label_in_real_text_that_needs_a_joiner_goes_through_as_sent(
+    gateway: Gateway, upstream: Upstream, dsn: str, run: str
+) -> None:
+    """A run label with a joiner or a selector where the text needs it: the effect is sent and the label
+    recorded as sent. Refused (400) before, the agent's effect did not go through."""
+    answer = await raw(gateway, POST + KEY + TOKEN + b"Effect-Gateway-Run: " + run.encode() + b"\r\n")
+    assert status_and_type(answer) == (201, None)
+    assert len(upstream.calls) == 1
+    assert [row["run_id"] for row in await effect_rows(dsn)] == [run]
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,10 @@ def test_the_config_variable_names_the_file(tmp_path: Path, monkeypatch: pytest.
     assert set(load_settings().upstreams) == {"shop", "payments"}
 
 
+# A gateway listening on 127.0.0.1:9000, with an upstream m.
+ON_9000 = 'listen = "127.0.0.1:9000"\n[upstreams.m]\nbase_url = "http://x"\n'
+
+
 @pytest.mark.parametrize(
     ("text", "names"),
     [
@@ -84,6 +88,8 @@ def test_the_config_variable_names_the_file(tmp_path: Path, monkeypatch: pytest.
         ('[upstreams.shop]\nbase_url = "http://x"\nmax_connections = 0', "max_connections"),
         ('[upstreams.shop]\nbase_url = "http://x"\nconnect_timeout = "0s"', "upstreams.shop"),
         ('request_body_timeout = "0s"', "request_body_timeout"),
+        # no time between the claim and the send: every keyed request was late, and none was ever sent
+        ('lease_grace = "0s"', "lease_grace: must be more than 0s"),
         ('[upstreams.m]\nbase_url = "x"\nfingerprint_fields = ["a"]\nfingerprint_ignore = ["b"]', "not both"),
         ('[upstreams.m]\nbase_url = "http://x"\nfingerprint_ignore = []', "at least one field"),
         ('[upstreams.m]\nbase_url = "http://x"\nfingerprint_fields = ["a..b"]', "fingerprint_fields"),
@@ -104,6 +110,51 @@ def test_the_config_variable_names_the_file(tmp_path: Path, monkeypatch: pytest.
         ('[upstreams.m]\nbase_url = "http://x"\nbrowser_origins = ["null"]', "'null' cannot be listed"),
         ('[upstreams.m]\nbase_url = "http://x"\nbrowser_origins = ["https://a.example/app"]', "no path"),
         ('[upstreams.m]\nbase_url = "http://x"\nbrowser_origins = ["https://A.example"]', "lower case"),
+        # the gateway's own origin: every upstream's page served through it would be a listed page
+        *[
+            (
+                f'{ON_9000}browser_origins = ["{own}"]',
+                f"m.browser_origins: '{own}' is listen '127.0.0.1:9000', the gateway's own address",
+            )
+            for own in (
+                "http://127.0.0.1:9000",
+                "http://localhost:9000",
+                "http://[::1]:9000",
+                "http://a.localhost:9000",
+            )
+        ],
+        (
+            'listen = "[::1]:80"\n[upstreams.m]\nbase_url = "http://x"\nbrowser_origins = ["http://localhost"]',
+            "m.browser_origins: 'http://localhost' is listen '[::1]:80'",
+        ),
+        (
+            'listen = "0.0.0.0:9000"\n[tenants.a]\ntoken = "t"\n'
+            '[upstreams.m]\nbase_url = "http://x"\nbrowser_origins = ["http://gateway.example.com:9000"]',
+            "m.browser_origins: 'http://gateway.example.com:9000' is listen '0.0.0.0:9000'",
+        ),
+        (
+            '[upstreams.m]\nbase_url = "http://x"\nbrowser_origins = ["http://127.0.0.1:8788"]',
+            "m.browser_origins: 'http://127.0.0.1:8788' is admin_listen '127.0.0.1:8788', the gateway's",
+        ),
+        # spellings a browser never sends: listed, they admit nothing, and the person believes they do
+        (
+            '[upstreams.m]\nbase_url = "http://x"\nbrowser_origins = ["https://a.example:443"]',
+            "write https://a.example",
+        ),
+        (
+            '[upstreams.m]\nbase_url = "http://x"\nbrowser_origins = ["http://a.example:80"]',
+            "write http://a.example",
+        ),
+        (
+            '[upstreams.m]\nbase_url = "http://x"\nbrowser_origins = ["https://bücher.example"]',
+            "ASCII form (xn--",
+        ),
+        (
+            '[upstreams.m]\nbase_url = "http://x"\nbrowser_origins = ["http://a.example:08080"]',
+            "no leading zero",
+        ),
+        ('[upstreams.m]\nbase_url = "http://x"\nbrowser_origins = ["http://[0::1]:9"]', "as [::1]"),
+        ('[upstreams.m]\nbase_url = "http://x"\nbrowser_origins = ["http://127.1:9"]', "four numbers"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_it(tmp_path: Path, text: str, names: str) -> None:
@@ -115,6 +166,27 @@ def test_a_bad_setting_is_one_line_naming_it(tmp_path: Path, text: str, names: s
     message = str(caught.value)
     assert "\n" not in message
     assert names in message
+
+
+def test_browser_origins_elsewhere_load() -> None:
+    """Another port, another host, https on the gateway's port, or a gateway on port 0: all load."""
+    origins = [
+        "http://127.0.0.1:9001",
+        "http://localhost:3000",
+        "https://127.0.0.1:8787",
+        "https://app.example.com",
+        "https://xn--bcher-kva.example",
+        "http://[::1]:5173",
+    ]
+    settings = load_settings(None, upstreams={"m": {"base_url": "http://x", "browser_origins": origins}})
+    assert settings.upstreams["m"].browser_origins == origins
+    anywhere = load_settings(
+        None,
+        listen="127.0.0.1:0",
+        admin_listen="127.0.0.1:0",
+        upstreams={"m": {"base_url": "http://x", "browser_origins": ["http://127.0.0.1:8787"]}},
+    )
+    assert anywhere.upstreams["m"].browser_origins == ["http://127.0.0.1:8787"]
 
 
 def test_an_injected_header_may_not_replace_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
