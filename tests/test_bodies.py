@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import os
@@ -193,6 +194,26 @@ async def test_a_body_that_cannot_be_decoded_within_the_limit_is_refused(
     assert (got, problem(answer)) == (status, kind)
     assert upstream.calls == []
     assert await effect_rows(dsn) == []
+
+
+async def test_a_megabyte_made_to_be_slow_to_read_is_refused_while_health_answers(
+    stamped: Gateway, upstream: Upstream, http: aiohttp.ClientSession, dsn: str
+) -> None:
+    """A megabyte of escaped quotes in a string that never ends is a 400; health answers meanwhile."""
+    body = b'{"a":"' + b'\\"' * (512 * 1024 - 3)
+
+    async def health() -> int:
+        async with http.get(f"{stamped.admin_url}/_gateway/health") as resp:
+            return resp.status
+
+    # A liveness bound far above the expected time (the refusal takes tens of milliseconds): the depth
+    # check that rescanned from every quote took hours on this body and held the whole process.
+    async with asyncio.timeout(30):
+        (status, answer), *healthy = await asyncio.gather(
+            send(http, f"{stamped.url}/shop/orders", body), *(health() for _ in range(5))
+        )
+    assert (status, problem(answer), healthy) == (400, "body-malformed", [200] * 5)
+    assert (upstream.calls, await effect_rows(dsn)) == ([], [])
 
 
 # --- as stored ----------------------------------------------------------------------------------------------
