@@ -196,6 +196,32 @@ async def test_a_body_that_cannot_be_decoded_within_the_limit_is_refused(
     assert await effect_rows(dsn) == []
 
 
+@pytest.mark.parametrize(("layers", "most", "status"), [(2, 1, 415), (3, 2, 415), (2, 2, 201)])
+async def test_a_body_with_more_codings_than_allowed_is_refused_naming_the_setting(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, layers: int, most: int, status: int
+) -> None:
+    """More Content-Encoding layers than max_content_codings is a 415 naming it; up to it, one effect."""
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "ref"}}}
+    body = b'{"items":["atta"]}'
+    for _ in range(layers):
+        body = gzip.compress(body)
+    async with gateway_server(dsn, upstreams=cfg, max_content_codings=most) as gw:
+        got, answer = await send(
+            http, f"{gw.url}/shop/orders", body, Content_Encoding=", ".join(["gzip"] * layers)
+        )
+    assert got == status
+    if status == 415:
+        detail = json.loads(answer)["detail"]
+        assert (problem(answer), f"at most {most}" in detail, "max_content_codings" in detail) == (
+            "encoding-unsupported",
+            True,
+            True,
+        )
+        assert (upstream.calls, await effect_rows(dsn)) == ([], [])
+    else:
+        assert upstream.calls[0].body.startswith(b'{"items":["atta"],"ref":"eg_')
+
+
 async def test_a_megabyte_made_to_be_slow_to_read_is_refused_while_health_answers(
     stamped: Gateway, upstream: Upstream, http: aiohttp.ClientSession, dsn: str
 ) -> None:

@@ -12,6 +12,7 @@ shapes below that once took hours.
 from __future__ import annotations
 
 import gc
+import gzip
 import time
 from collections.abc import Callable
 
@@ -19,7 +20,7 @@ import pytest
 from hypothesis import example, given, settings, target
 from hypothesis import strategies as st
 
-from gateway import jsonbody, urlencoded
+from gateway import codings, jsonbody, urlencoded
 from gateway.body import FORM, read_body
 from gateway.fingerprint import canonical_query
 from gateway.jsonbody import JsonRefused, StampSite
@@ -144,3 +145,55 @@ def test_reading_input_costs_time_in_proportion_to_its_size(
 ) -> None:
     """Each reader of agent input (JSON, form, query, key) costs the same per byte at 8 KiB and 128 KiB."""
     assert_linear(READERS[reader], lambda size: _shape(head, unit, tail, size), reader)
+
+
+def _decode(body: bytes) -> object:
+    try:
+        return codings.decode(body, ["gzip"], LARGE, most=1)
+    except ValueError:  # too large, or not gzip: refusing costs time too
+        return None
+
+
+@SEARCH
+@given(
+    member=st.binary(max_size=64),
+    level=st.integers(0, 9),
+    cut=st.integers(0, 8),
+)
+@example(member=b"", level=9, cut=0)
+def test_decoding_costs_time_in_proportion_to_the_body(member: bytes, level: int, cut: int) -> None:
+    """A gzip body of many members, whole or cut short, costs the same per byte at 8 KiB and 128 KiB."""
+    one = gzip.compress(member, compresslevel=level, mtime=0)
+
+    def body(size: int) -> bytes:
+        whole = one * max(1, size // len(one))
+        return whole[: len(whole) - cut]
+
+    assert_linear(_decode, body, "gzip")
+
+
+def test_a_megabyte_of_empty_gzip_members_costs_no_more_per_byte_than_64_kib() -> None:
+    """52,428 empty gzip members (a megabyte) decode at the same cost per byte as 3,276 of them."""
+    member = gzip.compress(b"", mtime=0)
+    small = ns_per_byte(_decode, member * (64 * 1024 // len(member)))
+    large = ns_per_byte(_decode, member * (1024 * 1024 // len(member)))
+    # Copying the rest of the body after each member made the megabyte cost 10 times more per byte.
+    assert large / small <= MOST_GROWTH, f"{small:.0f} ns per byte at 64 KiB, {large:.0f} at 1 MiB"
+
+
+@pytest.mark.parametrize(
+    ("layers", "most", "refused"),
+    [(1, 1, False), (2, 1, True), (2, 2, False), (1, 0, True), (10_000, 1, True)],
+)
+def test_more_codings_than_allowed_are_refused_before_any_is_decoded(
+    layers: int, most: int, refused: bool
+) -> None:
+    """A body with more Content-Encoding layers than max_content_codings is refused, naming the setting."""
+    body = b"{}"
+    for _ in range(layers if layers < 100 else 0):
+        body = gzip.compress(body)
+    if refused:
+        with pytest.raises(codings.TooManyCodings, match=f"at most {most} .*max_content_codings"):
+            codings.decode(body, ["gzip"] * layers, 1024, most)
+    else:
+        assert codings.decode(body, ["gzip"] * layers, 1024, most) == b"{}"
