@@ -6,6 +6,7 @@ import asyncio
 import gzip
 import json
 import os
+import threading
 import zlib
 from collections.abc import AsyncIterator
 
@@ -14,6 +15,7 @@ import asyncpg
 import pytest
 from aiohttp import web
 
+from gateway import jsonbody, urlencoded
 from tests.strategies import DIFFERENT_NUMBERS
 from tests.support import Gateway, Upstream, effect_rows, gateway_server
 
@@ -240,6 +242,44 @@ async def test_a_megabyte_made_to_be_slow_to_read_is_refused_while_health_answer
         )
     assert (status, problem(answer), healthy) == (400, "body-malformed", [200] * 5)
     assert (upstream.calls, await effect_rows(dsn)) == ([], [])
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type"),
+    [
+        (b'{"items":[' + b"[]," * 40_000 + b"[]]}", JSON),  # 120 KB
+        (b'{"items":[' + b"[]," * 2_000 + b"[]]}", JSON),  # 6 KB of 2,000 arrays
+        (b"a=1&" * 5_000, FORM),  # 20 KB of 5,000 fields
+    ],
+    ids=["large-json", "json-of-many-arrays", "form-of-many-fields"],
+)
+async def test_a_body_costly_to_read_is_read_off_the_event_loop(
+    dsn: str,
+    upstream: Upstream,
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+    body: bytes,
+    content_type: str,
+) -> None:
+    """A body large or of many parts is parsed and put in canonical form off the event loop's thread."""
+    threads: list[threading.Thread] = []
+    canonical, pairs = jsonbody.JsonDocument.canonical, urlencoded.pairs
+
+    def canonical_spy(document: jsonbody.JsonDocument) -> bytes:
+        threads.append(threading.current_thread())
+        return canonical(document)
+
+    def pairs_spy(raw: bytes) -> tuple[urlencoded.Pair, ...]:
+        if raw == body:  # not the query's, which is read with the rest of the request
+            threads.append(threading.current_thread())
+        return pairs(raw)
+
+    monkeypatch.setattr(jsonbody.JsonDocument, "canonical", canonical_spy)
+    monkeypatch.setattr(urlencoded, "pairs", pairs_spy)
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
+        assert (await send(http, f"{gw.url}/shop/orders", body, content_type))[0] == 201
+    assert threads, "the body was read"
+    assert threading.main_thread() not in threads, "read on the thread that runs the event loop"
 
 
 # --- as stored ----------------------------------------------------------------------------------------------
