@@ -9,12 +9,14 @@ import os
 import threading
 import zlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import asyncpg
 import pytest
 from aiohttp import web
 
+import gateway.app
 from gateway import jsonbody, urlencoded
 from tests.strategies import DIFFERENT_NUMBERS
 from tests.support import Gateway, Upstream, effect_rows, gateway_server
@@ -280,6 +282,25 @@ async def test_a_body_costly_to_read_is_read_off_the_event_loop(
         assert (await send(http, f"{gw.url}/shop/orders", body, content_type))[0] == 201
     assert threads, "the body was read"
     assert threading.main_thread() not in threads, "read on the thread that runs the event loop"
+
+
+async def test_a_large_body_is_searched_for_the_stamps_name_off_the_event_loop(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large body is searched for a field named as the form stamp off the event loop's thread."""
+    threads: list[threading.Thread] = []
+    reserved_use = gateway.app.reserved_use
+
+    def spy(*args: Any) -> str | None:
+        threads.append(threading.current_thread())
+        return reserved_use(*args)
+
+    monkeypatch.setattr(gateway.app, "reserved_use", spy)
+    cfg = {"pay": {"base_url": upstream.url, "stamp": {"form_field": "metadata[idempotency_key]"}}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        status, _ = await send(http, f"{gw.url}/pay/charges", b"amount=1&note=" + b"x" * 100_000, FORM)
+    assert (status, len(threads)) == (201, 1)
+    assert threading.main_thread() not in threads, "searched on the thread that runs the event loop"
 
 
 # --- as stored ----------------------------------------------------------------------------------------------
