@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest fuzz spin model-check chromium simulate serve demo bench bench-load bench-growth bench-memory clean
+.PHONY: test lint typecheck pytest fuzz spin model-check chromium simulate serve demo bench bench-load bench-growth bench-memory bench-input clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,7 +28,7 @@ pytest: $(STAMP) chromium
 # against a real gateway (`make test` runs a few): long (about half an hour here), not for CI. Prints the
 # examples each property tried and the cases per operation.
 FUZZ_TESTS := tests/test_jsonbody.py tests/test_fingerprint.py tests/test_keys.py tests/test_outbound.py \
-	tests/test_wire.py tests/test_openapi.py tests/test_schemathesis.py
+	tests/test_wire.py tests/test_openapi.py tests/test_schemathesis.py tests/test_input_cost.py
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(BIN)/pytest -q --hypothesis-show-statistics $(FUZZ_TESTS)
 
@@ -102,6 +102,12 @@ bench-growth: $(STAMP)
 EFFECTS ?= 1000000
 bench-memory: $(STAMP)
 	$(BIN)/python -m bench.worker_memory --effects $(EFFECTS)
+
+# What reading agent input costs per byte at 16 KiB and 1 MiB, for shapes made to be slow (a few
+# minutes; a shape over the limit per cell prints as such): `make bench-input INPUT_REPEAT=30`.
+INPUT_REPEAT ?= 30
+bench-input: $(STAMP)
+	$(BIN)/python -m bench.input_cost --repeat $(INPUT_REPEAT)
 
 clean:
 	rm -rf $(VENV) .effect-gateway examples/.effect-gateway .journal .pytest_cache .mypy_cache .ruff_cache

@@ -24,6 +24,10 @@ class RequestBody:
     kind: BodyKind = "opaque"
     json: JsonDocument | None = None
     form: tuple[urlencoded.Pair, ...] = ()
+    # What of the body the fingerprint covers, in its canonical form, when it was built where the body
+    # was read (see gateway.app): off the event loop for a large body, where building it for a
+    # megabyte of small arrays takes a tenth of a second.
+    covered: bytes | None = None
 
     def canonical(self) -> bytes:
         """What the fingerprint sees: one spelling per document (see jsonbody and urlencoded)."""

@@ -53,7 +53,7 @@ def fingerprint(
     part(path.encode("utf-8", "surrogateescape"))
     part(canonical_query(query).encode())
     part(body.kind.encode())
-    part(body.canonical() if body_fields is None else body_fields.canonical(body))
+    part(body.covered if body.covered is not None else covered(body, body_fields))
     for name in sorted({name.lower() for name in chosen_headers} - never):
         # Every value of a repeated header, in order: the upstream sees them all.
         values = [value for header, value in headers.items() if header.lower() == name]
@@ -62,6 +62,11 @@ def fingerprint(
         for value in values:
             part(value.encode("utf-8", "surrogateescape"))
     return digest.hexdigest()
+
+
+def covered(body: RequestBody, body_fields: BodyFields | None) -> bytes:
+    """Return what of ``body`` the fingerprint covers (``body_fields``, or all of it), in canonical form."""
+    return body.canonical() if body_fields is None else body_fields.canonical(body)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,8 @@ parsers, last in others), NaN and Infinity (not JSON), invalid UTF-8, anything a
 nesting deeper than :data:`MAX_DEPTH`.
 
 The scanning is the standard library's C scanner, with hooks that keep number literals and catch
-duplicates; only the objects on the stamp's path are walked here, to learn where the stamp goes.
+duplicates; only the objects on the stamp's path are walked here, to learn where the stamp goes, and
+the arrays and objects too long to scan in one piece (see :func:`_value`).
 """
 
 from __future__ import annotations
@@ -32,10 +33,20 @@ from typing import Any
 MAX_DEPTH = 128
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
-# A JSON string, for the depth check only: the scanner itself decides what a valid string is.
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# A JSON string, for the depth check only: the scanner itself decides what a valid string is. One that
+# never ends runs to the end of the text (the scanner refuses it before anything after it), so every
+# character is read once. With the closing quote required, the search started over at each quote inside
+# such a string and read the rest of the text again: 16 KiB of escaped quotes took 4 s, a megabyte hours.
+_STRING = re.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+"?', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+# The C scanner holds the interpreter's lock for as long as it reads one value, so a value is read in
+# one call only when it fits in the largest of these pieces (16 Ki characters: a few milliseconds for
+# the costliest shapes, 500 ns a character for arrays nested to the limit). A longer array or object is
+# walked here member by member, each member read in the smallest piece that holds it; a megabyte of
+# arrays held the lock (and the event loop, even from another thread) for a third of a second. Each
+# piece is four times the last, so a member costs at most about five times its own length to find.
+PIECES = (64, 256, 1024, 4096, 16384)
 # ASCII escapes give every string, lone surrogates too, exactly one spelling.
 _string = encode_basestring_ascii
 
@@ -127,13 +138,12 @@ def parse(body: bytes, path: Sequence[str] = ()) -> JsonDocument:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise JsonRefused(f"the body is not UTF-8 (byte {exc.start})") from None
-    _check_depth(text)
     start = _skip(text, 0)
     site: Site | None = None
     if path and text.startswith("{", start):
-        value, end, site = _walk_object(text, start, tuple(path))
+        value, end, site = _walk_object(text, start, tuple(path), _Depth(0).inside())
     else:
-        value, end = _value(text, start)
+        value, end = _value(text, start, _Depth(0))
         if path:
             site = Blocked("the JSON body is not an object, so the key cannot be stamped into it")
     end = _skip(text, end)
@@ -171,11 +181,35 @@ def _write(value: Any, sort_keys: bool) -> str:
     return "true" if value is True else "false" if value is False else "null"
 
 
-def _check_depth(text: str) -> None:
+def _check_depth(text: str, allowed: int) -> None:
+    """Refuse ``text`` (the start of a value, and what follows it) if it nests deeper than ``allowed``."""
+    # Fewer opening brackets than allowed, strings and all, cannot nest past it; most texts end here.
+    if text.count("[") + text.count("{") <= allowed:
+        return
     brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
     # Fewer brackets than the limit cannot nest past it; most bodies end here.
-    if len(brackets) > MAX_DEPTH and max(accumulate(map(_DEPTH_STEP.__getitem__, brackets))) > MAX_DEPTH:
+    if len(brackets) > allowed and max(accumulate(map(_DEPTH_STEP.__getitem__, brackets))) > allowed:
         raise JsonRefused(f"the JSON body nests deeper than {MAX_DEPTH} levels")
+
+
+@dataclass(slots=True)
+class _Depth:
+    """How many arrays and objects are open around a value, and whether the rest of the text is checked.
+
+    ``checked``: the text from the value on was found to nest no deeper than the limit allows from
+    here, so the members after it, at this depth, need no check of their own.
+    """
+
+    open: int
+    checked: bool = False
+    # Which of PIECES last held a member here: members alike in size start there, which spares the
+    # scans that fail on smaller pieces (each raises an error, a few microseconds).
+    fits: int = 0
+
+    def inside(self) -> _Depth:
+        if self.open + 1 > MAX_DEPTH:
+            raise JsonRefused(f"the JSON body nests deeper than {MAX_DEPTH} levels")
+        return _Depth(self.open + 1)
 
 
 def _skip(text: str, idx: int) -> int:
@@ -184,7 +218,43 @@ def _skip(text: str, idx: int) -> int:
     return match.end()
 
 
-def _value(text: str, idx: int) -> tuple[Any, int]:
+def _value(text: str, idx: int, depth: _Depth) -> tuple[Any, int]:
+    """The value at ``text[idx]``, read by the C scanner in pieces of at most 16 Ki characters at a time.
+
+    A value is read whole from a piece of the text that starts with it and holds it (a piece is a
+    copy, so the scanner never reads past its end); a piece whose end cuts the value makes the scanner
+    fail, and the next larger piece is tried. An array or object that no piece holds is walked here,
+    member by member; a longer string or number is read in one call, which costs a nanosecond or so a
+    character. Each piece is checked for depth before it is scanned, the scanner being recursive.
+    """
+    allowed = MAX_DEPTH - depth.open
+    if len(text) - idx <= PIECES[-1]:  # all that is left fits in a piece (every body up to 16 KiB)
+        if not depth.checked:
+            _check_depth(text[idx:] if idx else text, allowed)
+            depth.checked = True
+        return _scan_at(text, idx)
+    for tried in range(depth.fits, len(PIECES)):
+        size = PIECES[tried]
+        piece = text[idx : idx + size]
+        _check_depth(piece, allowed)
+        try:
+            value, end = _scan(piece, 0)
+        except (StopIteration, json.JSONDecodeError):
+            continue  # cut short by the piece's end, or not JSON: the whole text will say which
+        # A number is read as far as it is one: cut at "1.|5" or "1e|5" it reads as 1, so a value
+        # followed in the piece by what could have gone on with a number may be cut short.
+        if end < size and piece[end] not in ".eE":
+            depth.fits = tried
+            return value, idx + end
+    if text.startswith("[", idx):
+        return _walk_array(text, idx, depth.inside())
+    if text.startswith("{", idx):
+        value, end, _ = _walk_object(text, idx, (), depth.inside())
+        return value, end
+    return _scan_at(text, idx)
+
+
+def _scan_at(text: str, idx: int) -> tuple[Any, int]:
     try:
         value, end = _scan(text, idx)
     except StopIteration:
@@ -194,7 +264,27 @@ def _value(text: str, idx: int) -> tuple[Any, int]:
     return value, end
 
 
-def _walk_object(text: str, idx: int, path: tuple[str, ...]) -> tuple[dict[str, Any], int, Site]:
+def _walk_array(text: str, idx: int, depth: _Depth) -> tuple[list[Any], int]:
+    """The array at ``text[idx]`` ("["), as the scanner would read it, a member at a time."""
+    items: list[Any] = []
+    idx = _skip(text, idx + 1)
+    if text.startswith("]", idx):
+        return items, idx + 1
+    while True:
+        value, idx = _value(text, idx, depth)
+        items.append(value)
+        idx = _skip(text, idx)
+        if text.startswith(",", idx):
+            idx = _skip(text, idx + 1)
+            continue
+        if text.startswith("]", idx):
+            return items, idx + 1
+        raise JsonRefused(f"expected ',' or ']' at character {idx}")
+
+
+def _walk_object(
+    text: str, idx: int, path: tuple[str, ...], depth: _Depth
+) -> tuple[dict[str, Any], int, Site]:
     """The object at ``text[idx]`` ("{"), as the scanner would read it, and where ``path`` leads in it."""
     pairs: list[tuple[str, Any]] = []
     site: Site | None = None
@@ -204,20 +294,20 @@ def _walk_object(text: str, idx: int, path: tuple[str, ...]) -> tuple[dict[str, 
     while True:
         if not text.startswith('"', idx):
             raise JsonRefused(f"expected a key in double quotes at character {idx}")
-        key, idx = _value(text, idx)
+        key, idx = _value(text, idx, depth)
         idx = _skip(text, idx)
         if not text.startswith(":", idx):
             raise JsonRefused(f"expected ':' at character {idx}")
         idx = _skip(text, idx + 1)
-        if key != path[0]:
-            value, idx = _value(text, idx)
+        if not path or key != path[0]:
+            value, idx = _value(text, idx, depth)
         elif len(path) == 1:
-            value, idx = _value(text, idx)
+            value, idx = _value(text, idx, depth)
             site = Taken()
         elif text.startswith("{", idx):
-            value, idx, site = _walk_object(text, idx, path[1:])
+            value, idx, site = _walk_object(text, idx, path[1:], depth.inside())
         else:
-            value, idx = _value(text, idx)
+            value, idx = _value(text, idx, depth)
             site = Blocked(f"the JSON field {key!r} is not an object")
         pairs.append((key, value))
         end_of_member = idx

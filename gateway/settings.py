@@ -347,6 +347,10 @@ class Settings(BaseSettings):
     lease_grace: Duration = timedelta(seconds=5)
     # 1 MiB: larger than any JSON or form API call an agent makes, small enough to hold many in memory.
     max_body_bytes: int = Field(default=1024 * 1024, gt=0)
+    # Content-Encoding layers a request body may have. Each layer is decoded whole (up to max_body_bytes),
+    # so the work grows with their number; clients compress once, and 10,000 gzip layers in a megabyte
+    # took 5 s. 0 refuses every encoded body.
+    max_content_codings: int = Field(default=1, ge=0)
     # 10 MiB: responses are stored for replay; a bigger one is a download, not an effect.
     max_response_bytes: int = Field(default=10 * 1024 * 1024, gt=0)
     # Postgres connections per gateway process: the hot path holds one for a statement at a time, so

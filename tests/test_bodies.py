@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import os
+import threading
 import zlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import asyncpg
 import pytest
 from aiohttp import web
 
+import gateway.app
+from gateway import jsonbody, urlencoded
 from tests.strategies import DIFFERENT_NUMBERS
 from tests.support import Gateway, Upstream, effect_rows, gateway_server
 
@@ -193,6 +198,109 @@ async def test_a_body_that_cannot_be_decoded_within_the_limit_is_refused(
     assert (got, problem(answer)) == (status, kind)
     assert upstream.calls == []
     assert await effect_rows(dsn) == []
+
+
+@pytest.mark.parametrize(("layers", "most", "status"), [(2, 1, 415), (3, 2, 415), (2, 2, 201)])
+async def test_a_body_with_more_codings_than_allowed_is_refused_naming_the_setting(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, layers: int, most: int, status: int
+) -> None:
+    """More Content-Encoding layers than max_content_codings is a 415 naming it; up to it, one effect."""
+    cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "ref"}}}
+    body = b'{"items":["atta"]}'
+    for _ in range(layers):
+        body = gzip.compress(body)
+    async with gateway_server(dsn, upstreams=cfg, max_content_codings=most) as gw:
+        got, answer = await send(
+            http, f"{gw.url}/shop/orders", body, Content_Encoding=", ".join(["gzip"] * layers)
+        )
+    assert got == status
+    if status == 415:
+        detail = json.loads(answer)["detail"]
+        assert (problem(answer), f"at most {most}" in detail, "max_content_codings" in detail) == (
+            "encoding-unsupported",
+            True,
+            True,
+        )
+        assert (upstream.calls, await effect_rows(dsn)) == ([], [])
+    else:
+        assert upstream.calls[0].body.startswith(b'{"items":["atta"],"ref":"eg_')
+
+
+async def test_a_megabyte_made_to_be_slow_to_read_is_refused_while_health_answers(
+    stamped: Gateway, upstream: Upstream, http: aiohttp.ClientSession, dsn: str
+) -> None:
+    """A megabyte of escaped quotes in a string that never ends is a 400; health answers meanwhile."""
+    body = b'{"a":"' + b'\\"' * (512 * 1024 - 3)
+
+    async def health() -> int:
+        async with http.get(f"{stamped.admin_url}/_gateway/health") as resp:
+            return resp.status
+
+    # A liveness bound far above the expected time (the refusal takes tens of milliseconds): the depth
+    # check that rescanned from every quote took hours on this body and held the whole process.
+    async with asyncio.timeout(30):
+        (status, answer), *healthy = await asyncio.gather(
+            send(http, f"{stamped.url}/shop/orders", body), *(health() for _ in range(5))
+        )
+    assert (status, problem(answer), healthy) == (400, "body-malformed", [200] * 5)
+    assert (upstream.calls, await effect_rows(dsn)) == ([], [])
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type"),
+    [
+        (b'{"items":[' + b"[]," * 40_000 + b"[]]}", JSON),  # 120 KB
+        (b'{"items":[' + b"[]," * 2_000 + b"[]]}", JSON),  # 6 KB of 2,000 arrays
+        (b"a=1&" * 5_000, FORM),  # 20 KB of 5,000 fields
+    ],
+    ids=["large-json", "json-of-many-arrays", "form-of-many-fields"],
+)
+async def test_a_body_costly_to_read_is_read_off_the_event_loop(
+    dsn: str,
+    upstream: Upstream,
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+    body: bytes,
+    content_type: str,
+) -> None:
+    """A body large or of many parts is parsed and put in canonical form off the event loop's thread."""
+    threads: list[threading.Thread] = []
+    canonical, pairs = jsonbody.JsonDocument.canonical, urlencoded.pairs
+
+    def canonical_spy(document: jsonbody.JsonDocument) -> bytes:
+        threads.append(threading.current_thread())
+        return canonical(document)
+
+    def pairs_spy(raw: bytes) -> tuple[urlencoded.Pair, ...]:
+        if raw == body:  # not the query's, which is read with the rest of the request
+            threads.append(threading.current_thread())
+        return pairs(raw)
+
+    monkeypatch.setattr(jsonbody.JsonDocument, "canonical", canonical_spy)
+    monkeypatch.setattr(urlencoded, "pairs", pairs_spy)
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
+        assert (await send(http, f"{gw.url}/shop/orders", body, content_type))[0] == 201
+    assert threads, "the body was read"
+    assert threading.main_thread() not in threads, "read on the thread that runs the event loop"
+
+
+async def test_a_large_body_is_searched_for_the_stamps_name_off_the_event_loop(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large body is searched for a field named as the form stamp off the event loop's thread."""
+    threads: list[threading.Thread] = []
+    reserved_use = gateway.app.reserved_use
+
+    def spy(*args: Any) -> str | None:
+        threads.append(threading.current_thread())
+        return reserved_use(*args)
+
+    monkeypatch.setattr(gateway.app, "reserved_use", spy)
+    cfg = {"pay": {"base_url": upstream.url, "stamp": {"form_field": "metadata[idempotency_key]"}}}
+    async with gateway_server(dsn, upstreams=cfg) as gw:
+        status, _ = await send(http, f"{gw.url}/pay/charges", b"amount=1&note=" + b"x" * 100_000, FORM)
+    assert (status, len(threads)) == (201, 1)
+    assert threading.main_thread() not in threads, "searched on the thread that runs the event loop"
 
 
 # --- as stored ----------------------------------------------------------------------------------------------

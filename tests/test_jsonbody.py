@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -144,3 +146,91 @@ def test_the_strict_parser_accepts_exactly_what_json_loads_reads_unambiguously(t
         return
     assert readable, "accepted something the standard parser refuses"
     assert json.loads(jsonbody.compact(ours)) == json.loads(text)
+
+
+# --- long documents, read in pieces -------------------------------------------------------------------------
+
+# Pieces of a few characters, so that even short documents are walked member by member; and one piece
+# larger than any document, so that every document is one scan, as it was before documents were cut up.
+TINY = (1, 2, 4, 8)
+WHOLE = (1 << 40,)
+
+
+@contextmanager
+def pieces(sizes: tuple[int, ...]) -> Iterator[None]:
+    kept = jsonbody.PIECES
+    jsonbody.PIECES = sizes
+    try:
+        yield
+    finally:
+        jsonbody.PIECES = kept
+
+
+def reading(body: bytes, path: tuple[str, ...]) -> object:
+    """What parse makes of ``body``: its values in order, its canonical form and stamp site, or a refusal."""
+    try:
+        document = jsonbody.parse(body, path)
+    except JsonRefused:
+        return JsonRefused
+    return jsonbody.compact(document.value), document.canonical(), document.site
+
+
+@given(
+    st.text(alphabet='{}[]",:0123456789.eE-+ \nabtrufalsNIy\\', max_size=40)
+    | st.builds(json.dumps, TREE)
+    | OBJECT.flatmap(json_text),
+    st.sampled_from([(), ("a",), ("metadata", "ref")]),
+)
+def test_a_document_read_in_pieces_reads_as_in_one_scan(text: str, path: tuple[str, ...]) -> None:
+    """Any text, read in pieces of a few characters, gives the values, site or refusal of one scan."""
+    body = text.encode()
+    with pieces(TINY):
+        in_pieces = reading(body, path)
+    with pieces(WHOLE):
+        whole = reading(body, path)
+    assert in_pieces == whole
+
+
+@pytest.mark.parametrize("opener", ["[", '{"a":', '[{"b":'])
+@pytest.mark.parametrize("sizes", [TINY, jsonbody.PIECES], ids=["tiny", "default"])
+def test_the_depth_limit_holds_for_a_document_read_in_pieces(opener: str, sizes: tuple[int, ...]) -> None:
+    """Nesting to 128 levels is read, and one more refused, however long the document is."""
+    closer = "".join({"[": "]", "{": "}"}[c] for c in opener if c in "[{")[::-1]
+    filler = " " * 20_000 if sizes is jsonbody.PIECES else ""  # longer than the largest piece
+    levels = 128 // len(closer)
+    with pieces(sizes):
+        for depth, refused in [(levels, False), (levels + 1, True)]:
+            body = (opener * depth + filler + "1" + closer * depth).encode()
+            if refused:
+                with pytest.raises(JsonRefused, match="deeper than 128"):
+                    jsonbody.parse(body)
+            else:
+                assert jsonbody.parse(body, ("a",)).canonical().count(b"1") == 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" + b"[]," * 349_000 + b"[]]",
+        b"[" + (b"[" * 127 + b"]" * 127 + b",") * 4_100 + b"[]]",
+        b"{" + b",".join(b'"k%010d":1' % i for i in range(65_000)) + b"}",
+        b'{"a":[' + b'{"b":[1,2,{"c":"x"}]},' * 47_000 + b"0]}",
+    ],
+    ids=["empty-arrays", "nested-to-the-limit", "many-keys", "objects-in-an-array"],
+)
+def test_no_scan_of_a_megabyte_reads_more_than_a_piece(body: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each call of the C scanner, which holds the interpreter's lock, reads at most 16 Ki characters."""
+    calls: list[int] = []
+    scan = jsonbody._scan
+
+    def counted(text: str, idx: int) -> tuple[Any, int]:
+        value, end = scan(text, idx)
+        calls.append(end - idx)
+        return value, end
+
+    monkeypatch.setattr(jsonbody, "_scan", counted)
+    document = jsonbody.parse(body, ("metadata", "ref"))
+    assert len(body) > 1_000_000
+    assert max(calls) <= jsonbody.PIECES[-1], "one call read more than the largest piece"
+    with pieces(WHOLE):
+        assert document.canonical() == jsonbody.parse(body).canonical()

@@ -349,6 +349,49 @@ def test_a_pair_is_found_by_its_decoded_name_in_any_spelling(
     assert urlencoded.sets_name(raw, name, nested=True) == under
 
 
+@given(NAMES, st.lists(st.tuples(FORM_BYTES, st.booleans()), max_size=8), st.data(), st.integers(1, 12))
+def test_a_pair_is_found_however_the_search_is_cut_into_windows(
+    name: str, pieces: list[tuple[bytes, bool]], data: st.DataObject, window: int
+) -> None:
+    """sets_name() searching a few bytes at a time finds the pairs that one search of the text finds."""
+    raw = b"&".join(data.draw(spelled(name.encode())) + b"=1" if named else piece for piece, named in pieces)
+    whole = {nested: urlencoded.sets_name(raw, name, nested=nested) for nested in (False, True)}
+    kept = urlencoded._WINDOW
+    urlencoded._WINDOW = window
+    try:
+        assert {nested: urlencoded.sets_name(raw, name, nested=nested) for nested in (False, True)} == whole
+    finally:
+        urlencoded._WINDOW = kept
+
+
+def test_no_search_of_a_megabyte_for_a_name_reads_more_than_a_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each search for the stamp's name (it holds the interpreter's lock) reads at most 64 KiB and a name."""
+    spans: list[int] = []
+    patterns = urlencoded._spellings
+
+    class Counted:
+        def __init__(self, pattern: re.Pattern[bytes]) -> None:
+            self.pattern = pattern
+
+        def match(self, raw: bytes) -> re.Match[bytes] | None:
+            found = self.pattern.match(raw)
+            spans.append(found.end() if found else 1 + 3 * len("metadata[idempotency_key]"))
+            return found
+
+        def search(self, raw: bytes, start: int, end: int) -> re.Match[bytes] | None:
+            spans.append(min(end, len(raw)) - start)
+            return self.pattern.search(raw, start, end)
+
+    def counted(name: str, nested: bool = False) -> tuple[Counted, Counted, int]:
+        first, after_separator, longest = patterns(name, nested)
+        return Counted(first), Counted(after_separator), longest
+
+    monkeypatch.setattr(urlencoded, "_spellings", counted)
+    raw = b"amount=1&" + b"%FF&" * 262_144 + b"metadata%5Bidempotency_key%5D=x"
+    assert urlencoded.sets_name(raw, "metadata[idempotency_key]")
+    assert max(spans) <= 64 * 1024 + 80, "one search read more than a window"
+
+
 def test_a_form_of_too_many_fields_is_refused() -> None:
     """More than 10,000 fields is a 400: read as pairs, a megabyte of "&" held a core for seconds."""
     with pytest.raises(urlencoded.FormRefused):
