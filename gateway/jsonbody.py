@@ -21,7 +21,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from json.encoder import encode_basestring_ascii
 from typing import Any
@@ -31,6 +31,14 @@ from typing import Any
 # standard library's recursive scanner far from Python's recursion limit (10,000 deep is a 400 here,
 # never a RecursionError).
 MAX_DEPTH = 128
+
+# Arrays and objects in one body. Each is an object Python's garbage collector then tracks, and its full
+# passes, which hold the interpreter's lock (the event loop's too, whatever thread parses), grow with
+# them: a megabyte of arrays nested to the limit is half a million, and stopped the event loop for 66 ms
+# even read off it. Twenty thousand keep that to a few milliseconds, and no side effect an agent asks
+# for (an order, a message, a batch of records) comes near it: that is a thousand records of twenty
+# fields each. A body of up to one piece (16 KiB) cannot hold that many, and is not counted.
+MAX_CONTAINERS = 20_000
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 # A JSON string, for the depth check only: the scanner itself decides what a valid string is. One that
@@ -141,9 +149,9 @@ def parse(body: bytes, path: Sequence[str] = ()) -> JsonDocument:
     start = _skip(text, 0)
     site: Site | None = None
     if path and text.startswith("{", start):
-        value, end, site = _walk_object(text, start, tuple(path), _Depth(0).inside())
+        value, end, site = _walk_object(text, start, tuple(path), _Depth(0, _Budget()).inside())
     else:
-        value, end = _value(text, start, _Depth(0))
+        value, end = _value(text, start, _Depth(0, _Budget()))
         if path:
             site = Blocked("the JSON body is not an object, so the key cannot be stamped into it")
     end = _skip(text, end)
@@ -193,6 +201,24 @@ def _check_depth(text: str, allowed: int) -> None:
 
 
 @dataclass(slots=True)
+class _Budget:
+    """The arrays and objects a body read in pieces may still hold (MAX_CONTAINERS in all)."""
+
+    left: int = field(default_factory=lambda: MAX_CONTAINERS)
+
+    def spend(self, text: str) -> None:
+        """Count the arrays and objects of ``text`` (one value, at most a piece long) against the budget."""
+        if "[" in text or "{" in text:
+            brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+            self.left -= brackets.count("[") + brackets.count("{")
+            self.check()
+
+    def check(self) -> None:
+        if self.left < 0:
+            raise JsonRefused(f"the JSON body holds more than {MAX_CONTAINERS:,} arrays and objects")
+
+
+@dataclass(slots=True)
 class _Depth:
     """How many arrays and objects are open around a value, and whether the rest of the text is checked.
 
@@ -201,15 +227,20 @@ class _Depth:
     """
 
     open: int
+    # Shared by every level of one body.
+    budget: _Budget
     checked: bool = False
     # Which of PIECES last held a member here: members alike in size start there, which spares the
     # scans that fail on smaller pieces (each raises an error, a few microseconds).
     fits: int = 0
 
     def inside(self) -> _Depth:
+        """The depth within an array or object opened here, which the budget counts."""
         if self.open + 1 > MAX_DEPTH:
             raise JsonRefused(f"the JSON body nests deeper than {MAX_DEPTH} levels")
-        return _Depth(self.open + 1)
+        self.budget.left -= 1
+        self.budget.check()
+        return _Depth(self.open + 1, self.budget)
 
 
 def _skip(text: str, idx: int) -> int:
@@ -232,7 +263,10 @@ def _value(text: str, idx: int, depth: _Depth) -> tuple[Any, int]:
         if not depth.checked:
             _check_depth(text[idx:] if idx else text, allowed)
             depth.checked = True
-        return _scan_at(text, idx)
+        value, end = _scan_at(text, idx)
+        if len(text) > PIECES[-1]:  # the end of a body read in pieces
+            depth.budget.spend(text[idx:end])
+        return value, end
     for tried in range(depth.fits, len(PIECES)):
         size = PIECES[tried]
         piece = text[idx : idx + size]
@@ -245,6 +279,7 @@ def _value(text: str, idx: int, depth: _Depth) -> tuple[Any, int]:
         # followed in the piece by what could have gone on with a number may be cut short.
         if end < size and piece[end] not in ".eE":
             depth.fits = tried
+            depth.budget.spend(piece[:end])
             return value, idx + end
     if text.startswith("[", idx):
         return _walk_array(text, idx, depth.inside())

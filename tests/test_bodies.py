@@ -249,7 +249,7 @@ async def test_a_megabyte_made_to_be_slow_to_read_is_refused_while_health_answer
 @pytest.mark.parametrize(
     ("body", "content_type"),
     [
-        (b'{"items":[' + b"[]," * 40_000 + b"[]]}", JSON),  # 120 KB
+        (b'{"items":[' + b"[]," * 19_000 + b'[]],"note":"' + b"x" * 70_000 + b'"}', JSON),  # 127 KB
         (b'{"items":[' + b"[]," * 2_000 + b"[]]}", JSON),  # 6 KB of 2,000 arrays
         (b"a=1&" * 5_000, FORM),  # 20 KB of 5,000 fields
     ],

@@ -220,6 +220,7 @@ def test_the_depth_limit_holds_for_a_document_read_in_pieces(opener: str, sizes:
 )
 def test_no_scan_of_a_megabyte_reads_more_than_a_piece(body: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each call of the C scanner, which holds the interpreter's lock, reads at most 16 Ki characters."""
+    monkeypatch.setattr(jsonbody, "MAX_CONTAINERS", 10**6)  # shapes past the limit, read to their end
     calls: list[int] = []
     scan = jsonbody._scan
 
@@ -234,3 +235,25 @@ def test_no_scan_of_a_megabyte_reads_more_than_a_piece(body: bytes, monkeypatch:
     assert max(calls) <= jsonbody.PIECES[-1], "one call read more than the largest piece"
     with pieces(WHOLE):
         assert document.canonical() == jsonbody.parse(body).canonical()
+
+
+@pytest.mark.parametrize(
+    ("body", "containers"),
+    [
+        (b"[" + b"[]," * 19_998 + b"[]]", 20_000),
+        (b"[" + b"[]," * 19_999 + b"[]]", 20_001),
+        (b"[" + (b"[" * 127 + b"]" * 127 + b",") * 4_100 + b"[]]", 520_702),
+        (b'{"a":[' + b'{"b":[1,2,{"c":"x"}]},' * 7_000 + b"0]}", 21_002),
+        # Brackets in strings are text, not arrays: they count for nothing.
+        (b'{"a":[' + b'"[{[{"' + b',"[[]]"' * 60_000 + b"]}", 2),
+    ],
+    ids=["at-the-limit", "one-past", "nested-megabyte", "records", "brackets-in-strings"],
+)
+def test_a_body_holds_at_most_twenty_thousand_arrays_and_objects(body: bytes, containers: int) -> None:
+    """A body with more arrays and objects than MAX_CONTAINERS is refused; strings' brackets do not count."""
+    assert len(body) > jsonbody.PIECES[-1]
+    if containers > jsonbody.MAX_CONTAINERS:
+        with pytest.raises(JsonRefused, match="more than 20,000 arrays and objects"):
+            jsonbody.parse(body)
+    else:
+        assert jsonbody.parse(body).value is not None
