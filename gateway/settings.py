@@ -172,6 +172,14 @@ class ProbeSettings(_Section):
             return self
         if not self.path or "{key}" not in self.path:
             raise ValueError("path must be given and contain {key}")
+        if self.method == "HEAD" and self.found is not None:
+            # A HEAD answer has no body to look into: any 2xx of a search, which answers whether it
+            # finds the effect or not, would count as found, and an effect that never happened would be
+            # completed and replayed as a success.
+            raise ValueError(
+                "found cannot be used with method HEAD: a HEAD answer has no body to look into; use GET "
+                "for a search, or leave found out to ask for the effect by its key"
+            )
         if not self.path.startswith("/"):
             raise ValueError("path must start with /")
         return self

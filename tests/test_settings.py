@@ -93,6 +93,12 @@ def test_the_config_variable_names_the_file(tmp_path: Path, monkeypatch: pytest.
             '[upstreams.m]\nbase_url = "http://x"\nprobe = { path = "/{key}", lag = "2d", horizon = "1d" }',
             "shorter than horizon",
         ),
+        # HEAD answers no body, so a search's 2xx would be "found" whether it listed the effect or not
+        (
+            '[upstreams.m]\nbase_url = "http://x"\nstamp = { json_field = "r" }\n'
+            'probe = { method = "HEAD", path = "/o?r={key}", found = "items.0" }',
+            "upstreams.m.probe: found cannot be used with method HEAD",
+        ),
         # one token for two principals: the requests of one went to the other, or a tenant was the admin
         ('[tenants.a]\ntoken = "same"\n[tenants.b]\ntoken = "same"', "tenants a and b"),
         ('[tenants.a]\ntoken = "same"\n[admin]\ntoken = "same"', "tenant a and the admin"),
