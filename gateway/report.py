@@ -219,9 +219,11 @@ def _notes(policy: UpstreamPolicy) -> list[str]:
             f'({duration(rule.probe_lag + rule.lease)}): the probe\'s "not found" is never trusted, and '
             "such an effect goes to needs_review"
         )
-    if policy.probe is not None and policy.stamp is None:
+    if policy.probe is not None and policy.stamp is None and rule.probe_horizon is not None:
         notes.append(
             f"no stamp: the probe looks for the key sent in {policy.native_header}, which the upstream must "
-            "keep with the effect; if it forgets the key after native_key.ttl, set probe.horizon to that ttl"
+            f'keep with the effect; its "not found" counts for {duration(rule.probe_horizon)} '
+            "(probe.horizon, by default native_key.ttl: an upstream that forgets the key may no longer "
+            "find the effect by it), then such an effect goes to needs_review"
         )
     return notes

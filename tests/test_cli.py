@@ -308,7 +308,9 @@ def test_check_config_notes_what_recovery_can_never_rely_on(tmp_path: Path, run:
         "note: orders: probe.horizon (40s) is no longer than probe.lag plus the lease (45s): the probe's "
         '"not found" is never trusted, and such an effect goes to needs_review',
         "note: pay: no stamp: the probe looks for the key sent in Idempotency-Key, which the upstream must "
-        "keep with the effect; if it forgets the key after native_key.ttl, set probe.horizon to that ttl",
+        'keep with the effect; its "not found" counts for 24h (probe.horizon, by default native_key.ttl: '
+        "an upstream that forgets the key may no longer find the effect by it), then such an effect goes "
+        "to needs_review",
     ]
 
 

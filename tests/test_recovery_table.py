@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from agent_example.crash_matrix import gateway_config
-from gateway.decision import Action, Probe, Resend, Review, decide
+from gateway.decision import Action, Probe, Resend, Review, Send, Settlement, decide, settle_probe
 from gateway.errors import ConfigError
+from gateway.outcome import NotFound
 from gateway.policy import upstream_policy
 from gateway.record import EffectRecord
 from gateway.settings import load_settings
@@ -115,6 +116,28 @@ def test_each_combination_is_refused_or_recovers_as_documented(
     if state is State.IN_DOUBT:
         never_left = in_doubt(state, TTL + timedelta(days=1), may_have_sent=False)
         assert decide(never_left, SAME, NOW, policy) == Resend("never_sent")
+
+
+def test_a_probe_for_the_native_key_alone_stops_trusting_not_found_when_the_key_is_forgotten(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With no stamp and no probe.horizon, a probe's "not found" counts only within the native key's TTL:
+    past it the upstream may have forgotten the key it searches by, and the effect goes to review."""
+    monkeypatch.delenv("EFFECT_GATEWAY_CONFIG", raising=False)
+    cfg = upstream("yes", "none", "HTTP", "no")
+    settings = load_settings(None, upstreams={"shop": cfg})
+    policy = upstream_policy("shop", settings.upstreams["shop"], settings.lease_grace).decision
+    old = in_doubt(State.PENDING, TTL + timedelta(hours=1))  # taken over to probe, past the key's TTL
+    verdict = settle_probe(old, NotFound(), NOW, policy)
+    assert verdict != Send(), "sent again on a search by a key the upstream may have forgotten"
+    assert isinstance(verdict, Settlement)
+    assert verdict.state is State.NEEDS_REVIEW
+    assert policy.probe_horizon == TTL
+    # a horizon given says how long this upstream's search keeps the key, and is taken as given
+    cfg["probe"] = {**cfg["probe"], "horizon": "30d"}
+    settings = load_settings(None, upstreams={"shop": cfg})
+    policy = upstream_policy("shop", settings.upstreams["shop"], settings.lease_grace).decision
+    assert settle_probe(old, NotFound(), NOW, policy) == Send()
 
 
 def _kubernetes_config(tmp_path: Path) -> Path:
