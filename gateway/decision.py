@@ -16,6 +16,7 @@ from typing import Literal
 
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, Outcome, ProbeError, ProbeResult
 from gateway.record import EffectRecord
+from gateway.routes import Route, covered
 from gateway.states import State, Transition
 
 # Statuses that say the upstream did nothing with the request, so sending again is safe.
@@ -45,6 +46,8 @@ class Policy:
     lease: timedelta
     native_key_ttl: timedelta | None = None
     has_probe: bool = False
+    # The requests whose effects the probe can find (probe.routes); it is asked about no other.
+    probe_routes: tuple[Route, ...] = ()
     # How far back the upstream's search sees effects; None: as far back as the effects go.
     probe_horizon: timedelta | None = None
     # How long after an effect the upstream's search may still not list it (0: at once).
@@ -143,7 +146,7 @@ def decide(record: EffectRecord, request: Request, now: datetime, policy: Policy
             # The response was dropped after the retention. The effect happened, so nothing is sent
             # for it again, not even under the native key: the retention outlasts any key's TTL, and a
             # re-send without a lease can land after the upstream forgot the key.
-            return Restore() if policy.has_probe else Purged()
+            return Restore() if probe_covers(record, policy) else Purged()
         case State.PENDING | State.IN_DOUBT:
             # An in-doubt attempt that timed out may still be running upstream until its lease ends;
             # a probe or re-send before then could miss it and duplicate it.
@@ -165,11 +168,27 @@ def _recover(record: EffectRecord, now: datetime, policy: Policy) -> Action:
         return Resend("never_sent")
     if policy.native_key_ttl is not None and _younger_than(record, now, policy.native_key_ttl, policy):
         return Resend("native_key")
-    if policy.has_probe:
+    if probe_covers(record, policy):
         return Probe()
     if policy.repeat_harmless:
         return Resend("harmless")
     return Review()
+
+
+def probe_covers(record: EffectRecord, policy: Policy) -> bool:
+    """Whether the upstream's probe can find this effect: it has one, written for the record's route.
+
+    A probe searches one kind of effect: asked about a refund where it searches orders it finds nothing,
+    and that "not found" would send the refund again.
+    """
+    return policy.has_probe and covered(policy.probe_routes, record.method, record.path)
+
+
+def why_not_probed(record: EffectRecord, policy: Policy) -> str:
+    """Why the probe is not asked about this effect, in words for the audit and the agent."""
+    if not policy.has_probe:
+        return "this upstream has no probe"
+    return f"this upstream's probe does not search {record.method} {record.path} (probe.routes)"
 
 
 def _younger_than(record: EffectRecord, now: datetime, memory: timedelta, policy: Policy) -> bool:
@@ -282,17 +301,21 @@ def settle_probe(
 ) -> Settlement | Send:
     """What a probe run under a take-over of ``record`` (now pending) leaves it as.
 
-    A probe only proves absence for effects its upstream's search can still see: past the probe's
-    horizon (less the margin, as for a native key's TTL), "not found" proves nothing and an operator
-    must look. ``now`` must be the database's clock read after the probe answered (a gateway may stall
-    between taking the record and probing); the margin then covers the send that follows.
+    A probe only proves absence for effects its upstream's search can still see: of the routes it is
+    written for (probe_covers), and within the probe's horizon (less the margin, as for a native key's
+    TTL). Otherwise "not found" proves nothing and an operator must look. ``now`` must be the
+    database's clock read after the probe answered (a gateway may stall between taking the record and
+    probing); the margin then covers the send that follows.
     """
     pending = State.PENDING
     match result:
         case Found():
             return Settlement(Transition(pending, State.COMPLETED), may_have_sent=True, ends_lease=True)
         case NotFound():
-            if policy.probe_horizon is None or _younger_than(record, now, policy.probe_horizon, policy):
+            # Only about effects of the routes it searches, and within its horizon.
+            if probe_covers(record, policy) and (
+                policy.probe_horizon is None or _younger_than(record, now, policy.probe_horizon, policy)
+            ):
                 return Send()
             return Settlement(Transition(pending, State.NEEDS_REVIEW), may_have_sent=True, ends_lease=True)
         case ProbeError():

@@ -45,6 +45,7 @@ from gateway.decision import (
     take_over,
     too_soon,
     unrecorded,
+    why_not_probed,
 )
 from gateway.errors import ProbeFailed, StoreRejected, StoreUnavailable
 from gateway.faults import fault
@@ -268,7 +269,8 @@ class EffectService:
                         self._store.send_to_review(
                             record,
                             review(record),
-                            "no native key within its TTL, no probe: nothing can tell if it happened",
+                            f"no native key within its TTL, and {why_not_probed(record, policy.decision)}: "
+                            "nothing can tell if it happened",
                         ),
                     )
                     if reviewed is None:
@@ -282,7 +284,7 @@ class EffectService:
                 case Restore():
                     return await self._restore(record, policy)
                 case Purged():
-                    raise replies.purged(record, "this upstream has no probe to ask for it")
+                    raise replies.purged(record, f"{why_not_probed(record, policy.decision)} to ask for it")
                 case _:
                     assert_never(action)
 

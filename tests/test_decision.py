@@ -38,18 +38,21 @@ from gateway.decision import (
 )
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError, ProbeResult
 from gateway.record import EffectRecord, StoredResponse
+from gateway.routes import Route
 from gateway.states import TRANSITIONS, IllegalTransition, State, Transition, check_transition
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=35)
 OK = StoredResponse(201, (("Content-Type", "application/json"),), b'{"id": 1}')
 
+# The probe's routes: the records below are POST /orders unless a row says otherwise.
+ORDERS = (Route.parse("POST /orders"),)
 PLAIN = Policy(lease=LEASE)
 NATIVE = Policy(lease=LEASE, native_key_ttl=timedelta(hours=24))
-PROBED = Policy(lease=LEASE, has_probe=True)
-NATIVE_PROBED = Policy(lease=LEASE, native_key_ttl=timedelta(hours=24), has_probe=True)
+PROBED = Policy(lease=LEASE, has_probe=True, probe_routes=ORDERS)
+NATIVE_PROBED = Policy(lease=LEASE, native_key_ttl=timedelta(hours=24), has_probe=True, probe_routes=ORDERS)
 HARMLESS = Policy(lease=LEASE, repeat_harmless=True)
-HORIZON = Policy(lease=LEASE, has_probe=True, probe_horizon=timedelta(days=30))
+HORIZON = Policy(lease=LEASE, has_probe=True, probe_horizon=timedelta(days=30), probe_routes=ORDERS)
 
 
 def record(state: State, **changes: object) -> EffectRecord:
@@ -84,6 +87,7 @@ def record(state: State, **changes: object) -> EffectRecord:
 
 
 SAME = Request(fingerprint="fp")
+OLD = NOW - timedelta(days=40)
 
 
 @pytest.mark.parametrize(
@@ -159,6 +163,42 @@ def test_retryable_is_sent_again() -> None:
 )
 def test_in_doubt(rec: EffectRecord, policy: Policy, expected: object) -> None:
     """DESIGN.md's recovery order, rule by rule."""
+    assert decide(rec, SAME, NOW, policy) == expected
+
+
+REFUND = {"method": "POST", "path": "/orders/ord_1/refund"}
+HARMLESS_PROBED = replace(PROBED, repeat_harmless=True)
+REFUNDS_TOO = replace(PROBED, probe_routes=(*ORDERS, Route.parse("POST /orders/*/refund")))
+
+
+@pytest.mark.parametrize(
+    ("rec", "policy", "expected"),
+    [
+        # a refund, where the probe searches orders: its "not found" would say nothing about the refund
+        (record(State.IN_DOUBT, **REFUND), PROBED, Review()),
+        (record(State.PENDING, **REFUND), PROBED, Review()),
+        (record(State.IN_DOUBT, **REFUND), HARMLESS_PROBED, Resend("harmless")),
+        # ... the native key still recovers it, as any request of the upstream
+        (record(State.IN_DOUBT, **REFUND), NATIVE_PROBED, Resend("native_key")),
+        (record(State.IN_DOUBT, first_sent_at=OLD, **REFUND), NATIVE_PROBED, Review()),
+        # ... and a refund sent by nobody is still sent
+        (record(State.IN_DOUBT, may_have_sent=False, **REFUND), PROBED, Resend("never_sent")),
+        # a probe that names the refunds' route (* for the order's id) is asked about them
+        (record(State.IN_DOUBT, **REFUND), REFUNDS_TOO, Probe()),
+        (record(State.IN_DOUBT, method="POST", path="/orders/ord_1/refund/x"), REFUNDS_TOO, Review()),
+        (record(State.IN_DOUBT, method="POST", path="/orders//refund"), REFUNDS_TOO, Review()),
+        # the same path by another method, or spelt another way, is another route
+        (record(State.IN_DOUBT, method="PUT", path="/orders"), PROBED, Review()),
+        (record(State.IN_DOUBT, method="POST", path="/orders/"), PROBED, Review()),
+        (record(State.IN_DOUBT, method="POST", path="/Orders"), PROBED, Review()),
+        # completed, its response purged: the probe is asked for it only on its routes, else 410
+        (record(State.COMPLETED, response=None, **REFUND), PROBED, Purged()),
+        (record(State.COMPLETED, response=None, **REFUND), REFUNDS_TOO, Restore()),
+    ],
+)
+def test_a_probe_is_asked_only_about_its_routes(rec: EffectRecord, policy: Policy, expected: object) -> None:
+    """A probe searches the routes it names; an effect of any other recovers by the native key, then goes
+    to review (or is re-sent where harmless), and its purged answer is 410."""
     assert decide(rec, SAME, NOW, policy) == expected
 
 
@@ -262,7 +302,6 @@ def test_operator_resolution_refused(rec: EffectRecord, why: str) -> None:
 
 
 FOUND = Found(OK)
-OLD = NOW - timedelta(days=40)
 
 
 @pytest.mark.parametrize(
@@ -283,6 +322,8 @@ OLD = NOW - timedelta(days=40)
             HORIZON,
             State.NEEDS_REVIEW,
         ),
+        # "not found" from a probe asked about a route it does not search proves nothing: review
+        (record(State.PENDING, **REFUND), NotFound(), PROBED, State.NEEDS_REVIEW),
         # failed: the record goes back to in doubt, whatever its age
         (record(State.PENDING), ProbeError("timeout"), PROBED, State.IN_DOUBT),
         (record(State.PENDING, first_sent_at=OLD), ProbeError("timeout"), HORIZON, State.IN_DOUBT),
@@ -298,7 +339,7 @@ def test_settle_probe(rec: EffectRecord, result: ProbeResult, policy: Policy, ex
         assert (verdict.transition, verdict.may_have_sent) == (Transition(State.PENDING, expected), True)
 
 
-LAGGED = Policy(lease=LEASE, has_probe=True, probe_lag=timedelta(minutes=1))
+LAGGED = Policy(lease=LEASE, has_probe=True, probe_lag=timedelta(minutes=1), probe_routes=ORDERS)
 S = timedelta(seconds=1)
 
 

@@ -32,7 +32,13 @@ from tests.support import (
     upstream_server,
 )
 
-SEARCH = {"method": "GET", "path": "/orders/search?ref={key}", "found": "items.0", "status": 201}
+SEARCH = {
+    "method": "GET",
+    "path": "/orders/search?ref={key}",
+    "found": "items.0",
+    "status": 201,
+    "routes": ["POST /orders"],
+}
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 

@@ -35,7 +35,13 @@ from tests.support import (
     raw_upstream,
 )
 
-SEARCH = {"method": "GET", "path": "/orders/search?ref={key}", "found": "items.0", "status": 201}
+SEARCH = {
+    "method": "GET",
+    "path": "/orders/search?ref={key}",
+    "found": "items.0",
+    "status": 201,
+    "routes": ["POST /orders"],
+}
 PROBED_SHOP = {"stamp": {"json_field": "client_reference"}, "probe": SEARCH}
 BODY = b'{"items":["atta"]}'
 

@@ -21,10 +21,14 @@ from gateway.decision import Policy, Send, Settlement, review, settle, settle_pr
 from gateway.errors import CursorUnknown, StoreRejected
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError
 from gateway.record import EffectRecord, NewEffect, StoredResponse
+from gateway.routes import Route
 from gateway.states import State, Transition
 from gateway.store import Store, opened
 from sim.store import Row, SimDatabase, SimStore
 from tests.support import backdate_bodies, empty_effects
+
+# The requests of the effects below, and what their probe searches.
+ORDERS = (Route.parse("POST /orders"),)
 
 LEASE = timedelta(seconds=30)
 EXPIRED = timedelta(0)
@@ -434,9 +438,8 @@ async def test_a_probe_that_found_nothing_sends_under_a_re_take_or_goes_to_revie
         assert again.read_at is not None
         assert probing.read_at is not None
         assert again.read_at > probing.read_at
-        verdict = settle_probe(
-            again, NotFound(), again.read_at, Policy(lease=lease, has_probe=True, probe_horizon=horizon)
-        )
+        probed = Policy(lease=lease, has_probe=True, probe_horizon=horizon, probe_routes=ORDERS)
+        verdict = settle_probe(again, NotFound(), again.read_at, probed)
         assert isinstance(verdict, Send) == sends
         if isinstance(verdict, Settlement):
             saved = await store.settle(again, verdict, response=None, recovered_by=None)

@@ -22,7 +22,13 @@ PARENT = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE}-{PARENT}-01"
 TRACESTATE = "vendor=opaque-Value_1,other=x"
 KEY = "run-42:4"
-SEARCH = {"method": "GET", "path": "/orders/search?ref={key}", "found": "items.0", "status": 201}
+SEARCH = {
+    "method": "GET",
+    "path": "/orders/search?ref={key}",
+    "found": "items.0",
+    "status": 201,
+    "routes": ["POST /orders"],
+}
 
 
 @pytest.fixture
