@@ -9,7 +9,7 @@ from gateway import problems
 from gateway.body import RequestBody
 from gateway.fingerprint import NEVER_FINGERPRINTED
 from gateway.policy import UpstreamPolicy
-from gateway.record import NewEffect
+from gateway.record import KeyCarriers, NewEffect
 from gateway.stamp import StampError
 from gateway.upstream import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP, Outbound, build_outbound
 
@@ -81,4 +81,6 @@ def to_record(
         run_id=inbound.run_id,
         step=inbound.step,
         keyless=keyless,
+        # A keyless request is sent as it came, with no derived key anywhere.
+        key_carriers=KeyCarriers() if keyless else inbound.upstream.decision.key_carriers,
     )

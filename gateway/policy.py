@@ -8,6 +8,7 @@ from typing import Literal
 
 from gateway import decision
 from gateway.fingerprint import BodyFields
+from gateway.record import KeyCarriers
 from gateway.routes import Route
 from gateway.settings import KEYLESS_DEFAULTS, ErrorFormat, KeylessMode, Settings, UpstreamSettings
 
@@ -113,6 +114,7 @@ def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) ->
             native_key_ttl=cfg.native_key.ttl if cfg.native_key else None,
             has_probe=probe is not None,
             probe_routes=tuple(Route.parse(r) for r in cfg.probe.routes or ()) if cfg.probe else (),
+            key_carriers=KeyCarriers(cfg.native_key.header if cfg.native_key else None, stamp),
             probe_horizon=_probe_horizon(cfg),
             probe_lag=cfg.probe.lag if cfg.probe else timedelta(0),
             repeat_harmless=cfg.repeat_harmless,

@@ -20,7 +20,7 @@ import asyncpg.pool
 from gateway import packing, partitions
 from gateway.audit_query import RECORD_COLUMNS
 from gateway.errors import BodyUnreadable
-from gateway.record import EffectRecord, StoredResponse
+from gateway.record import EffectRecord, KeyCarriers, StoredResponse
 from gateway.states import State
 
 Conn: TypeAlias = "asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
@@ -236,6 +236,8 @@ def record_of(
         read_at=row["read_at"],
         keyless=row["keyless"],
         unreadable=unreadable,
+        key_carriers=KeyCarriers.from_json(row["key_carriers"]) if row["key_carriers"] is not None else None,
+        send_lease=row["send_lease"],
     )
     if record.replay_refused and not full:
         # In any other state the response is what the last attempt saw, which no decision reads; an

@@ -37,6 +37,7 @@ from gateway.decision import (
     TooSoon,
     Unknown,
     before_sending,
+    carried_by,
     decide,
     restore,
     review,
@@ -247,7 +248,12 @@ class EffectService:
                 case Resend(reason=reason):
                     took = _clock()
                     claimed = await self._store.reclaim(
-                        record, take_over(record), policy.lease, reason, sends=True
+                        record,
+                        take_over(record),
+                        policy.lease,
+                        reason,
+                        sends=True,
+                        carriers=carried_by(record, policy.decision, reason),
                     )
                     if claimed is None:
                         record = await self._reread(record)
@@ -269,8 +275,8 @@ class EffectService:
                         self._store.send_to_review(
                             record,
                             review(record),
-                            f"no native key within its TTL, and {why_not_probed(record, policy.decision)}: "
-                            "nothing can tell if it happened",
+                            f"no native key it was sent with within its TTL, and "
+                            f"{why_not_probed(record, policy.decision)}: nothing can tell if it happened",
                         ),
                     )
                     if reviewed is None:
@@ -420,7 +426,13 @@ class EffectService:
             log.warning("effect %s: %.1fs late to send; taking it again", record.id, waited.total_seconds())
             took = _clock()
             renewed = await self._store.reclaim(
-                record, take_over(record), policy.lease, "late to send", sends=True, renew=True
+                record,
+                take_over(record),
+                policy.lease,
+                "late to send",
+                sends=True,
+                renew=True,
+                carriers=record.key_carriers,  # its own request, as the take-over it renews recorded
             )
             if renewed is not None:
                 trail.saw(renewed)
@@ -480,7 +492,13 @@ class EffectService:
             # after the probe, which is when "not found" must still be within the probe's horizon.
             took = _clock()
             again = await self._store.reclaim(
-                record, take_over(record), policy.lease, "the probe found nothing", sends=True, renew=True
+                record,
+                take_over(record),
+                policy.lease,
+                "the probe found nothing",
+                sends=True,
+                renew=True,
+                carriers=carried_by(record, policy.decision, None),
             )
             if again is None:
                 await self._store.note_fenced(record, "the probe found nothing")

@@ -37,7 +37,7 @@ from gateway.audit_query import (
 )
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, LoginRefused, PrivilegesMissing, StoreRejected, StoreUnavailable
-from gateway.record import EffectRecord, NewEffect, StoredResponse
+from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
 from gateway.rows import (
     HISTORY,
     RESPONSE,
@@ -324,16 +324,22 @@ class Store:
         *,
         sends: bool,
         renew: bool = False,
+        carriers: KeyCarriers | None = None,
     ) -> EffectRecord | None:
         """Take the record over for a new attempt, if nobody has since ``record`` was read.
 
-        ``sends`` is false for a take-over that only probes: the audit's send times stay as they were.
+        ``sends`` is false for a take-over that only probes: the audit's send times, the lease of the
+        latest attempt that sent and what carried the key stay as they were. A take-over that sends
+        records ``lease`` as its attempt's and ``carriers`` as what carried the key in every attempt
+        that may have acted (None: not known, and then never relied on).
         ``renew`` is the holder taking its own record again before its request left: no attempt of its
         reached the upstream, so the take-over adds no doubt.
         """
         return await self._run(
             "reclaim",
-            lambda conn: phases.reclaim(conn, record, move, lease, reason, sends=sends, renew=renew),
+            lambda conn: phases.reclaim(
+                conn, record, move, lease, reason, sends=sends, renew=renew, carriers=carriers
+            ),
         )
 
     async def settle(

@@ -34,7 +34,7 @@ from gateway import partitions
 from gateway.audit_query import EXACT_OPEN_COUNT, EffectFilter, by_time
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
-from gateway.record import EffectRecord, NewEffect, StoredResponse
+from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
 from gateway.rows import head_bytes, head_pairs
 from gateway.states import State, Transition
 from sim.loop import OWNER, REQUEST
@@ -75,6 +75,9 @@ class Row:
     completed_at: datetime | None = None
     replays: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    # None on a row as migration 015 found it (tests/test_store_contract.py makes such rows).
+    key_carriers: KeyCarriers | None = None
+    send_lease: timedelta | None = None
 
     @property
     def scope(self) -> Scope:
@@ -194,6 +197,8 @@ class SimDatabase:
             history=_with_claim(row) if full else [],
             read_at=now,
             keyless=row.keyless,
+            key_carriers=row.key_carriers,
+            send_lease=row.send_lease,
         )
 
     def _store_body(self, at: BodyKey, headers: bytes, body: bytes) -> None:
@@ -232,6 +237,8 @@ class SimDatabase:
             run_id=new.run_id,
             step=new.step,
             keyless=new.keyless,
+            key_carriers=new.key_carriers,
+            send_lease=lease,
         )
         self._store_body((row.id, "request", now), head_bytes(new.request_headers), new.request_body)
         self.keys[scope] = (row.id, now)
@@ -256,6 +263,7 @@ class SimDatabase:
         *,
         sends: bool,
         renew: bool = False,
+        carriers: KeyCarriers | None = None,
     ) -> EffectRecord | None:
         now = self.now()
         row = self._row(record)
@@ -269,6 +277,8 @@ class SimDatabase:
         row.lease_expires_at = now + lease
         if sends:
             row.last_sent_at = now
+            row.send_lease = lease
+            row.key_carriers = carriers
         row.first_sent_at = row.first_sent_at or now
         row.history.append(
             _event("reclaimed", now, attempt=record.attempt + 1, reason=reason, was=record.state.value)
@@ -614,11 +624,14 @@ class SimStore:
         *,
         sends: bool,
         renew: bool = False,
+        carriers: KeyCarriers | None = None,
     ) -> EffectRecord | None:
         source = move.fenced_on(record.state)
         return await self._statement(
             "reclaim",
-            lambda: self.db.reclaim(record, source, lease, reason, sends=sends, renew=renew),
+            lambda: self.db.reclaim(
+                record, source, lease, reason, sends=sends, renew=renew, carriers=carriers
+            ),
         )
 
     async def settle(

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from agent_example.crash_matrix import gateway_config
-from gateway.decision import Action, Probe, Resend, Review, Send, Settlement, decide, settle_probe
+from gateway.decision import Action, Policy, Probe, Resend, Review, Send, Settlement, decide, settle_probe
 from gateway.errors import ConfigError
 from gateway.outcome import NotFound
 from gateway.policy import upstream_policy
@@ -88,9 +88,15 @@ def upstream(native: str, stamp: str, probe: str, harmless: str) -> dict[str, An
 
 
 def in_doubt(
-    state: State, sent_ago: timedelta, *, may_have_sent: bool = True, request: tuple[str, str] = ON_ROUTE
+    state: State,
+    sent_ago: timedelta,
+    policy: Policy,
+    *,
+    may_have_sent: bool = True,
+    request: tuple[str, str] = ON_ROUTE,
 ) -> EffectRecord:
-    """An effect first sent ``sent_ago``, its lease run out, that may have reached the upstream."""
+    """An effect first sent ``sent_ago`` under ``policy``, its lease run out, that may have reached the
+    upstream."""
     sent = NOW - sent_ago
     method, path = request
     return replace(
@@ -101,6 +107,8 @@ def in_doubt(
         created_at=sent,
         method=method,
         path=path,
+        key_carriers=policy.key_carriers,
+        send_lease=policy.lease,
     )
 
 
@@ -146,16 +154,15 @@ def test_each_combination_is_refused_or_recovers_as_documented(
         orders.append((ON_ROUTE, row.on_routes))
     for request, order in orders:
         steps = _steps(order)
-        fresh = in_doubt(
-            state, policy.lease + timedelta(minutes=1), request=request
-        )  # the key well within its TTL
-        old = in_doubt(
-            state, TTL + timedelta(days=1), request=request
-        )  # past what any native key is trusted for
+        # the key well within its TTL, and past what any native key is trusted for
+        fresh = in_doubt(state, policy.lease + timedelta(minutes=1), policy, request=request)
+        old = in_doubt(state, TTL + timedelta(days=1), policy, request=request)
         assert decide(fresh, SAME, NOW, policy) == STEPS[steps[0]], request
         assert decide(old, SAME, NOW, policy) == STEPS[steps[-1]], request
         if state is State.IN_DOUBT:
-            never_left = in_doubt(state, TTL + timedelta(days=1), may_have_sent=False, request=request)
+            never_left = in_doubt(
+                state, TTL + timedelta(days=1), policy, may_have_sent=False, request=request
+            )
             assert decide(never_left, SAME, NOW, policy) == Resend("never_sent")
 
 
@@ -204,7 +211,8 @@ def test_a_probe_for_the_native_key_alone_stops_trusting_not_found_when_the_key_
     cfg = upstream("yes", "none", "HTTP", "no")
     settings = load_settings(None, upstreams={"shop": cfg})
     policy = upstream_policy("shop", settings.upstreams["shop"], settings.lease_grace).decision
-    old = in_doubt(State.PENDING, TTL + timedelta(hours=1))  # taken over to probe, past the key's TTL
+    # taken over to probe, past the key's TTL
+    old = in_doubt(State.PENDING, TTL + timedelta(hours=1), policy)
     verdict = settle_probe(old, NotFound(), NOW, policy)
     assert verdict != Send(), "sent again on a search by a key the upstream may have forgotten"
     assert isinstance(verdict, Settlement)
