@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeAlias
 
@@ -99,6 +100,32 @@ def stored_response(stored_at: datetime) -> str:
         where effect_id = $1 and kind = 'response' and stored_at = $2
           and {partitions.within("stored_at", partitions.day_of(stored_at))}
     """
+
+
+async def with_request(conn: Conn, record: EffectRecord) -> EffectRecord:
+    """``record`` with the request body it was claimed with (``request_body``), for an attempt that sends
+    it again; None and the reason in ``unreadable`` when it cannot be read back.
+
+    Stored at the claim, in the day the effect was created, and carried forward by the retention while
+    the effect is open: a body is never stored before its effect, so the days before are left out (the
+    bound is a constant, so the plan opens only the days from there on).
+    """
+    since = partitions.day_of(record.created_at)[0]
+    row = await conn.fetchrow(
+        f"""
+        select coding, content from effect_bodies
+        where effect_id = $1 and kind = 'request' and stored_at >= '{since.isoformat()}'
+        order by stored_at desc limit 1
+        """,
+        record.id,
+    )
+    if row is None:
+        return replace(record, unreadable={**record.unreadable, "request": "no request body is on record"})
+    try:
+        body = _unpacked(record.id, "request", row["coding"], bytes(row["content"]))
+    except BodyUnreadable as exc:
+        return replace(record, unreadable={**record.unreadable, "request": str(exc)})
+    return replace(record, request_body=body)
 
 
 # No response on record (none stored, or its day dropped by the retention).

@@ -45,6 +45,7 @@ from gateway.rows import (
     Conn,
     record_of,
     reread,
+    with_request,
 )
 from gateway.states import State, Transition
 from gateway.telemetry import Telemetry
@@ -333,14 +334,17 @@ class Store:
         records ``lease`` as its attempt's and ``carriers`` as what carried the key in every attempt
         that may have acted (None: not known, and then never relied on).
         ``renew`` is the holder taking its own record again before its request left: no attempt of its
-        reached the upstream, so the take-over adds no doubt.
+        reached the upstream, so the take-over adds no doubt. A take-over that sends returns the record
+        with the request body it was claimed with, to send again (rows.with_request).
         """
-        return await self._run(
-            "reclaim",
-            lambda conn: phases.reclaim(
+
+        async def op(conn: Conn) -> EffectRecord | None:
+            taken = await phases.reclaim(
                 conn, record, move, lease, reason, sends=sends, renew=renew, carriers=carriers
-            ),
-        )
+            )
+            return await with_request(conn, taken) if taken is not None and sends else taken
+
+        return await self._run("reclaim", op)
 
     async def settle(
         self,

@@ -158,14 +158,20 @@ class SimDatabase:
             return None
         return StoredResponse(row.response_status, head_pairs(stored[0]), stored[1])
 
-    def record(self, row: Row, now: datetime, *, response: bool = False, full: bool = False) -> EffectRecord:
-        """The row as gateway.rows' ``record_of`` builds it from the statement's columns."""
+    def record(
+        self, row: Row, now: datetime, *, response: bool = False, full: bool = False, sent: bool = False
+    ) -> EffectRecord:
+        """The row as gateway.rows' ``record_of`` builds it from the statement's columns; ``sent``: with
+        the request body it was claimed with, as gateway.rows' ``with_request`` adds it."""
         request: tuple[bytes, bytes] | None = None
-        if full:
+        unreadable: dict[str, str] = {}
+        if full or sent:
             kept = sorted(
                 (at, v) for (i, kind, at), v in self.bodies.items() if i == row.id and kind == "request"
             )
             request = kept[-1][1] if kept else None
+            if request is None and sent:
+                unreadable["request"] = "no request body is on record"
         return EffectRecord(
             id=row.id,
             tenant=row.tenant,
@@ -192,13 +198,14 @@ class SimDatabase:
             replays=row.replays,
             run_id=row.run_id,
             step=row.step,
-            request_headers=dict(head_pairs(request[0])) if request is not None else {},
+            request_headers=dict(head_pairs(request[0])) if request is not None and full else {},
             request_body=request[1] if request is not None else None,
             history=_with_claim(row) if full else [],
             read_at=now,
             keyless=row.keyless,
             key_carriers=row.key_carriers,
             send_lease=row.send_lease,
+            unreadable=unreadable,
         )
 
     def _store_body(self, at: BodyKey, headers: bytes, body: bytes) -> None:
@@ -284,7 +291,7 @@ class SimDatabase:
             _event("reclaimed", now, attempt=record.attempt + 1, reason=reason, was=record.state.value)
         )
         self._wrote("reclaim", was, row, now, reason)
-        return self.record(row, now)
+        return self.record(row, now, sent=sends)
 
     def settle(
         self,

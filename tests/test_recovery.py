@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from tests.support import (
+    ORDER_SEARCH,
     RETAINED,
     ROOT,
     Upstream,
@@ -24,13 +25,7 @@ from tests.support import (
     purge_as_owner,
 )
 
-SEARCH = {
-    "method": "GET",
-    "path": "/orders/search?ref={key}",
-    "found": "items.0",
-    "status": 201,
-    "routes": ["POST /orders"],
-}
+SEARCH = ORDER_SEARCH
 
 
 @pytest.fixture

@@ -44,6 +44,14 @@ async def post(
         return resp.status, json.loads(await resp.read())
 
 
+async def sent_to_review(dsn: str, status: int, body: dict[str, Any], why: str) -> None:
+    """The retry was answered 409 outcome-unknown, and the effect waits for an operator, saying ``why``."""
+    assert (status, body["type"].rsplit("/", 1)[1]) == (409, "outcome-unknown")
+    (row,) = await effect_rows(dsn)
+    assert row["state"] == "needs_review"
+    assert why in json.dumps(row["history"])
+
+
 def search_orders(upstream: Upstream) -> None:
     """``GET /orders/search?ref=KEY`` lists the orders (``POST /orders``) stamped with KEY, and nothing else:
     a refund is not an order, stamped or not."""
@@ -74,10 +82,7 @@ async def test_a_refund_is_not_sent_again_on_the_word_of_the_order_search(
         assert (await post(http, url, {"amount": 4200}))[0] == 500
         status, body = await post(http, url, {"amount": 4200})
     assert len(upstream.effects("/orders/ord_1/refund")) == 1, "refunded twice"
-    assert (status, body["type"].rsplit("/", 1)[1]) == (409, "outcome-unknown")
-    (row,) = await effect_rows(dsn)
-    assert row["state"] == "needs_review"
-    assert "does not search POST /orders/ord_1/refund" in json.dumps(row["history"])
+    await sent_to_review(dsn, status, body, "does not search POST /orders/ord_1/refund")
 
 
 class Shop:
@@ -155,10 +160,7 @@ async def test_a_stamp_moved_since_the_first_send_is_not_searched_for_it(
     async with gateway_server(dsn, upstreams=stamped_shop(upstream.url, "metadata.ref")) as gw:
         status, body = await post(http, f"{gw.url}/shop/orders", ORDER)
     assert len(shop.orders) == 1, "ordered twice"
-    assert (status, body["type"].rsplit("/", 1)[1]) == (409, "outcome-unknown")
-    (row,) = await effect_rows(dsn)
-    assert row["state"] == "needs_review"
-    assert "its stamp or native key changed since" in json.dumps(row["history"])
+    await sent_to_review(dsn, status, body, "its stamp or native key changed since")
 
 
 async def test_a_timeout_shortened_since_the_first_send_does_not_shorten_its_lag(
@@ -207,7 +209,43 @@ async def test_an_effect_in_doubt_from_before_the_upgrade_waits_for_an_operator(
             await conn.close()
         status, body = await post(http, f"{gw.url}/shop/orders", ORDER)
     assert len(shop.orders) == 1
-    assert (status, body["type"].rsplit("/", 1)[1]) == (409, "outcome-unknown")
+    await sent_to_review(dsn, status, body, "was not recorded")
+
+
+async def test_a_re_send_carries_the_request_as_first_sent_not_the_retrys(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """A retry that differs only in a field the fingerprint ignores is re-sent under the native key with
+    the first request's body: a mail API that, like Stripe, checks that a key is reused with the same
+    parameters answers with the email it sent, not a 400 that would be replayed for ever."""
+    sent: dict[str, tuple[bytes, dict[str, str]]] = {}
+
+    async def send(request: web.Request) -> web.Response:
+        key, body = request.headers["Idempotency-Key"], await request.read()
+        if key in sent:
+            first, answer = sent[key]
+            if first != body:
+                error = {
+                    "type": "idempotency_error",
+                    "message": "Keys can only be reused with the same parameters.",
+                }
+                return web.json_response({"error": error}, status=400)
+            return web.json_response(answer, status=202)
+        sent[key] = (body, {"message_id": f"msg_{len(sent) + 1}"})
+        return web.json_response({"error": "bad gateway"}, status=500)  # sent; the answer lost
+
+    upstream.routes["/messages"] = send
+    mail = {
+        "base_url": upstream.url,
+        "native_key": {"header": "Idempotency-Key", "ttl": "24h"},
+        "fingerprint_ignore": ["sent_at"],  # as examples/gateway.toml's mail: a re-run writes a new time
+    }
+    receipt = {"to": "a@example.com", "subject": "receipt"}
+    async with gateway_server(dsn, upstreams={"mail": mail}) as gw:
+        url = f"{gw.url}/mail/messages"
+        assert (await post(http, url, {**receipt, "sent_at": "2026-01-01T09:00:00Z"}))[0] == 500
+        status, body = await post(http, url, {**receipt, "sent_at": "2026-01-01T09:00:07Z"})
+    assert len(sent) == 1
+    assert (status, body) == (202, {"message_id": "msg_1"})
     (row,) = await effect_rows(dsn)
-    assert row["state"] == "needs_review"
-    assert "was not recorded" in json.dumps(row["history"])
+    assert (row["state"], row["response_status"], row["recovered_by"]) == ("completed", 202, "native_key")

@@ -376,6 +376,23 @@ async def test_a_take_over_that_sends_records_its_lease_and_carriers_and_a_probe
     assert (unknown.key_carriers, unknown.send_lease) == (None, LEASE)
 
 
+async def test_a_take_over_that_sends_reads_back_the_request_it_was_claimed_with(subject: Subject) -> None:
+    """A take-over that sends returns the request body the effect was claimed with, to send it again; one
+    that only probes does not read it; and after the retention carried it forward it is still there."""
+    store = subject.store
+    record = await claimed(store, lease=EXPIRED)
+    assert record.request_body is None
+    probing = await store.reclaim(record, take_over(record), EXPIRED, "probe", sends=False)
+    assert probing is not None
+    assert probing.request_body is None
+    await subject.backdate(10)
+    await store.maintain(RETENTION)  # the effect is open: its request is carried into today
+    sending = await store.reclaim(probing, take_over(probing), LEASE, "native_key", sends=True)
+    assert sending is not None
+    assert sending.request_body == BASKET
+    assert "request" not in sending.unreadable
+
+
 async def test_a_row_from_before_the_carriers_were_recorded_reads_as_unknown(subject: Subject) -> None:
     """A row written without what carried its key and its attempt's lease (by a gateway before migration
     015) reads with neither, never as a row that carried nothing."""
