@@ -72,7 +72,11 @@ lease_grace = "500ms"
 base_url = "{shop}"
 timeout = "2s"
 stamp = {{ json_field = "client_reference" }}
-probe = {{ path = "/orders?client_reference={{key}}", found = "items.0", status = 201 }}
+[upstreams.shop.probe]            # searches orders, so it is asked about orders alone
+path = "/orders?client_reference={{key}}"
+found = "items.0"
+status = 201
+routes = ["POST /orders"]
 
 [upstreams.mail]                  # honours keys for 24 h
 base_url = "{mail}"

@@ -10,12 +10,13 @@ drive this module with tables (tests/test_decision.py), grouped by the rows of t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
 
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, Outcome, ProbeError, ProbeResult
-from gateway.record import EffectRecord
+from gateway.record import EffectRecord, KeyCarriers
+from gateway.routes import Route, covered
 from gateway.states import State, Transition
 
 # Statuses that say the upstream did nothing with the request, so sending again is safe.
@@ -45,6 +46,11 @@ class Policy:
     lease: timedelta
     native_key_ttl: timedelta | None = None
     has_probe: bool = False
+    # The requests whose effects the probe can find (probe.routes); it is asked about no other.
+    probe_routes: tuple[Route, ...] = ()
+    # What carries the derived key in a request sent today (the native header, the stamp): what the native
+    # key's dedup and the probe's search rely on. An effect sent otherwise is not recovered by them.
+    key_carriers: KeyCarriers = field(default_factory=KeyCarriers)
     # How far back the upstream's search sees effects; None: as far back as the effects go.
     probe_horizon: timedelta | None = None
     # How long after an effect the upstream's search may still not list it (0: at once).
@@ -143,7 +149,7 @@ def decide(record: EffectRecord, request: Request, now: datetime, policy: Policy
             # The response was dropped after the retention. The effect happened, so nothing is sent
             # for it again, not even under the native key: the retention outlasts any key's TTL, and a
             # re-send without a lease can land after the upstream forgot the key.
-            return Restore() if policy.has_probe else Purged()
+            return Restore() if _may_restore(record, policy) else Purged()
         case State.PENDING | State.IN_DOUBT:
             # An in-doubt attempt that timed out may still be running upstream until its lease ends;
             # a probe or re-send before then could miss it and duplicate it.
@@ -163,13 +169,97 @@ def _recover(record: EffectRecord, now: datetime, policy: Policy) -> Action:
     # the claim is the intent to send, so that attempt may have reached the upstream.
     if not (record.may_have_sent or record.state is State.PENDING):
         return Resend("never_sent")
-    if policy.native_key_ttl is not None and _younger_than(record, now, policy.native_key_ttl, policy):
+    if _native_key_fresh(record, now, policy):
         return Resend("native_key")
-    if policy.has_probe:
+    if probe_covers(record, policy):
         return Probe()
     if policy.repeat_harmless:
         return Resend("harmless")
     return Review()
+
+
+def _native_key_fresh(record: EffectRecord, now: datetime, policy: Policy) -> bool:
+    """Whether a re-send under the native key is deduplicated upstream: every attempt that may have acted
+    carried the key in the header the upstream honours today, and the first send is young enough.
+
+    A header added or renamed since the first send would carry a key the upstream never saw, and it would
+    act on the re-send as on a new request.
+    """
+    return (
+        policy.native_key_ttl is not None
+        and record.key_carriers is not None
+        and record.key_carriers.carries_native(policy.key_carriers.native_header)
+        and _younger_than(record, now, policy.native_key_ttl, policy)
+    )
+
+
+def _searches_route(record: EffectRecord, policy: Policy) -> bool:
+    """Whether the upstream has a probe written for the record's route (probe.routes).
+
+    A probe searches one kind of effect: asked about a refund where it searches orders it finds nothing,
+    and that "not found" would send the refund again.
+    """
+    return policy.has_probe and covered(policy.probe_routes, record.method, record.path)
+
+
+def _looks_where_sent(carriers: KeyCarriers, policy: Policy) -> bool:
+    """Whether the probe looks for the key where ``carriers`` put it: by the stamp it searches today, or,
+    with no stamp, by the native header. A stamp moved to another field since would send the probe
+    looking where the effect was never stamped."""
+    today = policy.key_carriers
+    if today.stamp is not None:
+        return carriers.carries_stamp(today.stamp)
+    return carriers.carries_native(today.native_header)
+
+
+def probe_covers(record: EffectRecord, policy: Policy) -> bool:
+    """Whether the probe can find this effect: written for its route, it looks for the key where every
+    attempt that may have acted carried it. Not for a row that recorded nothing (before migration 015):
+    what its attempts carried is not known."""
+    return (
+        _searches_route(record, policy)
+        and record.key_carriers is not None
+        and _looks_where_sent(record.key_carriers, policy)
+    )
+
+
+def _may_restore(record: EffectRecord, policy: Policy) -> bool:
+    """Whether to ask the probe for the response of a completed effect whose response was purged.
+
+    As :func:`probe_covers`, but a row that recorded nothing is asked for as before: a restore never
+    sends, and the worst a probe looking in the wrong place can do is find nothing (410).
+    """
+    return _searches_route(record, policy) and (
+        record.key_carriers is None or _looks_where_sent(record.key_carriers, policy)
+    )
+
+
+def why_not_probed(record: EffectRecord, policy: Policy) -> str:
+    """Why the probe is not asked about this effect, in words for the audit and the agent."""
+    if not policy.has_probe:
+        return "this upstream has no probe"
+    if not _searches_route(record, policy):
+        return f"this upstream's probe does not search {record.method} {record.path} (probe.routes)"
+    if record.key_carriers is None:
+        return "what carried this effect's key was not recorded (it was sent by an earlier version)"
+    return (
+        "this upstream's probe looks for the key where this effect's requests did not carry it (its "
+        "stamp or native key changed since)"
+    )
+
+
+def carried_by(record: EffectRecord, policy: Policy, reason: SendReason | None) -> KeyCarriers | None:
+    """What will have carried the key in every attempt that may have acted, once a take-over of
+    ``record`` sends under today's settings (None: not known, and then never relied on).
+
+    Today's carriers when no earlier attempt may have reached the upstream (``reason`` retryable or
+    never_sent); otherwise only what today's share with what the earlier attempts carried.
+    """
+    if reason in ("retryable", "never_sent"):
+        return policy.key_carriers
+    if record.key_carriers is None:
+        return None
+    return record.key_carriers.shared_with(policy.key_carriers)
 
 
 def _younger_than(record: EffectRecord, now: datetime, memory: timedelta, policy: Policy) -> bool:
@@ -210,9 +300,7 @@ def before_sending(
     """
     if policy.send_window is not None and waited > policy.send_window:
         return Late(waited)
-    if reason == "native_key" and not (
-        policy.native_key_ttl is not None and _younger_than(record, now, policy.native_key_ttl, policy)
-    ):
+    if reason == "native_key" and not _native_key_fresh(record, now, policy):
         return Refuse("not sent: the native key grew too old to trust while the record was being taken over")
     return None
 
@@ -282,8 +370,9 @@ def settle_probe(
 ) -> Settlement | Send:
     """What a probe run under a take-over of ``record`` (now pending) leaves it as.
 
-    A probe only proves absence for effects its upstream's search can still see: past the probe's
-    horizon (less the margin, as for a native key's TTL), "not found" proves nothing and an operator
+    A probe only proves absence for effects its upstream's search can still see: those it can find
+    (probe_covers: of its routes, their key carried where it looks), and within the probe's horizon
+    (less the margin, as for a native key's TTL). Otherwise "not found" proves nothing and an operator
     must look. ``now`` must be the database's clock read after the probe answered (a gateway may stall
     between taking the record and probing); the margin then covers the send that follows.
     """
@@ -292,7 +381,10 @@ def settle_probe(
         case Found():
             return Settlement(Transition(pending, State.COMPLETED), may_have_sent=True, ends_lease=True)
         case NotFound():
-            if policy.probe_horizon is None or _younger_than(record, now, policy.probe_horizon, policy):
+            # Only about effects it can find, and within its horizon.
+            if probe_covers(record, policy) and (
+                policy.probe_horizon is None or _younger_than(record, now, policy.probe_horizon, policy)
+            ):
                 return Send()
             return Settlement(Transition(pending, State.NEEDS_REVIEW), may_have_sent=True, ends_lease=True)
         case ProbeError():
@@ -331,7 +423,10 @@ def too_soon(record: EffectRecord, asked_at: datetime, policy: Policy) -> TooSoo
         return None
     claimed = record.last_sent_at or record.created_at
     answered = record.response_at
-    acted_by = answered if answered is not None and answered >= claimed else claimed + policy.lease
+    # The lease that attempt was given, not today's: a timeout shortened since would credit the search
+    # with time it has not had. (A row from before migration 015 records none, and is never probed.)
+    lease = record.send_lease if record.send_lease is not None else policy.lease
+    acted_by = answered if answered is not None and answered >= claimed else claimed + lease
     listed_by = acted_by + policy.probe_lag
     if asked_at >= listed_by:
         return None

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway import browser, problems
-from gateway.body import RequestBody
+from gateway.body import RequestBody, read_body
 from gateway.fingerprint import NEVER_FINGERPRINTED
+from gateway.jsonbody import JsonRefused
 from gateway.policy import UpstreamPolicy
-from gateway.record import NewEffect
+from gateway.record import EffectRecord, KeyCarriers, NewEffect
 from gateway.stamp import StampError
 from gateway.upstream import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP, Outbound, build_outbound
+from gateway.urlencoded import FormRefused
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,31 @@ def to_send(inbound: Inbound, derived_key: str | None) -> Outbound:
         raise problems.CannotStamp(str(exc)) from None
 
 
+class NotAsFirstSent(ValueError):
+    """The request the effect was claimed with cannot be sent again (not on record, or not readable)."""
+
+
+def as_first_sent(inbound: Inbound, record: EffectRecord) -> Outbound:
+    """The request of an attempt after the first: the body ``record`` was claimed with (read back by the
+    take-over that sends), under its derived key, with the retry's headers and query.
+
+    Not the retry's body: it is the same request by its fingerprint, but may differ in the fields the
+    fingerprint leaves out (fingerprint_ignore, fingerprint_fields), and an upstream that checks that a key
+    is reused with the same parameters, as Stripe does, would refuse it with an error that would be
+    recorded and replayed for ever, though the effect happened. The headers are the retry's: credentials
+    are never stored, and every header the fingerprint covers is the same. Raises NotAsFirstSent.
+    """
+    cannot = "the request the effect was first sent with cannot be sent again"
+    if record.request_body is None:
+        raise NotAsFirstSent(f"{cannot}: {record.unreadable.get('request', 'it was not read back')}")
+    content_type = next((v for k, v in inbound.headers.items() if k.lower() == "content-type"), "")
+    try:
+        body = read_body(record.request_body, content_type, inbound.upstream.json_stamp_path)
+        return to_send(replace(inbound, body=body), record.derived_key)
+    except (JsonRefused, FormRefused, problems.Problem) as exc:
+        raise NotAsFirstSent(f"{cannot}: {exc}") from None
+
+
 def to_record(
     inbound: Inbound, key: str, derived_key: str, fingerprint: str, *, keyless: bool = False
 ) -> NewEffect:
@@ -82,4 +109,6 @@ def to_record(
         run_id=inbound.run_id,
         step=inbound.step,
         keyless=keyless,
+        # A keyless request is sent as it came, with no derived key anywhere.
+        key_carriers=KeyCarriers() if keyless else inbound.upstream.decision.key_carriers,
     )

@@ -20,7 +20,7 @@ from gateway import packing, partitions
 from gateway.audit_query import RECORD_COLUMNS
 from gateway.decision import Settlement
 from gateway.errors import StoreRejected
-from gateway.record import EffectRecord, NewEffect, StoredResponse
+from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
 from gateway.rows import Conn, head_bytes, read_with_response, record_of, reread
 from gateway.states import State, Transition
 
@@ -83,9 +83,9 @@ async def claim(conn: Conn, new: NewEffect, lease: timedelta) -> tuple[EffectRec
         ), e as (
             insert into effects (id, created_at, tenant, upstream, key, derived_key, method, path,
                 query, fingerprint, state, lease_expires_at, first_sent_at, last_sent_at, run_id,
-                step, keyless)
+                step, keyless, key_carriers, send_lease)
             select effect_id, created_at, $1, $2, $3, $4, $5, $6, $7, $8, 'pending',
-                now() + $11::interval, now(), now(), $12, $13, $14
+                now() + $11::interval, now(), now(), $12, $13, $14, $16::jsonb, $11::interval
             from k
             returning *
         ), b as (
@@ -113,6 +113,7 @@ async def claim(conn: Conn, new: NewEffect, lease: timedelta) -> tuple[EffectRec
         new.step,
         new.keyless,
         request_coding,
+        new.key_carriers.as_json(),
     )
     if row is not None:
         return record_of(row, response=True), True
@@ -152,6 +153,7 @@ async def reclaim(
     *,
     sends: bool,
     renew: bool = False,
+    carriers: KeyCarriers | None = None,
 ) -> EffectRecord | None:
     """The statement of :meth:`gateway.store.Store.reclaim`."""
     return await _one(
@@ -166,6 +168,10 @@ async def reclaim(
                 lease_expires_at = now() + $5::interval,
                 last_sent_at = case when $6 then now() else last_sent_at end,
                 first_sent_at = coalesce(first_sent_at, now()),
+                -- what the attempt that sends is given, and what carries the key in every attempt that
+                -- may have acted; a take-over that only probes sends nothing, and changes neither
+                send_lease = case when $6 then $5::interval else send_lease end,
+                key_carriers = case when $6 then $9::jsonb else key_carriers end,
                 history = history || {_stamped(7)}
             {_fenced(record)}
             returning {RECORD_COLUMNS}
@@ -180,6 +186,7 @@ async def reclaim(
         sends,
         _event("reclaimed", attempt=record.attempt + 1, reason=reason, was=record.state.value),
         renew,
+        carriers.as_json() if carriers is not None else None,
     )
 
 

@@ -8,6 +8,8 @@ from typing import Literal
 
 from gateway import decision
 from gateway.fingerprint import BodyFields
+from gateway.record import KeyCarriers
+from gateway.routes import Route
 from gateway.settings import KEYLESS_DEFAULTS, ErrorFormat, KeylessMode, Settings, UpstreamSettings
 
 StampKind = Literal["json_field", "form_field", "query_param", "header"]
@@ -111,7 +113,9 @@ def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) ->
             lease=lease,
             native_key_ttl=cfg.native_key.ttl if cfg.native_key else None,
             has_probe=probe is not None,
-            probe_horizon=cfg.probe.horizon if cfg.probe else None,
+            probe_routes=tuple(Route.parse(r) for r in cfg.probe.routes or ()) if cfg.probe else (),
+            key_carriers=KeyCarriers(cfg.native_key.header if cfg.native_key else None, stamp),
+            probe_horizon=_probe_horizon(cfg),
             probe_lag=cfg.probe.lag if cfg.probe else timedelta(0),
             repeat_harmless=cfg.repeat_harmless,
             send_window=lease_grace,
@@ -119,6 +123,17 @@ def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) ->
         never_stored=secret | {name.lower() for name in cfg.inject_headers},
         json_stamp_path=tuple(stamp[1].split(".")) if stamp and stamp[0] == "json_field" else (),
     )
+
+
+def _probe_horizon(cfg: UpstreamSettings) -> timedelta | None:
+    """How far back the probe's "not found" counts: ``probe.horizon``, else, for a probe that looks for the
+    native key alone (no stamp), the key's TTL: an upstream that forgets the key then may no longer find
+    the effect by it, and a "not found" after that would send the effect again."""
+    if cfg.probe is None:
+        return None
+    if cfg.probe.horizon is None and cfg.stamp is None and cfg.native_key is not None:
+        return cfg.native_key.ttl
+    return cfg.probe.horizon
 
 
 def _fingerprint_body(cfg: UpstreamSettings) -> BodyFields | None:

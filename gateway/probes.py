@@ -136,8 +136,9 @@ class Prober:
             raise ProbeFailed(f"the probe of {policy.name} failed: {type(exc).__name__}: {exc}") from None
         if body is None:
             raise ProbeFailed(f"the probe of {policy.name} answered more than {limit} bytes")
-        # A search answers a list to look into at `found`; anything else asks for the effect by its key.
-        found_at = http.found if http.method != "HEAD" else None
+        # A search answers a list to look into at `found`; anything else asks for the effect by its key
+        # (the settings refuse `found` with HEAD, whose answer has no body).
+        found_at = http.found
         if status == 404 and found_at is None:
             return None  # no effect under that key
         if status == 404:

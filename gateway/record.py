@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from gateway.states import State
@@ -15,6 +15,56 @@ class StoredResponse:
     status: int
     headers: tuple[tuple[str, str], ...]
     body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KeyCarriers:
+    """What carried an effect's derived key to the upstream: the native key's header and the stamp, each as
+    configured when the request was sent (None: nothing there)."""
+
+    native_header: str | None = None
+    stamp: tuple[str, str] | None = None  # (kind, name): ("json_field", "client_reference")
+
+    def carries_native(self, header: str | None) -> bool:
+        """Whether the key went in the native header ``header`` (names of headers ignore case)."""
+        return (
+            header is not None
+            and self.native_header is not None
+            and header.lower() == self.native_header.lower()
+        )
+
+    def carries_stamp(self, stamp: tuple[str, str] | None) -> bool:
+        """Whether the key was stamped as ``stamp`` says: the same kind, the same name."""
+        if stamp is None or self.stamp is None or stamp[0] != self.stamp[0]:
+            return False
+        if stamp[0] == "header":
+            return stamp[1].lower() == self.stamp[1].lower()
+        return stamp[1] == self.stamp[1]
+
+    def shared_with(self, other: KeyCarriers) -> KeyCarriers:
+        """What carried the key both here and in ``other``."""
+        return KeyCarriers(
+            self.native_header if other.carries_native(self.native_header) else None,
+            self.stamp if other.carries_stamp(self.stamp) else None,
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        """As the audit keeps it, in the configuration's words: {"native_key": H, "stamp": {KIND: NAME}}."""
+        doc: dict[str, Any] = {}
+        if self.native_header is not None:
+            doc["native_key"] = self.native_header
+        if self.stamp is not None:
+            doc["stamp"] = {self.stamp[0]: self.stamp[1]}
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> KeyCarriers:
+        """The inverse of :meth:`as_json`."""
+        stamp: tuple[str, str] | None = None
+        if doc.get("stamp"):
+            ((kind, name),) = doc["stamp"].items()
+            stamp = (kind, name)
+        return cls(doc.get("native_key"), stamp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +107,11 @@ class EffectRecord:
     # "request" or "response" -> why that stored body cannot be read back (it is then left out);
     # "history" -> why events of the history were left out.
     unreadable: dict[str, str] = field(default_factory=dict)
+    # What carried the key in every attempt that may have reached the upstream, and the lease the latest
+    # attempt that sent was given (its claim or take-over): recovery relies on these, never on today's
+    # settings. None for rows claimed before migration 015, which recorded neither.
+    key_carriers: KeyCarriers | None = None
+    send_lease: timedelta | None = None
 
     @property
     def replay_refused(self) -> bool:
@@ -93,3 +148,5 @@ class NewEffect:
     step: str | None
     # Sent without a key under the upstream's "audit" policy: the key is made up and never looked up.
     keyless: bool = False
+    # What carries the derived key in the request sent (nothing for a keyless one).
+    key_carriers: KeyCarriers = KeyCarriers()

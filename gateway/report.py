@@ -141,24 +141,36 @@ def _probe_window(policy: UpstreamPolicy) -> str:
 
 
 def protection(policy: UpstreamPolicy) -> tuple[str, list[str]]:
-    """What recovers an effect in doubt on this upstream, in the order the gateway tries it; and warnings."""
-    steps = []
+    """What recovers an effect in doubt on this upstream, in the order the gateway tries it; and warnings.
+
+    With a probe, in two parts: on the routes the probe searches (probe.routes), and on any other.
+    """
+    native = []
     if policy.native_header and policy.native_ttl:
-        steps.append(f"native key {policy.native_header} for {duration(policy.native_ttl)}")
+        native.append(f"native key {policy.native_header} for {duration(policy.native_ttl)}")
+    last = "re-send (repeat_harmless)" if policy.repeat_harmless else "needs_review"
+    probe: str | None
     match policy.probe:
         case HttpProbe() as http:
-            steps.append(f"probe {http.method} {http.path}{_probe_window(policy)}")
+            probe = f"probe {http.method} {http.path}{_probe_window(policy)}"
         case PythonProbe() as py:
-            steps.append(f"probe {py.entry_point} (Python){_probe_window(policy)}")
-    # A probe always answers (found, not found, failed), and past its horizon "not found" goes to review:
-    # after a probe, repeat_harmless is never reached.
-    harmless = policy.repeat_harmless and policy.probe is None
-    steps.append("re-send (repeat_harmless)" if harmless else "needs_review")
-    summary = ", then ".join(steps)
+            probe = f"probe {py.entry_point} (Python){_probe_window(policy)}"
+        case None:
+            probe = None
+    if probe is not None:
+        # A probe always answers (found, not found, failed), and past its horizon "not found" goes to
+        # review: on its routes, repeat_harmless is never reached.
+        routes = ", ".join(str(route) for route in policy.decision.probe_routes)
+        summary = (
+            f"on {routes}: {', then '.join([*native, probe, 'needs_review'])}; "
+            f"on other routes: {', then '.join([*native, last])}"
+        )
+    elif native or policy.repeat_harmless:
+        summary = ", then ".join([*native, last])
+    else:
+        summary = "nothing: an effect in doubt goes to needs_review"
     if policy.stamp:
         summary += f"; key stamped in {policy.stamp[0]} {policy.stamp[1]}"
-    if len(steps) == 1 and not policy.repeat_harmless:
-        summary = "nothing: an effect in doubt goes to needs_review"
     return summary, _notes(policy)
 
 
@@ -187,9 +199,11 @@ def _notes(policy: UpstreamPolicy) -> list[str]:
             f'({duration(rule.probe_lag + rule.lease)}): the probe\'s "not found" is never trusted, and '
             "such an effect goes to needs_review"
         )
-    if policy.probe is not None and policy.stamp is None:
+    if policy.probe is not None and policy.stamp is None and rule.probe_horizon is not None:
         notes.append(
             f"no stamp: the probe looks for the key sent in {policy.native_header}, which the upstream must "
-            "keep with the effect; if it forgets the key after native_key.ttl, set probe.horizon to that ttl"
+            f'keep with the effect; its "not found" counts for {duration(rule.probe_horizon)} '
+            "(probe.horizon, by default native_key.ttl: an upstream that forgets the key may no longer "
+            "find the effect by it), then such an effect goes to needs_review"
         )
     return notes

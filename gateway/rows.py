@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeAlias
 
@@ -20,7 +21,7 @@ import asyncpg.pool
 from gateway import packing, partitions
 from gateway.audit_query import RECORD_COLUMNS
 from gateway.errors import BodyUnreadable
-from gateway.record import EffectRecord, StoredResponse
+from gateway.record import EffectRecord, KeyCarriers, StoredResponse
 from gateway.states import State
 
 Conn: TypeAlias = "asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
@@ -99,6 +100,32 @@ def stored_response(stored_at: datetime) -> str:
         where effect_id = $1 and kind = 'response' and stored_at = $2
           and {partitions.within("stored_at", partitions.day_of(stored_at))}
     """
+
+
+async def with_request(conn: Conn, record: EffectRecord) -> EffectRecord:
+    """``record`` with the request body it was claimed with (``request_body``), for an attempt that sends
+    it again; None and the reason in ``unreadable`` when it cannot be read back.
+
+    Stored at the claim, in the day the effect was created, and carried forward by the retention while
+    the effect is open: a body is never stored before its effect, so the days before are left out (the
+    bound is a constant, so the plan opens only the days from there on).
+    """
+    since = partitions.day_of(record.created_at)[0]
+    row = await conn.fetchrow(
+        f"""
+        select coding, content from effect_bodies
+        where effect_id = $1 and kind = 'request' and stored_at >= '{since.isoformat()}'
+        order by stored_at desc limit 1
+        """,
+        record.id,
+    )
+    if row is None:
+        return replace(record, unreadable={**record.unreadable, "request": "no request body is on record"})
+    try:
+        body = _unpacked(record.id, "request", row["coding"], bytes(row["content"]))
+    except BodyUnreadable as exc:
+        return replace(record, unreadable={**record.unreadable, "request": str(exc)})
+    return replace(record, request_body=body)
 
 
 # No response on record (none stored, or its day dropped by the retention).
@@ -236,6 +263,8 @@ def record_of(
         read_at=row["read_at"],
         keyless=row["keyless"],
         unreadable=unreadable,
+        key_carriers=KeyCarriers.from_json(row["key_carriers"]) if row["key_carriers"] is not None else None,
+        send_lease=row["send_lease"],
     )
     if record.replay_refused and not full:
         # In any other state the response is what the last attempt saw, which no decision reads; an

@@ -37,6 +37,7 @@ from gateway.decision import (
     TooSoon,
     Unknown,
     before_sending,
+    carried_by,
     decide,
     restore,
     review,
@@ -45,11 +46,12 @@ from gateway.decision import (
     take_over,
     too_soon,
     unrecorded,
+    why_not_probed,
 )
 from gateway.errors import ProbeFailed, StoreRejected, StoreUnavailable
 from gateway.faults import fault
 from gateway.fingerprint import fingerprint
-from gateway.inbound import Inbound, to_record, to_send
+from gateway.inbound import Inbound, NotAsFirstSent, as_first_sent, to_record, to_send
 from gateway.keys import ScopedKey
 from gateway.outcome import Found, NotFound, NotSent, Outcome, ProbeError, ProbeResult
 from gateway.policy import UpstreamPolicy, keyless_mode
@@ -171,15 +173,10 @@ class EffectService:
                 "this key's audit row has been archived; nothing is sent for it again"
             )
         trail.saw(record, created=created)
-        if record.derived_key != derived:
-            # First sent under another derived key (an older derivation, or another key_secret): every
-            # attempt at one effect carries the key of its first, or the upstream and a probe could not
-            # tell that they are the same effect.
-            outbound = to_send(inbound, record.derived_key)
         if created:
             return await self._attempt(record, took, policy, outbound, reason=None)
         wait = _Wait(asyncio.get_running_loop().time() + inbound.wait, inbound.client_left)
-        return await self._follow(record, request, policy, outbound, wait)
+        return await self._follow(record, request, inbound, wait)
 
     def _replay_known(self, known: Completed, request: Request) -> Reply:
         trail.replayed_from_memory(known.id)
@@ -213,11 +210,9 @@ class EffectService:
         trail.saw(record, created=True)
         return await self._attempt(record, took, policy, outbound, reason=None)
 
-    async def _follow(
-        self, record: EffectRecord, request: Request, policy: UpstreamPolicy, outbound: Outbound, wait: _Wait
-    ) -> Reply:
+    async def _follow(self, record: EffectRecord, request: Request, inbound: Inbound, wait: _Wait) -> Reply:
         try:
-            return await self._follow_until_done(record, request, policy, outbound, wait)
+            return await self._follow_until_done(record, request, inbound, wait)
         finally:
             if wait.seated:
                 self._waiting[record.id] -= 1
@@ -228,8 +223,9 @@ class EffectService:
                 del self._waiters[record.id]
 
     async def _follow_until_done(
-        self, record: EffectRecord, request: Request, policy: UpstreamPolicy, outbound: Outbound, wait: _Wait
+        self, record: EffectRecord, request: Request, inbound: Inbound, wait: _Wait
     ) -> Reply:
+        policy = inbound.upstream
         while True:
             assert record.read_at is not None
             action = decide(record, request, record.read_at, policy.decision)
@@ -246,13 +242,18 @@ class EffectService:
                 case Resend(reason=reason):
                     took = _clock()
                     claimed = await self._store.reclaim(
-                        record, take_over(record), policy.lease, reason, sends=True
+                        record,
+                        take_over(record),
+                        policy.lease,
+                        reason,
+                        sends=True,
+                        carriers=carried_by(record, policy.decision, reason),
                     )
                     if claimed is None:
                         record = await self._reread(record)
                         continue
                     self._took(record, claimed)
-                    return await self._attempt(claimed, took, policy, outbound, reason=reason)
+                    return await self._attempt(claimed, took, policy, _first_sent(inbound, claimed), reason)
                 case Probe():
                     claimed = await self._store.reclaim(
                         record, take_over(record), policy.lease, "probe", sends=False
@@ -261,14 +262,15 @@ class EffectService:
                         record = await self._reread(record)
                         continue
                     self._took(record, claimed)
-                    return await self._probe(claimed, policy, outbound)
+                    return await self._probe(claimed, inbound)
                 case Review():
                     reviewed = await self._wake_after(
                         record,
                         self._store.send_to_review(
                             record,
                             review(record),
-                            "no native key within its TTL, no probe: nothing can tell if it happened",
+                            f"no native key it was sent with within its TTL, and "
+                            f"{why_not_probed(record, policy.decision)}: nothing can tell if it happened",
                         ),
                     )
                     if reviewed is None:
@@ -282,7 +284,9 @@ class EffectService:
                 case Restore():
                     return await self._restore(record, policy)
                 case Purged():
-                    raise replies.purged(record, "this upstream has no probe to ask for it")
+                    raise replies.purged(
+                        record, f"no probe is asked for it: {why_not_probed(record, policy.decision)}"
+                    )
                 case _:
                     assert_never(action)
 
@@ -339,19 +343,23 @@ class EffectService:
         record: EffectRecord,
         took: float,
         policy: UpstreamPolicy,
-        outbound: Outbound,
+        outbound: Outbound | Refuse,
         reason: SendReason | None,
     ) -> Reply:
         """Send under the attempt ``record`` holds, and write down what came of it (fenced).
 
-        ``took`` is this process's clock from just before the statement that took the record.
+        ``took`` is this process's clock from just before the statement that took the record. ``outbound``
+        is a Refuse when the request cannot be built: it is settled as never sent.
         """
         fault("after-claim", policy.name)
         record, refused, took = await self._ready_to_send(record, took, policy, reason)
+        if isinstance(outbound, Refuse):
+            refused = refused or outbound
         if refused is not None:
             log.warning("effect %s: %s", record.id, refused.reason)
             outcome: Outcome = NotSent(refused.reason)
         else:
+            assert isinstance(outbound, Outbound), "a request that cannot be built is refused above"
             outcome = await self._client.send(
                 outbound, policy.timeout.total_seconds(), leave_within=_left_to_leave(policy, took)
             )
@@ -418,7 +426,13 @@ class EffectService:
             log.warning("effect %s: %.1fs late to send; taking it again", record.id, waited.total_seconds())
             took = _clock()
             renewed = await self._store.reclaim(
-                record, take_over(record), policy.lease, "late to send", sends=True, renew=True
+                record,
+                take_over(record),
+                policy.lease,
+                "late to send",
+                sends=True,
+                renew=True,
+                carriers=record.key_carriers,  # its own request, as the take-over it renews recorded
             )
             if renewed is not None:
                 trail.saw(renewed)
@@ -465,8 +479,9 @@ class EffectService:
             probing.result = "not_found" if found is None else "found"
             return NotFound() if found is None else Found(found)
 
-    async def _probe(self, record: EffectRecord, policy: UpstreamPolicy, outbound: Outbound) -> Reply:
+    async def _probe(self, record: EffectRecord, inbound: Inbound) -> Reply:
         """Probe under the take-over ``record`` holds; then send, complete, or leave it for later."""
+        policy = inbound.upstream
         asked_at = record.read_at  # the take-over's clock: the probe leaves after it
         assert asked_at is not None
         result = await self._look(policy, record)
@@ -478,7 +493,13 @@ class EffectService:
             # after the probe, which is when "not found" must still be within the probe's horizon.
             took = _clock()
             again = await self._store.reclaim(
-                record, take_over(record), policy.lease, "the probe found nothing", sends=True, renew=True
+                record,
+                take_over(record),
+                policy.lease,
+                "the probe found nothing",
+                sends=True,
+                renew=True,
+                carriers=carried_by(record, policy.decision, None),
             )
             if again is None:
                 await self._store.note_fenced(record, "the probe found nothing")
@@ -488,7 +509,7 @@ class EffectService:
             assert record.read_at is not None
             if isinstance(settle_probe(record, result, record.read_at, policy.decision), Send):
                 log.info("probe: effect %s not found upstream, sending", record.id)
-                return await self._attempt(record, took, policy, outbound, reason=None)
+                return await self._attempt(record, took, policy, _first_sent(inbound, record), reason=None)
         assert record.read_at is not None
         verdict = settle_probe(record, result, record.read_at, policy.decision)
         assert isinstance(verdict, Settlement), "a send was decided above"
@@ -570,6 +591,15 @@ def _in_flight(record: EffectRecord, retry_after: timedelta, then: str) -> probl
         headers={"Retry-After": str(max(1, hint))},
         effect_id=record.id,
     )
+
+
+def _first_sent(inbound: Inbound, record: EffectRecord) -> Outbound | Refuse:
+    """The request of a take-over that sends: the one the effect was first sent with (inbound.as_first_sent),
+    or a refusal saying why it cannot be sent again."""
+    try:
+        return as_first_sent(inbound, record)
+    except NotAsFirstSent as exc:
+        return Refuse(f"not sent: {exc}")
 
 
 def _clock() -> float:

@@ -33,6 +33,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from gateway import browser
 from gateway.errors import ConfigError
 from gateway.headers import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP, same_header
+from gateway.routes import METHOD, Route
 
 # RFC 9110 section 5.6.2: what a header name may be.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -138,6 +139,14 @@ class StampSettings(_Section):
         return self
 
 
+def probe_route(value: str) -> str:
+    Route.parse(value)  # raises with what is wrong
+    return value
+
+
+ProbeRoute = Annotated[str, AfterValidator(probe_route)]
+
+
 class ProbeSettings(_Section):
     """The built-in HTTP probe, or a Python probe registered under ``effect_gateway.probes``."""
 
@@ -159,9 +168,22 @@ class ProbeSettings(_Section):
     # one that finds the effect completes at once. "0s" only for a probe whose every answer follows every
     # write (a GET by key from the primary).
     lag: Duration = timedelta(minutes=1)
+    # The requests whose effects this probe can find ("POST /orders", "POST /orders/*/refund"), required:
+    # a probe searches one kind of effect, and asked about another (a refund, where it searches orders)
+    # it would find nothing, and recovery would send that effect again. Requests of other routes recover
+    # by the native key, then go to review (or are sent again where repeat_harmless).
+    routes: list[ProbeRoute] | None = None
 
     @model_validator(mode="after")
     def _http_or_python(self) -> ProbeSettings:
+        if self.routes is None:
+            raise ValueError(
+                "routes must name the requests whose effects this probe can find, such as "
+                'routes = ["POST /orders"]: asked about any other request (a refund, where it searches '
+                "orders) it would find nothing, and recovery would send that effect again"
+            )
+        if not self.routes:
+            raise ValueError('routes must name at least one request, such as routes = ["POST /orders"]')
         if self.horizon is not None and self.lag >= self.horizon:
             raise ValueError(
                 f"lag ({self.lag}) must be shorter than horizon ({self.horizon}): the search would never "
@@ -173,6 +195,14 @@ class ProbeSettings(_Section):
             return self
         if not self.path or "{key}" not in self.path:
             raise ValueError("path must be given and contain {key}")
+        if self.method == "HEAD" and self.found is not None:
+            # A HEAD answer has no body to look into: any 2xx of a search, which answers whether it
+            # finds the effect or not, would count as found, and an effect that never happened would be
+            # completed and replayed as a success.
+            raise ValueError(
+                "found cannot be used with method HEAD: a HEAD answer has no body to look into; use GET "
+                "for a search, or leave found out to ask for the effect by its key"
+            )
         if not self.path.startswith("/"):
             raise ValueError("path must start with /")
         return self
@@ -185,7 +215,6 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # Without a key the gateway cannot make these safe to retry, so by default they are refused; every
 # other unsafe method (PUT, DELETE, ...) is forwarded and audited unless the upstream says otherwise.
 KEYLESS_DEFAULTS: dict[str, KeylessMode] = {"POST": "refuse", "PATCH": "refuse"}
-_METHOD = re.compile(r"^[A-Z][A-Z-]{0,31}$")
 
 
 # What a browser sends as Origin: a scheme, a host and an optional port, nothing after them.
@@ -301,7 +330,7 @@ class UpstreamSettings(_Section):
                 if not path or "" in path.split("."):
                     raise ValueError(f"{name}: {path!r} is not a field name or a dotted path such as a.b")
         for method in self.keyless:
-            if not _METHOD.match(method):
+            if not METHOD.match(method):
                 raise ValueError(f"keyless: {method!r} is not an HTTP method in capitals, such as PUT")
             if method in SAFE_METHODS:
                 raise ValueError(f"keyless: {method} always passes through; only unsafe methods are listed")

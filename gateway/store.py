@@ -37,7 +37,7 @@ from gateway.audit_query import (
 )
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, LoginRefused, PrivilegesMissing, StoreRejected, StoreUnavailable
-from gateway.record import EffectRecord, NewEffect, StoredResponse
+from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
 from gateway.rows import (
     HISTORY,
     RESPONSE,
@@ -45,6 +45,7 @@ from gateway.rows import (
     Conn,
     record_of,
     reread,
+    with_request,
 )
 from gateway.states import State, Transition
 from gateway.telemetry import Telemetry
@@ -324,17 +325,26 @@ class Store:
         *,
         sends: bool,
         renew: bool = False,
+        carriers: KeyCarriers | None = None,
     ) -> EffectRecord | None:
         """Take the record over for a new attempt, if nobody has since ``record`` was read.
 
-        ``sends`` is false for a take-over that only probes: the audit's send times stay as they were.
+        ``sends`` is false for a take-over that only probes: the audit's send times, the lease of the
+        latest attempt that sent and what carried the key stay as they were. A take-over that sends
+        records ``lease`` as its attempt's and ``carriers`` as what carried the key in every attempt
+        that may have acted (None: not known, and then never relied on).
         ``renew`` is the holder taking its own record again before its request left: no attempt of its
-        reached the upstream, so the take-over adds no doubt.
+        reached the upstream, so the take-over adds no doubt. A take-over that sends returns the record
+        with the request body it was claimed with, to send again (rows.with_request).
         """
-        return await self._run(
-            "reclaim",
-            lambda conn: phases.reclaim(conn, record, move, lease, reason, sends=sends, renew=renew),
-        )
+
+        async def op(conn: Conn) -> EffectRecord | None:
+            taken = await phases.reclaim(
+                conn, record, move, lease, reason, sends=sends, renew=renew, carriers=carriers
+            )
+            return await with_request(conn, taken) if taken is not None and sends else taken
+
+        return await self._run("reclaim", op)
 
     async def settle(
         self,

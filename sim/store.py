@@ -34,7 +34,7 @@ from gateway import partitions
 from gateway.audit_query import EXACT_OPEN_COUNT, EffectFilter, by_time
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
-from gateway.record import EffectRecord, NewEffect, StoredResponse
+from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
 from gateway.rows import head_bytes, head_pairs
 from gateway.states import State, Transition
 from sim.loop import OWNER, REQUEST
@@ -75,6 +75,9 @@ class Row:
     completed_at: datetime | None = None
     replays: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    # None on a row as migration 015 found it (tests/test_store_contract.py makes such rows).
+    key_carriers: KeyCarriers | None = None
+    send_lease: timedelta | None = None
 
     @property
     def scope(self) -> Scope:
@@ -155,14 +158,20 @@ class SimDatabase:
             return None
         return StoredResponse(row.response_status, head_pairs(stored[0]), stored[1])
 
-    def record(self, row: Row, now: datetime, *, response: bool = False, full: bool = False) -> EffectRecord:
-        """The row as gateway.rows' ``record_of`` builds it from the statement's columns."""
+    def record(
+        self, row: Row, now: datetime, *, response: bool = False, full: bool = False, sent: bool = False
+    ) -> EffectRecord:
+        """The row as gateway.rows' ``record_of`` builds it from the statement's columns; ``sent``: with
+        the request body it was claimed with, as gateway.rows' ``with_request`` adds it."""
         request: tuple[bytes, bytes] | None = None
-        if full:
+        unreadable: dict[str, str] = {}
+        if full or sent:
             kept = sorted(
                 (at, v) for (i, kind, at), v in self.bodies.items() if i == row.id and kind == "request"
             )
             request = kept[-1][1] if kept else None
+            if request is None and sent:
+                unreadable["request"] = "no request body is on record"
         return EffectRecord(
             id=row.id,
             tenant=row.tenant,
@@ -189,11 +198,14 @@ class SimDatabase:
             replays=row.replays,
             run_id=row.run_id,
             step=row.step,
-            request_headers=dict(head_pairs(request[0])) if request is not None else {},
+            request_headers=dict(head_pairs(request[0])) if request is not None and full else {},
             request_body=request[1] if request is not None else None,
             history=_with_claim(row) if full else [],
             read_at=now,
             keyless=row.keyless,
+            key_carriers=row.key_carriers,
+            send_lease=row.send_lease,
+            unreadable=unreadable,
         )
 
     def _store_body(self, at: BodyKey, headers: bytes, body: bytes) -> None:
@@ -232,6 +244,8 @@ class SimDatabase:
             run_id=new.run_id,
             step=new.step,
             keyless=new.keyless,
+            key_carriers=new.key_carriers,
+            send_lease=lease,
         )
         self._store_body((row.id, "request", now), head_bytes(new.request_headers), new.request_body)
         self.keys[scope] = (row.id, now)
@@ -256,6 +270,7 @@ class SimDatabase:
         *,
         sends: bool,
         renew: bool = False,
+        carriers: KeyCarriers | None = None,
     ) -> EffectRecord | None:
         now = self.now()
         row = self._row(record)
@@ -269,12 +284,14 @@ class SimDatabase:
         row.lease_expires_at = now + lease
         if sends:
             row.last_sent_at = now
+            row.send_lease = lease
+            row.key_carriers = carriers
         row.first_sent_at = row.first_sent_at or now
         row.history.append(
             _event("reclaimed", now, attempt=record.attempt + 1, reason=reason, was=record.state.value)
         )
         self._wrote("reclaim", was, row, now, reason)
-        return self.record(row, now)
+        return self.record(row, now, sent=sends)
 
     def settle(
         self,
@@ -614,11 +631,14 @@ class SimStore:
         *,
         sends: bool,
         renew: bool = False,
+        carriers: KeyCarriers | None = None,
     ) -> EffectRecord | None:
         source = move.fenced_on(record.state)
         return await self._statement(
             "reclaim",
-            lambda: self.db.reclaim(record, source, lease, reason, sends=sends, renew=renew),
+            lambda: self.db.reclaim(
+                record, source, lease, reason, sends=sends, renew=renew, carriers=carriers
+            ),
         )
 
     async def settle(

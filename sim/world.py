@@ -157,6 +157,7 @@ def draw_setup(everything: Choices) -> Setup:
                 status=201,
                 horizon=probe_horizon,
                 lag=search_lag,
+                routes=["POST /orders"],
             )
             if kind in (Kind.PROBED, Kind.STRIPE)
             else None,

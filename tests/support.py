@@ -27,6 +27,14 @@ from gateway.settings import load_settings
 from gateway.store import Store, StoreLimits, opened, session_settings
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# The probe of Upstream.serve_search's order search, which finds the orders (POST /orders) by their stamp.
+ORDER_SEARCH = {
+    "method": "GET",
+    "path": "/orders/search?ref={key}",
+    "found": "items.0",
+    "status": 201,
+    "routes": ["POST /orders"],
+}
 # Rows of the crash matrix, filled by tests/test_crash.py and printed at the end of the run.
 CRASH_MATRIX: list[tuple[str, str, int, int, int, str, str | None]] = []
 # Cases tried per operation and generation mode by tests/test_schemathesis.py, printed at the end.

@@ -259,7 +259,8 @@ async def test_check_config_says_what_protects_each_upstream(
         + '[upstreams.search]\nbase_url = "http://127.0.0.1:9004"\nrepeat_harmless = true\n'
         + '[upstreams.sms]\nbase_url = "http://127.0.0.1:9005"\n'
         + '[upstreams.orders]\nbase_url = "http://127.0.0.1:9006"\nstamp = { json_field = "ref" }\n'
-        + 'probe = { path = "/o?ref={key}", found = "0", lag = "0s", horizon = "30d" }\n'
+        + 'probe = { path = "/o?ref={key}", found = "0", lag = "0s", horizon = "30d", '
+        + 'routes = ["POST /o"] }\n'
     )
     done = await in_thread(run, "check-config", config=config)
     assert done.status == 0, done.err
@@ -296,9 +297,9 @@ def test_check_config_notes_what_recovery_can_never_rely_on(tmp_path: Path, run:
     config.write_text(
         '[upstreams.sms]\nbase_url = "http://127.0.0.1:9"\ntimeout = "10s"\nnative_key = { ttl = "10s" }\n'
         '[upstreams.orders]\nbase_url = "http://127.0.0.1:9"\ntimeout = "10s"\nstamp = { json_field = "r" }\n'
-        'probe = { path = "/o?r={key}", found = "0", lag = "30s", horizon = "40s" }\n'
+        'probe = { path = "/o?r={key}", found = "0", lag = "30s", horizon = "40s", routes = ["POST /o"] }\n'
         '[upstreams.pay]\nbase_url = "http://127.0.0.1:9"\nnative_key = { header = "Idempotency-Key" }\n'
-        'probe = { path = "/charges?key={key}", found = "data.0" }\n'
+        'probe = { path = "/charges?key={key}", found = "data.0", routes = ["POST /charges"] }\n'
     )
     done = run("check-config", config=config)
     assert done.status == 0, done.err
@@ -309,22 +310,29 @@ def test_check_config_notes_what_recovery_can_never_rely_on(tmp_path: Path, run:
         "note: orders: probe.horizon (40s) is no longer than probe.lag plus the lease (45s): the probe's "
         '"not found" is never trusted, and such an effect goes to needs_review',
         "note: pay: no stamp: the probe looks for the key sent in Idempotency-Key, which the upstream must "
-        "keep with the effect; if it forgets the key after native_key.ttl, set probe.horizon to that ttl",
+        'keep with the effect; its "not found" counts for 24h (probe.horizon, by default native_key.ttl: '
+        "an upstream that forgets the key may no longer find the effect by it), then such an effect goes "
+        "to needs_review",
     ]
 
 
 def test_check_config_lists_no_re_send_after_a_probe(tmp_path: Path, run: Callable[..., Done]) -> None:
-    """With a probe, check-config ends an upstream's recovery in needs_review even when repeat_harmless is
-    set: the probe always answers, so recovery never reaches the re-send."""
+    """With a probe, check-config ends an upstream's recovery on the probe's routes in needs_review even
+    when repeat_harmless is set: the probe always answers, so recovery never reaches the re-send there;
+    requests of other routes, which the probe is never asked about, are sent again."""
     config = tmp_path / "gateway.toml"
     config.write_text(
         '[upstreams.docs]\nbase_url = "http://127.0.0.1:9"\nrepeat_harmless = true\n'
-        'stamp = { json_field = "r" }\nprobe = { path = "/d?r={key}", found = "0", lag = "0s" }\n'
+        'stamp = { json_field = "r" }\n'
+        'probe = { path = "/d?r={key}", found = "0", lag = "0s", routes = ["POST /d"] }\n'
     )
     done = run("check-config", "--json", config=config)
     assert done.status == 0, done.err
     (docs,) = json.loads(done.out)["upstreams"]
-    assert docs["protected_by"] == "probe GET /d?r={key}, then needs_review; key stamped in json_field r"
+    assert docs["protected_by"] == (
+        "on POST /d: probe GET /d?r={key}, then needs_review; on other routes: re-send (repeat_harmless); "
+        "key stamped in json_field r"
+    )
 
 
 def test_check_config_loads_python_probes(tmp_path: Path, run: Callable[..., Done]) -> None:
@@ -332,7 +340,7 @@ def test_check_config_loads_python_probes(tmp_path: Path, run: Callable[..., Don
     config = tmp_path / "gateway.toml"
     config.write_text(
         '[upstreams.shop]\nbase_url = "http://x"\nstamp = { json_field = "ref" }\n'
-        'probe = { entry_point = "no-such-probe" }\n'
+        'probe = { entry_point = "no-such-probe", routes = ["POST /orders"] }\n'
     )
     line = one_line_error(run("check-config", config=config))
     assert "bad setting upstreams.shop.probe.entry_point: no probe named 'no-such-probe'" in line
@@ -340,7 +348,10 @@ def test_check_config_loads_python_probes(tmp_path: Path, run: Callable[..., Don
 
 @pytest.mark.parametrize(
     "probe",
-    ['{ path = "/orders?ref={key}", found = "items.0" }', '{ entry_point = "shop-orders" }'],
+    [
+        '{ path = "/orders?ref={key}", found = "items.0", routes = ["POST /orders"] }',
+        '{ entry_point = "shop-orders", routes = ["POST /orders"] }',
+    ],
     ids=["http", "python"],
 )
 def test_a_probe_for_a_key_never_sent_is_refused_before_listening(
@@ -436,7 +447,8 @@ async def test_resolve_from_upstream_asks_the_probe(
     config = tmp_path / "gateway.toml"
     config.write_text(
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\nstamp = {{ json_field = "client_reference" }}\n'
-        'probe = { path = "/orders/search?ref={key}", found = "items.0", status = 201 }\n'
+        'probe = { path = "/orders/search?ref={key}", found = "items.0", status = 201, '
+        'routes = ["POST /orders"] }\n'
         f'[upstreams.mail]\nbase_url = "{upstream.url}"\n'
     )
     env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
@@ -792,7 +804,7 @@ async def test_an_error_quoting_an_upstream_is_one_line_shown_escaped(
     config = tmp_path / "gateway.toml"
     config.write_text(
         '[upstreams.shop]\nbase_url = "http://127.0.0.1:9"\nstamp = { json_field = "ref" }\n'
-        'probe = { entry_point = "quoting" }\n'
+        'probe = { entry_point = "quoting", routes = ["POST /orders"] }\n'
     )
     env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
     [waiting] = await effect(dsn, "k-1", review=True)

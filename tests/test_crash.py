@@ -20,7 +20,10 @@ from tests.support import CRASH_MATRIX, PORT_ZERO, Upstream, effect_rows, runtim
 pytestmark = pytest.mark.crash
 
 # The test upstream's search lists an order as it is placed: its "not found" is trusted at once.
-SEARCH = 'probe = { path = "/orders/search?ref={key}", found = "items.0", status = 201, lag = "0s" }\n'
+SEARCH = (
+    'probe = { path = "/orders/search?ref={key}", found = "items.0", status = 201, lag = "0s", '
+    'routes = ["POST /orders"] }\n'
+)
 STAMP = 'stamp = { json_field = "client_reference" }\n'
 
 # kind -> (the upstream's own memory of keys, the gateway's policy for it)

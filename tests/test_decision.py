@@ -26,6 +26,7 @@ from gateway.decision import (
     Settlement,
     Unknown,
     before_sending,
+    carried_by,
     decide,
     resolution,
     restore,
@@ -37,19 +38,25 @@ from gateway.decision import (
     unrecorded,
 )
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError, ProbeResult
-from gateway.record import EffectRecord, StoredResponse
+from gateway.record import EffectRecord, KeyCarriers, StoredResponse
+from gateway.routes import Route
 from gateway.states import TRANSITIONS, IllegalTransition, State, Transition, check_transition
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=35)
 OK = StoredResponse(201, (("Content-Type", "application/json"),), b'{"id": 1}')
 
-PLAIN = Policy(lease=LEASE)
-NATIVE = Policy(lease=LEASE, native_key_ttl=timedelta(hours=24))
-PROBED = Policy(lease=LEASE, has_probe=True)
-NATIVE_PROBED = Policy(lease=LEASE, native_key_ttl=timedelta(hours=24), has_probe=True)
-HARMLESS = Policy(lease=LEASE, repeat_harmless=True)
-HORIZON = Policy(lease=LEASE, has_probe=True, probe_horizon=timedelta(days=30))
+# The probe's routes: the records below are POST /orders unless a row says otherwise.
+ORDERS = (Route.parse("POST /orders"),)
+# What carries the key, today and in the records below unless a row says otherwise.
+STAMP = ("json_field", "client_reference")
+CARRIED = KeyCarriers("Idempotency-Key", STAMP)
+PLAIN = Policy(lease=LEASE, key_carriers=CARRIED)
+NATIVE = Policy(lease=LEASE, native_key_ttl=timedelta(hours=24), key_carriers=CARRIED)
+PROBED = Policy(lease=LEASE, has_probe=True, probe_routes=ORDERS, key_carriers=CARRIED)
+NATIVE_PROBED = replace(PROBED, native_key_ttl=timedelta(hours=24))
+HARMLESS = Policy(lease=LEASE, repeat_harmless=True, key_carriers=CARRIED)
+HORIZON = replace(PROBED, probe_horizon=timedelta(days=30))
 
 
 def record(state: State, **changes: object) -> EffectRecord:
@@ -79,11 +86,14 @@ def record(state: State, **changes: object) -> EffectRecord:
         run_id=None,
         step=None,
         read_at=NOW,
+        key_carriers=CARRIED,
+        send_lease=LEASE,
     )
     return replace(base, **changes)  # type: ignore[arg-type]
 
 
 SAME = Request(fingerprint="fp")
+OLD = NOW - timedelta(days=40)
 
 
 @pytest.mark.parametrize(
@@ -160,6 +170,120 @@ def test_retryable_is_sent_again() -> None:
 def test_in_doubt(rec: EffectRecord, policy: Policy, expected: object) -> None:
     """DESIGN.md's recovery order, rule by rule."""
     assert decide(rec, SAME, NOW, policy) == expected
+
+
+REFUND = {"method": "POST", "path": "/orders/ord_1/refund"}
+HARMLESS_PROBED = replace(PROBED, repeat_harmless=True)
+REFUNDS_TOO = replace(PROBED, probe_routes=(*ORDERS, Route.parse("POST /orders/*/refund")))
+
+
+@pytest.mark.parametrize(
+    ("rec", "policy", "expected"),
+    [
+        # a refund, where the probe searches orders: its "not found" would say nothing about the refund
+        (record(State.IN_DOUBT, **REFUND), PROBED, Review()),
+        (record(State.PENDING, **REFUND), PROBED, Review()),
+        (record(State.IN_DOUBT, **REFUND), HARMLESS_PROBED, Resend("harmless")),
+        # ... the native key still recovers it, as any request of the upstream
+        (record(State.IN_DOUBT, **REFUND), NATIVE_PROBED, Resend("native_key")),
+        (record(State.IN_DOUBT, first_sent_at=OLD, **REFUND), NATIVE_PROBED, Review()),
+        # ... and a refund sent by nobody is still sent
+        (record(State.IN_DOUBT, may_have_sent=False, **REFUND), PROBED, Resend("never_sent")),
+        # a probe that names the refunds' route (* for the order's id) is asked about them
+        (record(State.IN_DOUBT, **REFUND), REFUNDS_TOO, Probe()),
+        (record(State.IN_DOUBT, method="POST", path="/orders/ord_1/refund/x"), REFUNDS_TOO, Review()),
+        (record(State.IN_DOUBT, method="POST", path="/orders//refund"), REFUNDS_TOO, Review()),
+        # the same path by another method, or spelt another way, is another route
+        (record(State.IN_DOUBT, method="PUT", path="/orders"), PROBED, Review()),
+        (record(State.IN_DOUBT, method="POST", path="/orders/"), PROBED, Review()),
+        (record(State.IN_DOUBT, method="POST", path="/Orders"), PROBED, Review()),
+        # completed, its response purged: the probe is asked for it only on its routes, else 410
+        (record(State.COMPLETED, response=None, **REFUND), PROBED, Purged()),
+        (record(State.COMPLETED, response=None, **REFUND), REFUNDS_TOO, Restore()),
+    ],
+)
+def test_a_probe_is_asked_only_about_its_routes(rec: EffectRecord, policy: Policy, expected: object) -> None:
+    """A probe searches the routes it names; an effect of any other recovers by the native key, then goes
+    to review (or is re-sent where harmless), and its purged answer is 410."""
+    assert decide(rec, SAME, NOW, policy) == expected
+
+
+STAMP_ONLY = KeyCarriers(None, STAMP)
+NATIVE_ONLY = KeyCarriers("Idempotency-Key", None)
+# The probe of an upstream with no stamp, which looks for the key the native header carried.
+NATIVE_SEARCH = replace(NATIVE_PROBED, key_carriers=NATIVE_ONLY)
+
+
+@pytest.mark.parametrize(
+    ("rec", "policy", "expected"),
+    [
+        # native_key added after the first send, which carried the stamp alone: a re-send under a header
+        # the upstream never saw with it would be a new request; the stamp still lets the probe tell
+        (record(State.IN_DOUBT, key_carriers=STAMP_ONLY), NATIVE_PROBED, Probe()),
+        (record(State.IN_DOUBT, key_carriers=KeyCarriers()), NATIVE, Review()),
+        # the native header renamed since; another case of the same name is the same header
+        (record(State.IN_DOUBT, key_carriers=KeyCarriers("X-Key", STAMP)), NATIVE, Review()),
+        (
+            record(State.IN_DOUBT, key_carriers=KeyCarriers("idempotency-key", None)),
+            NATIVE,
+            Resend("native_key"),
+        ),
+        # the stamp moved to another field, or to another kind: the probe would look where it never was
+        (record(State.IN_DOUBT, key_carriers=KeyCarriers(None, ("json_field", "ref"))), PROBED, Review()),
+        (record(State.IN_DOUBT, key_carriers=KeyCarriers(None, ("query_param", STAMP[1]))), PROBED, Review()),
+        (record(State.IN_DOUBT, key_carriers=NATIVE_ONLY), PROBED, Review()),
+        # ... where repeats are harmless, it is sent again
+        (
+            record(State.IN_DOUBT, key_carriers=NATIVE_ONLY),
+            replace(PROBED, repeat_harmless=True),
+            Resend("harmless"),
+        ),
+        # a probe with no stamp searches the native key: only for effects sent with that header
+        (record(State.IN_DOUBT, key_carriers=NATIVE_ONLY, first_sent_at=OLD), NATIVE_SEARCH, Probe()),
+        (record(State.IN_DOUBT, key_carriers=STAMP_ONLY), NATIVE_SEARCH, Review()),
+        # a row from before migration 015 recorded nothing: neither the key nor the probe is trusted
+        (record(State.IN_DOUBT, key_carriers=None), NATIVE_PROBED, Review()),
+        (record(State.PENDING, key_carriers=None), NATIVE_PROBED, Review()),
+        (record(State.IN_DOUBT, key_carriers=None), HARMLESS, Resend("harmless")),
+        (record(State.IN_DOUBT, key_carriers=None, may_have_sent=False), NATIVE_PROBED, Resend("never_sent")),
+        # ... and a purged response is still asked of the probe (a restore never sends), unless the stamp
+        # is known to have moved
+        (record(State.COMPLETED, response=None, key_carriers=None), PROBED, Restore()),
+        (record(State.COMPLETED, response=None, key_carriers=NATIVE_ONLY), PROBED, Purged()),
+    ],
+)
+def test_recovery_relies_on_what_the_effect_was_sent_with(
+    rec: EffectRecord, policy: Policy, expected: object
+) -> None:
+    """The native key and the probe recover an effect only when its requests carried the key where they
+    look today; an effect whose carriers are unknown goes to review."""
+    assert decide(rec, SAME, NOW, policy) == expected
+
+
+@pytest.mark.parametrize(
+    ("rec", "policy", "reason", "expected"),
+    [
+        # nothing may have acted: the take-over's request is the only one that counts
+        (record(State.RETRYABLE, key_carriers=None), PROBED, "retryable", CARRIED),
+        (record(State.IN_DOUBT, key_carriers=STAMP_ONLY, may_have_sent=False), PROBED, "never_sent", CARRIED),
+        # an earlier attempt may have acted: only what both carried
+        (record(State.IN_DOUBT, key_carriers=STAMP_ONLY), NATIVE, "harmless", STAMP_ONLY),
+        (
+            record(State.IN_DOUBT, key_carriers=CARRIED),
+            replace(NATIVE, key_carriers=NATIVE_ONLY),
+            "native_key",
+            NATIVE_ONLY,
+        ),
+        (record(State.PENDING, key_carriers=CARRIED), PROBED, None, CARRIED),
+        (record(State.IN_DOUBT, key_carriers=None), HARMLESS, "harmless", None),
+    ],
+)
+def test_a_take_over_that_sends_records_what_carries_the_key_in_every_attempt(
+    rec: EffectRecord, policy: Policy, reason: SendReason | None, expected: KeyCarriers | None
+) -> None:
+    """A take-over that sends records today's carriers when no earlier attempt may have acted, else only
+    what today's share with the earlier attempts'."""
+    assert carried_by(rec, policy, reason) == expected
 
 
 def test_needs_review_waits_for_an_operator() -> None:
@@ -262,7 +386,6 @@ def test_operator_resolution_refused(rec: EffectRecord, why: str) -> None:
 
 
 FOUND = Found(OK)
-OLD = NOW - timedelta(days=40)
 
 
 @pytest.mark.parametrize(
@@ -283,6 +406,11 @@ OLD = NOW - timedelta(days=40)
             HORIZON,
             State.NEEDS_REVIEW,
         ),
+        # "not found" from a probe asked about a route it does not search proves nothing: review
+        (record(State.PENDING, **REFUND), NotFound(), PROBED, State.NEEDS_REVIEW),
+        # ... nor from one that looks where the effect was not stamped, or not known to be
+        (record(State.PENDING, key_carriers=NATIVE_ONLY), NotFound(), PROBED, State.NEEDS_REVIEW),
+        (record(State.PENDING, key_carriers=None), NotFound(), PROBED, State.NEEDS_REVIEW),
         # failed: the record goes back to in doubt, whatever its age
         (record(State.PENDING), ProbeError("timeout"), PROBED, State.IN_DOUBT),
         (record(State.PENDING, first_sent_at=OLD), ProbeError("timeout"), HORIZON, State.IN_DOUBT),
@@ -298,7 +426,7 @@ def test_settle_probe(rec: EffectRecord, result: ProbeResult, policy: Policy, ex
         assert (verdict.transition, verdict.may_have_sent) == (Transition(State.PENDING, expected), True)
 
 
-LAGGED = Policy(lease=LEASE, has_probe=True, probe_lag=timedelta(minutes=1))
+LAGGED = replace(PROBED, probe_lag=timedelta(minutes=1))
 S = timedelta(seconds=1)
 
 
@@ -313,6 +441,9 @@ S = timedelta(seconds=1)
         # no answer recorded (a timeout, a crash): it may have acted until its lease ran out
         (record(State.PENDING, last_sent_at=NOW - 40 * S, response_at=None), LAGGED, 55 * S),
         (record(State.PENDING, last_sent_at=NOW - LEASE - 60 * S, response_at=None), LAGGED, None),
+        # ... within the lease that attempt was given, however long today's lease is
+        (record(State.PENDING, last_sent_at=NOW - 40 * S, send_lease=4 * LEASE), LAGGED, 4 * LEASE + 20 * S),
+        (record(State.PENDING, last_sent_at=NOW - 40 * S, send_lease=S), LAGGED, 21 * S),
         # ... an answer recorded before the latest claim is an earlier attempt's, and does not count
         (record(State.PENDING, last_sent_at=NOW - 40 * S, response_at=NOW - 100 * S), LAGGED, 55 * S),
     ],
@@ -395,6 +526,13 @@ WINDOW = replace(NATIVE, send_window=timedelta(seconds=5))
         # a native key judged fresh before the take-over, but too old by the time of it
         (
             record(State.PENDING, first_sent_at=NOW - (timedelta(hours=24) - LEASE)),
+            timedelta(0),
+            "native_key",
+            Refuse("not sent: the native key grew too old to trust while the record was being taken over"),
+        ),
+        # a native key that the effect's requests did not carry: nothing to deduplicate the re-send by
+        (
+            record(State.PENDING, key_carriers=STAMP_ONLY),
             timedelta(0),
             "native_key",
             Refuse("not sent: the native key grew too old to trust while the record was being taken over"),

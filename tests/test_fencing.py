@@ -118,7 +118,8 @@ async def test_a_gateway_stalled_before_sending_does_not_send_after_its_lease(
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\ntimeout = "700ms"\n'
         'stamp = { json_field = "client_reference" }\n'
         # the search lists an order as it is placed: its "not found" is trusted at once
-        'probe = { path = "/orders/search?ref={key}", found = "items.0", status = 201, lag = "0s" }\n'
+        'probe = { path = "/orders/search?ref={key}", found = "items.0", status = 201, lag = "0s", '
+        'routes = ["POST /orders"] }\n'
     )
     stall = {"EFFECT_GATEWAY_FAULT": "after-claim", "EFFECT_GATEWAY_FAULT_SIGNAL": "SIGSTOP"}
     gateway_a = start_gateway_process(config, env=stall)

@@ -39,7 +39,7 @@ def probed_shop(upstream: Upstream, create: Handler, search: Handler, path: str,
     """A shop that places orders with ``create`` and finds them with ``search``, stamped and probed."""
     upstream.routes["/orders"] = create
     upstream.routes["/orders/search"] = search
-    probe = {"path": path, "found": "items.0", "status": 201}
+    probe = {"path": path, "found": "items.0", "status": 201, "routes": ["POST /orders"]}
     stamp = {"json_field": "client_reference"}
     return {"shop": {"base_url": upstream.url, "stamp": stamp, "probe": probe, **settings}}
 

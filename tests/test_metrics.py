@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import Metrics, sweep_left_behind
 from tests.support import (
+    ORDER_SEARCH,
     PORT_ZERO,
     ROOT,
     Gateway,
@@ -32,7 +33,7 @@ from tests.support import (
     upstream_server,
 )
 
-SEARCH = {"method": "GET", "path": "/orders/search?ref={key}", "found": "items.0", "status": 201}
+SEARCH = ORDER_SEARCH
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 

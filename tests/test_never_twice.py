@@ -25,6 +25,7 @@ from gateway.outcome import Answered
 from gateway.record import NewEffect, StoredResponse
 from gateway.store import opened
 from tests.support import (
+    ORDER_SEARCH,
     RETAINED,
     Upstream,
     backdate_bodies,
@@ -35,7 +36,7 @@ from tests.support import (
     raw_upstream,
 )
 
-SEARCH = {"method": "GET", "path": "/orders/search?ref={key}", "found": "items.0", "status": 201}
+SEARCH = ORDER_SEARCH
 PROBED_SHOP = {"stamp": {"json_field": "client_reference"}, "probe": SEARCH}
 BODY = b'{"items":["atta"]}'
 

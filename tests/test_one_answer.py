@@ -60,7 +60,8 @@ def shop(upstream: Upstream) -> str:
     return (
         f'[upstreams.shop]\nbase_url = "{upstream.url}"\ntimeout = "5s"\n'
         'stamp = { json_field = "client_reference" }\n'
-        'probe = { method = "GET", path = "/orders/search?ref={key}", found = "items.0", status = 201 }\n'
+        'probe = { method = "GET", path = "/orders/search?ref={key}", found = "items.0", status = 201, '
+        'routes = ["POST /orders"] }\n'
     )
 
 

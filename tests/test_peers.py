@@ -216,7 +216,12 @@ async def test_a_probe_answer_past_the_response_limit_is_a_failed_probe(
             "base_url": upstream.url,
             "timeout": "300ms",
             "stamp": {"json_field": "ref"},
-            "probe": {"path": "/orders/search?ref={key}", "found": "items.0", "status": 201},
+            "probe": {
+                "path": "/orders/search?ref={key}",
+                "found": "items.0",
+                "status": 201,
+                "routes": ["POST /orders"],
+            },
         }
     }
     limit = 10_000 if oversized == "answer" else 4_000

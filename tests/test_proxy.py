@@ -657,7 +657,12 @@ async def test_an_outcome_that_cannot_be_recorded_is_recovered_not_resent(
         upstream,
         timeout="1s",
         stamp={"json_field": "ref"},
-        probe={"path": "/orders/search?ref={key}", "found": "items.0", "status": 201},
+        probe={
+            "path": "/orders/search?ref={key}",
+            "found": "items.0",
+            "status": 201,
+            "routes": ["POST /orders"],
+        },
     )
     async with failing_database(postgres_dsn, "lost_settle") as db:
         async with gateway_server(db.dsn, upstreams=cfg, lease_grace="200ms") as gw:

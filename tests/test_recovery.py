@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from tests.support import (
+    ORDER_SEARCH,
     RETAINED,
     ROOT,
     Upstream,
@@ -24,7 +25,7 @@ from tests.support import (
     purge_as_owner,
 )
 
-SEARCH = {"method": "GET", "path": "/orders/search?ref={key}", "found": "items.0", "status": 201}
+SEARCH = ORDER_SEARCH
 
 
 @pytest.fixture
@@ -306,7 +307,7 @@ async def test_a_probe_by_key_reads_404_as_not_found(
 
     busy_first(upstream)
     upstream.routes["/orders/by-reference"] = by_reference
-    probe = {"path": "/orders/by-reference?ref={key}", "status": 201, "lag": "0s"}
+    probe = {"path": "/orders/by-reference?ref={key}", "status": 201, "lag": "0s", "routes": ["POST /orders"]}
     cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": probe}}
     async with gateway_server(dsn, upstreams=cfg) as gw:
         assert (await order(http, gw.url))[0] == 503
@@ -339,7 +340,7 @@ async def test_a_python_probe_registered_as_an_entry_point(
     monkeypatch.syspath_prepend(str(tmp_path))
     flaky_first(upstream)
     upstream.serve_search()
-    probe = {"entry_point": "shop-orders", "status": 201}
+    probe = {"entry_point": "shop-orders", "status": 201, "routes": ["POST /orders"]}
     cfg = {"shop": {"base_url": upstream.url, "stamp": {"json_field": "client_reference"}, "probe": probe}}
     async with gateway_server(dsn, upstreams=cfg) as gw:
         assert (await order(http, gw.url))[0] == 500
@@ -355,7 +356,13 @@ async def test_a_missing_python_probe_stops_start_up(dsn: str, upstream: Upstrea
     from gateway.errors import ConfigError
 
     stamp = {"json_field": "client_reference"}
-    cfg = {"shop": {"base_url": upstream.url, "stamp": stamp, "probe": {"entry_point": "no-such-probe"}}}
+    cfg = {
+        "shop": {
+            "base_url": upstream.url,
+            "stamp": stamp,
+            "probe": {"entry_point": "no-such-probe", "routes": ["POST /orders"]},
+        }
+    }
     with pytest.raises(ConfigError, match="no-such-probe"):
         async with gateway_server(dsn, upstreams=cfg):
             pass

@@ -19,7 +19,12 @@ retention = "7d"
 base_url = "http://127.0.0.1:9001"
 timeout = "10s"
 stamp = { json_field = "client_reference" }
-probe = { method = "GET", path = "/orders?client_reference={key}", found = "items.0", status = 201 }
+[upstreams.shop.probe]
+method = "GET"
+path = "/orders?client_reference={key}"
+found = "items.0"
+status = 201
+routes = ["POST /orders"]
 [upstreams.payments]
 base_url = "http://127.0.0.1:9003"
 native_key = { header = "Idempotency-Key", ttl = "24h" }
@@ -72,7 +77,11 @@ ON_9000 = 'listen = "127.0.0.1:9000"\n[upstreams.m]\nbase_url = "http://x"\n'
         ('[upstreams.shop]\nbase_url = "ftp://x"', "upstreams.shop"),
         ('[upstreams.shop]\nbase_url = "http://x"\ntimeout = "soon"', "upstreams.shop.timeout"),
         ('[upstreams.shop]\nbase_url = "http://x"\nstamp = {}', "upstreams.shop.stamp"),
-        ('[upstreams.shop]\nbase_url = "http://x"\nprobe = { path = "/orders" }', "upstreams.shop.probe"),
+        (
+            '[upstreams.shop]\nbase_url = "http://x"\n'
+            'probe = { path = "/orders", routes = ["POST /orders"] }',
+            "upstreams.shop.probe: path must be given and contain {key}",
+        ),
         ('[upstreams.shop]\nbase_url = "http://x"\nbogus = 1', "upstreams.shop.bogus"),
         (
             '[upstreams.shop]\nbase_url = "http://x"\ninject_headers = { A = "env:NOPE_NOT_SET" }',
@@ -96,8 +105,36 @@ ON_9000 = 'listen = "127.0.0.1:9000"\n[upstreams.m]\nbase_url = "http://x"\n'
         ('[upstreams.m]\nbase_url = "http://x"\nerror_format = "json"', "upstreams.m.error_format"),
         # a search that lists an effect only after it stopped seeing it would never tell
         (
-            '[upstreams.m]\nbase_url = "http://x"\nprobe = { path = "/{key}", lag = "2d", horizon = "1d" }',
+            '[upstreams.m]\nbase_url = "http://x"\n'
+            'probe = { path = "/{key}", lag = "2d", horizon = "1d", routes = ["POST /m"] }',
             "shorter than horizon",
+        ),
+        # HEAD answers no body, so a search's 2xx would be "found" whether it listed the effect or not
+        (
+            '[upstreams.m]\nbase_url = "http://x"\nstamp = { json_field = "r" }\n'
+            'probe = { method = "HEAD", path = "/o?r={key}", found = "items.0", routes = ["POST /o"] }',
+            "upstreams.m.probe: found cannot be used with method HEAD",
+        ),
+        # a probe that does not say which requests it can find would be asked about every one
+        (
+            '[upstreams.m]\nbase_url = "http://x"\nstamp = { json_field = "r" }\n'
+            'probe = { path = "/o?r={key}" }',
+            "upstreams.m.probe: routes must name the requests whose effects this probe can find",
+        ),
+        (
+            '[upstreams.m]\nbase_url = "http://x"\nstamp = { json_field = "r" }\n'
+            'probe = { path = "/o?r={key}", routes = [] }',
+            "upstreams.m.probe: routes must name at least one request",
+        ),
+        (
+            '[upstreams.m]\nbase_url = "http://x"\nstamp = { json_field = "r" }\n'
+            'probe = { path = "/o?r={key}", routes = ["/orders"] }',
+            "upstreams.m.probe.routes.0: '/orders' is not a route such as 'POST /orders'",
+        ),
+        (
+            '[upstreams.m]\nbase_url = "http://x"\nstamp = { json_field = "r" }\n'
+            'probe = { path = "/o?r={key}", routes = ["POST /orders/ord_*"] }',
+            "* stands for one whole segment",
         ),
         # one token for two principals: the requests of one went to the other, or a tenant was the admin
         ('[tenants.a]\ntoken = "same"\n[tenants.b]\ntoken = "same"', "tenants a and b"),

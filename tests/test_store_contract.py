@@ -20,13 +20,19 @@ from gateway.audit_query import EffectFilter
 from gateway.decision import Policy, Send, Settlement, review, settle, settle_probe, take_over, too_soon
 from gateway.errors import CursorUnknown, StoreRejected
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError
-from gateway.record import EffectRecord, NewEffect, StoredResponse
+from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
+from gateway.routes import Route
 from gateway.states import State, Transition
 from gateway.store import Store, opened
 from sim.store import Row, SimDatabase, SimStore
 from tests.support import backdate_bodies, empty_effects
 
+# The requests of the effects below, and what their probe searches.
+ORDERS = (Route.parse("POST /orders"),)
+
 LEASE = timedelta(seconds=30)
+# What carries the effects' keys below: a native header and a JSON stamp.
+CARRIED = KeyCarriers("Idempotency-Key", ("json_field", "client_reference"))
 EXPIRED = timedelta(0)
 # Bodies as long as an agent's everyday JSON: Postgres's store keeps them deflated (gateway.packing), so
 # each test reads back what that store had to unpack (the simulator's keeps them as they are).
@@ -58,6 +64,7 @@ def effect(
         request_body=BASKET,
         run_id=run_id,
         step=None,
+        key_carriers=CARRIED,
     )
 
 
@@ -324,6 +331,79 @@ async def test_a_probe_take_over_keeps_the_send_times(subject: Subject) -> None:
     assert sending.last_sent_at > record.last_sent_at
 
 
+async def test_the_claim_records_what_carried_the_key_and_the_lease(subject: Subject) -> None:
+    """The claim keeps what carried the effect's key and the lease its attempt was given, and every read
+    of the record gives them back."""
+    store = subject.store
+    record = await claimed(store)
+    assert (record.key_carriers, record.send_lease) == (CARRIED, LEASE)
+    again, created = await store.claim(effect(), timedelta(seconds=1))
+    assert again is not None
+    assert not created
+    assert (again.key_carriers, again.send_lease) == (CARRIED, LEASE)
+    kept = await store.get(record.id)
+    assert kept is not None
+    assert (kept.key_carriers, kept.send_lease) == (CARRIED, LEASE)
+    keyless, _ = await store.claim(replace(effect("keyless"), key_carriers=KeyCarriers()), LEASE)
+    assert keyless is not None
+    assert keyless.key_carriers == KeyCarriers()
+
+
+async def test_a_take_over_that_sends_records_its_lease_and_carriers_and_a_probe_keeps_them(
+    subject: Subject,
+) -> None:
+    """A take-over that sends records the lease it was given and what carries the key as told (unknown
+    when not told); one that only probes leaves both as they were."""
+    store = subject.store
+    record = await claimed(store, lease=EXPIRED)
+    probing = await store.reclaim(
+        record, take_over(record), LEASE, "probe", sends=False, carriers=KeyCarriers()
+    )
+    assert probing is not None
+    assert (probing.key_carriers, probing.send_lease) == (CARRIED, EXPIRED)
+    stamped = KeyCarriers(None, ("json_field", "client_reference"))
+    longer = timedelta(minutes=5)
+    sending = await store.reclaim(
+        probing, take_over(probing), longer, "native_key", sends=True, renew=True, carriers=stamped
+    )
+    assert sending is not None
+    assert (sending.key_carriers, sending.send_lease) == (stamped, longer)
+    settled = await store.settle(sending, TIMED_OUT, response=None, recovered_by=None)
+    assert settled is not None
+    assert (settled.key_carriers, settled.send_lease) == (stamped, longer)
+    unknown = await store.reclaim(settled, take_over(settled), LEASE, "harmless", sends=True)
+    assert unknown is not None
+    assert (unknown.key_carriers, unknown.send_lease) == (None, LEASE)
+
+
+async def test_a_take_over_that_sends_reads_back_the_request_it_was_claimed_with(subject: Subject) -> None:
+    """A take-over that sends returns the request body the effect was claimed with, to send it again; one
+    that only probes does not read it; and after the retention carried it forward it is still there."""
+    store = subject.store
+    record = await claimed(store, lease=EXPIRED)
+    assert record.request_body is None
+    probing = await store.reclaim(record, take_over(record), EXPIRED, "probe", sends=False)
+    assert probing is not None
+    assert probing.request_body is None
+    await subject.backdate(10)
+    await store.maintain(RETENTION)  # the effect is open: its request is carried into today
+    sending = await store.reclaim(probing, take_over(probing), LEASE, "native_key", sends=True)
+    assert sending is not None
+    assert sending.request_body == BASKET
+    assert "request" not in sending.unreadable
+
+
+async def test_a_row_from_before_the_carriers_were_recorded_reads_as_unknown(subject: Subject) -> None:
+    """A row written without what carried its key and its attempt's lease (by a gateway before migration
+    015) reads with neither, never as a row that carried nothing."""
+    store = subject.store
+    created = await subject.clock()
+    await subject.rows([(1000, created, "default")])
+    record = await store.get(1000)
+    assert record is not None
+    assert (record.key_carriers, record.send_lease) == (None, None)
+
+
 # --- settle --------------------------------------------------------------------------------------------
 
 
@@ -427,16 +507,23 @@ async def test_a_probe_that_found_nothing_sends_under_a_re_take_or_goes_to_revie
         probing = await store.reclaim(record, take_over(record), lease, "probe", sends=False)
         assert probing is not None
         again = await store.reclaim(
-            probing, take_over(probing), lease, "the probe found nothing", sends=True, renew=True
+            probing,
+            take_over(probing),
+            lease,
+            "the probe found nothing",
+            sends=True,
+            renew=True,
+            carriers=CARRIED,
         )
         assert again is not None
         assert (again.attempt, again.may_have_sent) == (3, True)
         assert again.read_at is not None
         assert probing.read_at is not None
         assert again.read_at > probing.read_at
-        verdict = settle_probe(
-            again, NotFound(), again.read_at, Policy(lease=lease, has_probe=True, probe_horizon=horizon)
+        probed = Policy(
+            lease=lease, has_probe=True, probe_horizon=horizon, probe_routes=ORDERS, key_carriers=CARRIED
         )
+        verdict = settle_probe(again, NotFound(), again.read_at, probed)
         assert isinstance(verdict, Send) == sends
         if isinstance(verdict, Settlement):
             saved = await store.settle(again, verdict, response=None, recovered_by=None)

@@ -162,7 +162,13 @@ async def test_postgres_frozen_after_the_upstream_acted_loses_nothing_and_sends_
         "base_url": upstream.url,
         "timeout": "1s",
         "stamp": {"json_field": "client_reference"},
-        "probe": {"method": "GET", "path": "/orders/search?ref={key}", "found": "items.0", "status": 201},
+        "probe": {
+            "method": "GET",
+            "path": "/orders/search?ref={key}",
+            "found": "items.0",
+            "status": 201,
+            "routes": ["POST /orders"],
+        },
     }
     upstream.routes["/orders"] = order_then_freeze
     async with (

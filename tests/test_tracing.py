@@ -15,14 +15,21 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from gateway.tracing import trace_id_of
-from tests.support import PORT_ZERO, Upstream, gateway_server, runtime_url, start_gateway_process
+from tests.support import (
+    ORDER_SEARCH,
+    PORT_ZERO,
+    Upstream,
+    gateway_server,
+    runtime_url,
+    start_gateway_process,
+)
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE}-{PARENT}-01"
 TRACESTATE = "vendor=opaque-Value_1,other=x"
 KEY = "run-42:4"
-SEARCH = {"method": "GET", "path": "/orders/search?ref={key}", "found": "items.0", "status": 201}
+SEARCH = ORDER_SEARCH
 
 
 @pytest.fixture

@@ -38,6 +38,7 @@ async def test_a_charge_whose_key_the_upstream_forgot_is_found_by_metadata_searc
         "[upstreams.payments.probe]\n"
         "path = \"/v1/charges/search?query=metadata['idempotency_key']:'{key}'\"\n"
         'found = "data.0"\n'
+        'routes = ["POST /v1/charges"]\n'
     )
     form = urlencode({"amount": "4200", "currency": "inr"}).encode()
     headers = {"Idempotency-Key": "run-3:4", "Content-Type": "application/x-www-form-urlencoded"}
