@@ -37,6 +37,7 @@ MUTATIONS = {
     "MUTATION_DOUBT_NOT_STICKY": "a refused attempt after an earlier may-have-sent settles retryable",
     "MUTATION_MARGIN_ZERO": "the native key's margin is zero: fresh while younger than its TTL",
     "MUTATION_NO_FENCE": "settle is not fenced by the attempt",
+    "MUTATION_FENCE_ATTEMPT_ONLY": "a holder's writes are fenced on the attempt alone, not on pending too",
     "MUTATION_PURGED_RESEND": "a purged completed record is sent again when the probe does not find it",
     "MUTATION_FAILED_PROBE_DOUBT": "a failed probe leaves a purged completed record in doubt",
     "MUTATION_HORIZON_IGNORED": "the probe's horizon is ignored: not found always means send",

@@ -47,6 +47,16 @@
 #endif
 #define SLOTS 2        /* requests in flight at once: the design has one, a broken rule two; more is reported */
 
+/* A write by the holder of attempt a: fenced on the attempt and on the pending state it holds, as the
+   code's `where attempt = $3 and state = $4`. Sending to review and an operator's verdict keep the
+   attempt number (every view names the attempt judged), so the state is what fences a stalled holder
+   out after them. */
+#ifndef MUTATION_FENCE_ATTEMPT_ONLY
+#define HOLDS(a) (att == a && st == pending)
+#else
+#define HOLDS(a) (att == a)
+#endif
+
 #ifdef MUTATION_MARGIN_ZERO
 #define MARGIN 0
 #elif defined(MARGIN_TICKS)
@@ -319,7 +329,7 @@ end:	d_step {
 			REACH(W_OPERATOR_NOT); printf("operator: it did not happen (ledger)\n");
 			set_state(retryable); mhs = 0
 		fi;
-		att++; lease_left = 0
+		lease_left = 0          /* a verdict keeps the attempt: every view names the one judged */
 	}
 }
 
@@ -535,13 +545,14 @@ next:
 	:: act == 0 -> goto next
 	fi;
 
-review:	/* send_to_review: fenced, with a new attempt number so that a stalled holder is fenced out */
+review:	/* send_to_review: fenced; it keeps the attempt number, and its holder, should it wake up, is
+	   fenced out by the state (each of its writes is fenced on pending: HOLDS) */
 	skip;
 	d_step {
 		if
 		:: att == a && (st == pending || st == in_doubt) && lease_left == 0 ->
 			REACH(W_REVIEW); printf("gw%d sends it to review\n", h);
-			set_state(needs_review); att++
+			set_state(needs_review)
 		:: else -> skip
 		fi;
 		forget()                                                    /* 409 outcome-unknown */
@@ -596,7 +607,7 @@ probing:	/* ask the upstream whether the effect exists, under the lease just tak
 		if
 		:: pr == P_FOUND ->
 			if
-			:: att == a ->
+			:: HOLDS(a) ->
 				REACH(W_PROBE_FOUND);
 				set_state(completed); mhs = 1; has_resp = 1; resp = oid; lease_left = 0; reply(oid)
 			:: else -> REACH(W_FENCED_OUT); printf("gw%d is fenced out\n", h)
@@ -604,19 +615,19 @@ probing:	/* ask the upstream whether the effect exists, under the lease just tak
 			forget()
 		:: pr == P_FAIL ->                                       /* back to in doubt, as it was: 503 */
 			if
-			:: att == a -> REACH(W_PROBE_FAILED); set_state(in_doubt); mhs = 1; lease_left = 0
+			:: HOLDS(a) -> REACH(W_PROBE_FAILED); set_state(in_doubt); mhs = 1; lease_left = 0
 			:: else -> skip
 			fi;
 			forget()
 		:: (pr == P_NOTFOUND || pr == P_BLIND) && !TRUSTED ->   /* too soon to tell: as it was, 503 */
 			if
-			:: att == a -> REACH(W_PROBE_TOO_SOON); set_state(in_doubt); mhs = 1; lease_left = 0
+			:: HOLDS(a) -> REACH(W_PROBE_TOO_SOON); set_state(in_doubt); mhs = 1; lease_left = 0
 			:: else -> skip
 			fi;
 			dl[h] = NODL; forget()
 		:: pr == P_BLIND && TRUSTED ->                           /* needs_review: 409 outcome-unknown */
 			if
-			:: att == a -> REACH(W_PROBE_BLIND); set_state(needs_review); att++; lease_left = 0
+			:: HOLDS(a) -> REACH(W_PROBE_BLIND); set_state(needs_review); lease_left = 0
 			:: else -> skip
 			fi;
 			forget()
@@ -624,7 +635,7 @@ probing:	/* ask the upstream whether the effect exists, under the lease just tak
 #ifndef FINDING_PROBE_SEND_SAME_LEASE
 			/* the probe used up part of the lease: a fresh one for the send (fenced), a send */
 			if
-			:: att == a -> REACH(W_PROBE_NOT_FOUND); lease_left = LEASE; dl[h] = GRACE; lag_left = SENT_LAG
+			:: HOLDS(a) -> REACH(W_PROBE_NOT_FOUND); lease_left = LEASE; dl[h] = GRACE; lag_left = SENT_LAG
 			:: else -> forget()
 			fi
 #else
@@ -712,7 +723,7 @@ sending:	/* the request leaves, or the connection is refused before it does */
 #endif
 		if
 #ifndef MUTATION_NO_FENCE
-		:: att == a ->
+		:: HOLDS(a) ->
 #else
 		:: true ->
 #endif

@@ -84,6 +84,14 @@ def _settle_unfenced() -> contextlib.AbstractContextManager[None]:
     return patched((SimDatabase, "_settle_holds", holds))
 
 
+def _settle_fenced_by_attempt_only() -> contextlib.AbstractContextManager[None]:
+    def holds(self: SimDatabase, row: Row | None, record: EffectRecord, source: State) -> bool:
+        # Sending to review and a verdict keep the attempt number: only the state fences the holder out.
+        return row is not None and row.attempt == record.attempt
+
+    return patched((SimDatabase, "_settle_holds", holds))
+
+
 def _resend_purged(widen_table: bool) -> Callable[[], contextlib.AbstractContextManager[None]]:
     def patch() -> contextlib.AbstractContextManager[None]:
         real = decision.decide
@@ -305,6 +313,11 @@ MUTATIONS = [
     ),
     Mutation(
         "settle-unfenced", "the simulated store's settle checks neither attempt nor state", _settle_unfenced
+    ),
+    Mutation(
+        "settle-fenced-by-attempt-only",
+        "the simulated store's settle checks the attempt but not the state it was read in",
+        _settle_fenced_by_attempt_only,
     ),
     Mutation(
         "purged-resend",

@@ -25,6 +25,7 @@ WITHIN = {
     "doubt-not-sticky": 300,
     "margin-zero": 1000,
     "settle-unfenced": 800,
+    "settle-fenced-by-attempt-only": 800,
     "purged-resend": 20,
     "purged-resend-decide-only": 20,
     "purged-not-found-resends": 50,
