@@ -55,7 +55,9 @@ def read_body(raw: bytes, content_type: str, json_path: Sequence[str] = ()) -> R
     """
     media = media_type(content_type)
     if raw and (json_path or is_json(media)):
-        return RequestBody(raw, "json", jsonbody.parse(raw, json_path))
+        return RequestBody(
+            raw, "json", jsonbody.parse(raw, json_path, most_containers=jsonbody.MAX_CONTAINERS)
+        )
     if media == FORM:
         urlencoded.check_size(raw)
         return RequestBody(raw, "form", form=urlencoded.pairs(raw))

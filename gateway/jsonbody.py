@@ -21,7 +21,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
 from json.encoder import encode_basestring_ascii
 from typing import Any
@@ -32,12 +32,14 @@ from typing import Any
 # never a RecursionError).
 MAX_DEPTH = 128
 
-# Arrays and objects in one body. Each is an object Python's garbage collector then tracks, and its full
-# passes, which hold the interpreter's lock (the event loop's too, whatever thread parses), grow with
-# them: a megabyte of arrays nested to the limit is half a million, and stopped the event loop for 66 ms
-# even read off it. Twenty thousand keep that to a few milliseconds, and no side effect an agent asks
-# for (an order, a message, a batch of records) comes near it: that is a thousand records of twenty
-# fields each. A body of up to one piece (16 KiB) cannot hold that many, and is not counted.
+# Arrays and objects in one agent's body. Each is an object Python's garbage collector then tracks,
+# and its full passes, which hold the interpreter's lock (the event loop's too, whatever thread
+# parses), grow with them: a megabyte of arrays nested to the limit is half a million, and stopped the
+# event loop for 66 ms even read off it. Twenty thousand keep that to a few milliseconds, and no side
+# effect an agent asks for (an order, a message, a batch of records) comes near it: that is twenty
+# thousand records of plain fields, or a thousand of twenty nested objects each. A body of up to one
+# piece (16 KiB) cannot hold that many, and is not counted. The gateway's own reading of JSON (a
+# probe's search answer, an operator's verdict) has no such limit: those are not an agent's to shape.
 MAX_CONTAINERS = 20_000
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
@@ -140,8 +142,12 @@ class JsonDocument:
         return text.encode()
 
 
-def parse(body: bytes, path: Sequence[str] = ()) -> JsonDocument:
-    """Parse ``body`` strictly; with ``path``, also find where a field at that path would go."""
+def parse(body: bytes, path: Sequence[str] = (), *, most_containers: int | None = None) -> JsonDocument:
+    """Parse ``body`` strictly; with ``path``, also find where a field at that path would go.
+
+    ``most_containers``: refuse a body read in pieces that holds more arrays and objects (an agent's
+    body: MAX_CONTAINERS); None for the gateway's own reading of an upstream's or an operator's JSON.
+    """
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -149,9 +155,10 @@ def parse(body: bytes, path: Sequence[str] = ()) -> JsonDocument:
     start = _skip(text, 0)
     site: Site | None = None
     if path and text.startswith("{", start):
-        value, end, site = _walk_object(text, start, tuple(path), _Depth(0, _Budget()).inside())
+        depth = _Depth(0, _Budget(most_containers))
+        value, end, site = _walk_object(text, start, tuple(path), depth.inside())
     else:
-        value, end = _value(text, start, _Depth(0, _Budget()))
+        value, end = _value(text, start, _Depth(0, _Budget(most_containers)))
         if path:
             site = Blocked("the JSON body is not an object, so the key cannot be stamped into it")
     end = _skip(text, end)
@@ -202,20 +209,24 @@ def _check_depth(text: str, allowed: int) -> None:
 
 @dataclass(slots=True)
 class _Budget:
-    """The arrays and objects a body read in pieces may still hold (MAX_CONTAINERS in all)."""
+    """The arrays and objects a body read in pieces may still hold; ``most`` None: no limit."""
 
-    left: int = field(default_factory=lambda: MAX_CONTAINERS)
+    most: int | None
+    left: int = 0
+
+    def __post_init__(self) -> None:
+        self.left = self.most or 0
 
     def spend(self, text: str) -> None:
         """Count the arrays and objects of ``text`` (one value, at most a piece long) against the budget."""
-        if "[" in text or "{" in text:
+        if self.most is not None and ("[" in text or "{" in text):
             brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
             self.left -= brackets.count("[") + brackets.count("{")
             self.check()
 
     def check(self) -> None:
-        if self.left < 0:
-            raise JsonRefused(f"the JSON body holds more than {MAX_CONTAINERS:,} arrays and objects")
+        if self.most is not None and self.left < 0:
+            raise JsonRefused(f"the JSON body holds more than {self.most:,} arrays and objects")
 
 
 @dataclass(slots=True)
