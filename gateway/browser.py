@@ -33,8 +33,12 @@ def refusal(headers: Mapping[str, str], allowed: frozenset[str]) -> str | None:
 
 
 def sent_by_a_browser(headers: Mapping[str, str]) -> bool:
-    """Whether these are the headers of a browser's request: it carries Origin or a Sec-Fetch-* header."""
-    return "Origin" in headers or any(name.lower().startswith("sec-fetch-") for name in headers)
+    """Whether these are the headers of a browser's request: it carries Origin or Sec-Fetch-Site.
+
+    Not any Sec-Fetch-* header: Node's built-in fetch (undici) sends Sec-Fetch-Mode on every request of
+    an agent's, with neither of these.
+    """
+    return "Origin" in headers or "Sec-Fetch-Site" in headers
 
 
 def cookieless(headers: Mapping[str, str]) -> Mapping[str, str]:

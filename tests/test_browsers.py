@@ -138,10 +138,14 @@ async def test_a_browsers_cookies_never_reach_the_upstream(
             assert resp.status == 201
         async with http.get(f"{gw.url}/shop/catalogue", headers=cookie) as agents:
             assert agents.status == 201
-    from_browser, from_agent = shop.calls
+        # Node's built-in fetch sends Sec-Fetch-Mode on every request an agent makes: not a browser's.
+        node = {**cookie, "Sec-Fetch-Mode": "cors"}
+        async with http.get(f"{gw.url}/shop/catalogue", headers=node) as undici:
+            assert undici.status == 201
+    from_browser, from_agent, from_node = shop.calls
     assert "Cookie" not in from_browser.headers
     assert not [value for name, value in from_browser.header_list if name.lower() == "cookie"]
-    assert from_agent.headers["Cookie"] == cookie["Cookie"]
+    assert from_agent.headers["Cookie"] == from_node.headers["Cookie"] == cookie["Cookie"]
 
 
 # --- in a real browser ------------------------------------------------------------------------------
