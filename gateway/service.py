@@ -14,7 +14,7 @@ import math
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar, assert_never
 
@@ -84,7 +84,8 @@ class _Wait:
 
     deadline: float
     client_left: Callable[[], bool]
-    poll: float = FIRST_POLL
+    # Read when the wait starts, not when this module loads (a test may slow the polls down).
+    poll: float = field(default_factory=lambda: FIRST_POLL)
     seated: bool = False
 
 
@@ -214,13 +215,20 @@ class EffectService:
         try:
             return await self._follow_until_done(record, request, inbound, wait)
         finally:
-            if wait.seated:
-                self._waiting[record.id] -= 1
-                if not self._waiting[record.id]:
-                    del self._waiting[record.id]
-            # A record another gateway wrote is never woken here: drop the event, lest it linger.
-            if (woken := self._waiters.get(record.id)) is not None and not woken.is_set():
-                del self._waiters[record.id]
+            self._unseat(record.id, wait)
+
+    def _unseat(self, effect_id: int, wait: _Wait) -> None:
+        """The request waits for the key no more (it answers, or goes on to send or probe itself): its
+        place is another's, and the key's wake-up goes with the last waiter here."""
+        if wait.seated:
+            wait.seated = False
+            self._waiting[effect_id] -= 1
+            if not self._waiting[effect_id]:
+                del self._waiting[effect_id]
+        # A record another gateway wrote is never woken here: once nobody waits, drop the event, lest it
+        # linger; while others wait, it is theirs.
+        if effect_id not in self._waiting and (woken := self._waiters.get(effect_id)) and not woken.is_set():
+            del self._waiters[effect_id]
 
     async def _follow_until_done(
         self, record: EffectRecord, request: Request, inbound: Inbound, wait: _Wait
@@ -229,6 +237,8 @@ class EffectService:
         while True:
             assert record.read_at is not None
             action = decide(record, request, record.read_at, policy.decision)
+            if not isinstance(action, Busy):
+                self._unseat(record.id, wait)
             match action:
                 case Replay():
                     assert record.response is not None

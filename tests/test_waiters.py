@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway import service
 from tests.support import Gateway, Upstream, effect_rows, gateway_server
 
 BODY = b'{"items":["atta"]}'
@@ -131,3 +132,28 @@ async def test_one_waiter_past_the_cap_is_told_409_at_once_and_the_others_get_th
     assert [(status, body) for status, _, body in answers] == [(201, {"order": 1})] * (CAP + 1)
     assert [headers.get("Idempotent-Replayed") for _, headers, _ in answers[1:]] == ["true"] * CAP
     assert len(upstream.effects()) == 1
+
+
+async def test_a_waiter_that_leaves_does_not_take_the_others_wake_up_with_it(
+    dsn: str, upstream: Upstream, held: asyncio.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The waiters still seated are woken by the call's end, though one past the cap has come and gone."""
+    # They poll once in half a minute here: only the wake-up the call's end sends answers them sooner.
+    monkeypatch.setattr(service, "FIRST_POLL", 30.0)
+    monkeypatch.setattr(service, "MAX_POLL", 30.0)
+    shop = {"shop": {"base_url": upstream.url, "timeout": "60s"}}
+    async with (
+        gateway_server(dsn, upstreams=shop, max_waiters_per_key=CAP) as gw,
+        aiohttp.ClientSession() as http,
+    ):
+        first = asyncio.create_task(order(http, gw.url))
+        await upstream.received.wait()
+        waiters = [asyncio.create_task(order(http, gw.url, wait=60)) for _ in range(CAP)]
+        await asyncio.sleep(SETTLE)  # all seated, each in its first long wait
+        refused, _, _ = await order(http, gw.url, wait=60)
+        held.set()
+        # A liveness bound: woken, they answer within milliseconds; not woken, after their 30 s poll.
+        async with asyncio.timeout(AT_ONCE):
+            answers = await asyncio.gather(first, *waiters)
+    assert refused == 409
+    assert [status for status, _, _ in answers] == [201] * (CAP + 1)
