@@ -473,6 +473,14 @@ class EffectService:
             await self._store.note_fenced(record, seen)
         if instead.state is not State.NEEDS_REVIEW:
             return replies.reply(outcome, record.id)  # nothing reached the upstream: say what stopped it
+        if saved is None:
+            # A newer attempt holds the record: a resolve command naming this one would be refused.
+            raise problems.Fenced(
+                f"the upstream {replies.describe(outcome)} but the answer could not be recorded, and a newer "
+                "attempt has taken this key over; retry to get its outcome",
+                headers={"Retry-After": "1"},
+                effect_id=record.id,
+            )
         raise problems.OutcomeUnknown(
             f"the upstream {replies.describe(outcome)} but the gateway could not record the answer ({exc}); "
             f"nothing will be sent again for this key until it is resolved: {replies.how_to_resolve(record)}",
