@@ -75,24 +75,24 @@ async def resolve(
         raise NoSuchEffect(f"no effect {effect_id}")
     if attempt > record.attempt:
         raise NotAwaitingOperator(
-            f"effect {effect_id} has had no attempt {attempt}: its latest is attempt {record.attempt} "
+            f"it has had no attempt {attempt}: its latest is attempt {record.attempt} "
             f"({record.state}), the one to judge"
         )
     if attempt < record.attempt:
         raise NotAwaitingOperator(
-            f"effect {effect_id} changed since it was judged (attempt {attempt}, now attempt "
+            f"it changed since it was judged (attempt {attempt}, now attempt "
             f"{record.attempt}, {record.state}); look at it again"
         )
     if record.state is State.RETRYABLE and _resolved_at(record, attempt):
         # A verdict keeps the attempt: a second operator on the same attempt is told what changed.
         raise NotAwaitingOperator(
-            f"effect {effect_id} changed since it was judged: another verdict said it did not happen "
+            "it changed since it was judged: another verdict said it did not happen "
             "(now retryable, and the next retry sends it); look at it again"
         )
     assert record.read_at is not None
     move = resolution(record, record.read_at, happened=happened)
     if await store.resolve(record, move, response, by) is None:
-        raise NotAwaitingOperator(f"effect {effect_id} changed state meanwhile; look at it again")
+        raise NotAwaitingOperator("it changed state meanwhile; look at it again")
     resolved = await store.get(effect_id)
     assert resolved is not None, "a resolved effect is still there"
     return resolved

@@ -110,8 +110,11 @@ def outcome_unknown(record: EffectRecord) -> problems.Problem:
 
 
 def how_to_resolve(record: EffectRecord) -> str:
-    """What an operator runs to resolve ``record`` once they know whether it happened: each command
-    complete (the one for "it happened" but for the response to replay), naming the attempt judged."""
+    """Return the commands an operator runs to resolve ``record``, naming the attempt to judge.
+
+    The one for "it did not happen" runs as written; the one for "it happened" needs the response to
+    replay filled in, which only the operator knows.
+    """
     command = f"effect-gateway resolve {record.id} --attempt {record.attempt}"
     return (
         f"an operator who finds it did not happen runs `{command} --did-not-happen`, one who finds it did "

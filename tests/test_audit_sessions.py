@@ -304,7 +304,7 @@ async def test_a_cross_site_resolve_is_refused_and_a_same_site_one_is_carried_ou
             allow_redirects=False,
         ) as resp:
             assert resp.status == 409  # a second operator on a stale page: told why, nothing changes
-            assert "Not resolved: effect 1 changed since it was judged" in await resp.text()
+            assert "Not resolved: it changed since it was judged" in await resp.text()
         async with http.post(
             f"{gw.admin_url}{AUDIT}/sign-out",
             data={"csrf": csrf},

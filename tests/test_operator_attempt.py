@@ -138,11 +138,18 @@ async def test_the_page_the_command_line_the_api_the_history_and_resolve_name_on
         status, _, err = await run([*resolve, "2"], dsn)
         assert (status, err) == (
             2,
-            f"effect-gateway: effect {effect}: effect {effect} has had no attempt 2: its latest is attempt 1 "
+            f"effect-gateway: effect {effect}: it has had no attempt 2: its latest is attempt 1 "
             "(needs_review), the one to judge\n",
         )
         status, _, err = await run([*resolve, "1"], dsn)
         assert status == 0, err
+        # A second operator who judged the same attempt is told that another verdict came first.
+        status, _, err = await run([*resolve, "1"], dsn)
+        assert (status, err) == (
+            2,
+            f"effect-gateway: effect {effect}: it changed since it was judged: another verdict said it did "
+            "not happen (now retryable, and the next retry sends it); look at it again\n",
+        )
         assert (await order(http, gw.url))[0] == 201
         async with http.get(f"{gw.admin_url}/_gateway/effects/{effect}") as resp:
             after = await resp.json()
