@@ -461,7 +461,8 @@ def _read(
     if coded:
         raw = codings.decode(raw, coded, settings.max_body_bytes, settings.max_content_codings)
     body = read_body(raw, content_type, policy.json_stamp_path)
-    return dataclasses.replace(body, covered=covered(body, policy.fingerprint_body))
+    fields = policy.fingerprint_body
+    return dataclasses.replace(body, covered=(fields, covered(body, fields)))
 
 
 def to_response(reply: Reply) -> web.Response:

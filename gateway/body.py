@@ -26,8 +26,9 @@ class RequestBody:
     form: tuple[urlencoded.Pair, ...] = ()
     # What of the body the fingerprint covers, in its canonical form, when it was built where the body
     # was read (see gateway.app): off the event loop for a large body, where building it for a
-    # megabyte of small arrays takes a tenth of a second.
-    covered: bytes | None = None
+    # megabyte of small arrays takes a tenth of a second. With the fields it covers (a
+    # gateway.fingerprint.BodyFields, or None for the whole body): the fingerprint uses it for those only.
+    covered: tuple[object, bytes] | None = None
 
     def canonical(self) -> bytes:
         """What the fingerprint sees: one spelling per document (see jsonbody and urlencoded)."""

@@ -53,7 +53,10 @@ def fingerprint(
     part(path.encode("utf-8", "surrogateescape"))
     part(canonical_query(query).encode())
     part(body.kind.encode())
-    part(body.covered if body.covered is not None else covered(body, body_fields))
+    if body.covered is not None and body.covered[0] == body_fields:
+        part(body.covered[1])  # built as the body was read, for these same fields
+    else:
+        part(covered(body, body_fields))
     for name in sorted({name.lower() for name in chosen_headers} - never):
         # Every value of a repeated header, in order: the upstream sees them all.
         values = [value for header, value in headers.items() if header.lower() == name]
