@@ -7,6 +7,7 @@ runs no DDL when it is, so that serve can run with a role of reads and writes on
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -23,6 +24,8 @@ from gateway.errors import (
     StoreUnavailable,
 )
 from gateway.store import OUTAGE, RETRYABLE_SQLSTATES, cannot_connect
+
+log = logging.getLogger("effect_gateway")
 
 # Any constant will do, as long as no other application on the database uses it for another lock.
 MIGRATION_LOCK = 0x65666665637473  # "effects"
@@ -89,8 +92,29 @@ async def ready(dsn: str, progress: Callable[[str], None] = _quiet) -> list[str]
             lacking = await roles.missing(conn)
             if lacking:
                 raise PrivilegesMissing(await _grant_them(conn, lacking))
+            await _warn_of_create(conn)
             return []
     return await migrate(dsn, progress)
+
+
+async def _warn_of_create(conn: asyncpg.Connection) -> None:
+    """Say so when a role that does not own the tables may still create tables beside them.
+
+    Postgres up to 14 grants CREATE on the public schema to every role. Such a role could make a table
+    under the name of a partition to come (a day of bodies ahead), and the partition could then not be
+    made: writes would fail once the days made ahead ran out. The owner revokes it (docs/operations.md).
+    """
+    row = await conn.fetchrow(
+        "select pg_has_role(current_user, relowner, 'usage') as owns, "
+        "has_schema_privilege(relnamespace, 'create') as may_create "
+        "from pg_class where oid = 'effect_gateway_migrations'::regclass"
+    )
+    if row is not None and row["may_create"] and not row["owns"]:
+        log.warning(
+            "the gateway's database role may create tables in the effects' schema, which it needs not "
+            "(Postgres up to 14 grants that to every role): as the owner, run `revoke create on schema "
+            "public from public` (docs/operations.md, Database roles)"
+        )
 
 
 async def _version(conn: asyncpg.Connection) -> int:

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from gateway import partitions, roles
 from gateway import store as store_module
-from gateway.schema import migrate, migration_files
+from gateway.schema import migrate, migration_files, ready
 from gateway.store import opened
 from tests import test_cli
 from tests.support import (
@@ -138,6 +138,27 @@ async def test_a_role_lacking_a_privilege_is_told_which_at_start(
         f"effect-gateway: the role {role} lacks update on table effects: run "
         f"`effect-gateway migrate --grant-to {role}` as the owner of the tables ({owner})"
     )
+
+
+async def test_a_runtime_role_that_may_create_tables_is_warned_of_at_start(
+    postgres_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A runtime role that may create tables beside the effects' (any role may, before Postgres 15) is
+    named in the log at start, with the statement that revokes it; one that may not, is not."""
+    async with own_database(postgres_dsn, "may_create") as dsn:
+        role, _ = runtime_role()
+        with caplog.at_level(logging.WARNING, logger="effect_gateway"):
+            await ready(runtime_url(dsn))
+            assert not [r for r in caplog.records if "create tables" in r.getMessage()]
+            conn = await asyncpg.connect(dsn)
+            try:
+                await conn.execute(f"grant create on schema public to {roles.quoted(role)}")
+                await ready(runtime_url(dsn))
+                await conn.execute(f"revoke create on schema public from {roles.quoted(role)}")
+            finally:
+                await conn.close()
+    (warned,) = [r.getMessage() for r in caplog.records if "create tables" in r.getMessage()]
+    assert "revoke create on schema public from public" in warned
 
 
 async def test_a_schema_behind_is_one_line_for_the_runtime_role_and_migrated_by_the_owner(
