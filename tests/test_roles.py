@@ -427,3 +427,36 @@ async def test_health_and_the_metric_say_how_many_days_are_left_and_warn(
     finally:
         await partitions.make_ahead(owner)
         await owner.close()
+
+
+async def test_gateways_making_a_missing_day_at_once_all_find_it_made(postgres_dsn: str) -> None:
+    """Four runtime sessions that find today's day of bodies missing make it at once: each call succeeds
+    (one makes it, the others find it made), so no write that waited on it loses its answer."""
+    async with own_database(postgres_dsn, "making_at_once") as dsn:
+        owner = await asyncpg.connect(dsn)
+        sessions = [await asyncpg.connect(runtime_url(dsn)) for _ in range(4)]
+        outcomes: list[str] = []
+        try:
+            for _ in range(5):
+                today = await owner.fetchval(
+                    "select 'effect_bodies_' || to_char(now() at time zone 'UTC', 'YYYY_MM_DD')"
+                )
+                await owner.execute(f'alter table effect_bodies detach partition "{today}"')
+                await owner.execute(f'drop table "{today}"')
+                start = asyncio.Event()
+
+                async def make(conn: asyncpg.Connection, start: asyncio.Event) -> str:
+                    await start.wait()
+                    try:
+                        return "made" if await partitions.make_ahead(conn) else "lock held"
+                    except asyncpg.PostgresError as exc:
+                        return type(exc).__name__
+
+                calls = [asyncio.create_task(make(conn, start)) for conn in sessions]
+                await asyncio.sleep(0.05)
+                start.set()
+                outcomes += await asyncio.gather(*calls)
+        finally:
+            for conn in (owner, *sessions):
+                await conn.close()
+    assert set(outcomes) == {"made"}, outcomes
