@@ -201,6 +201,18 @@ async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[st
 
 
 async def _apply_pending(conn: asyncpg.Connection, progress: Callable[[str], None]) -> list[str]:
+    version = await _version(conn)
+    if not await _may_migrate(conn, version):
+        # A role that does not own the tables changes nothing here: with nothing to apply, nothing is
+        # done (the partitions ahead are the gateways' to make); with something, the owner must.
+        if version >= migration_files()[-1][0]:
+            return []
+        owner = await roles.owner_of_tables(conn) if version else None
+        who = f"the owner of the tables ({owner})" if owner else "the role that is to own the tables"
+        raise SchemaBehind(
+            f"this role may not change the schema (at migration {version}, this gateway needs "
+            f"{migration_files()[-1][0]}): run `effect-gateway migrate` as {who}"
+        )
     await conn.execute(
         """create table if not exists effect_gateway_migrations (
                version integer primary key, name text not null,

@@ -462,6 +462,19 @@ class Settings(BaseSettings):
                         )
         return upstreams
 
+    @field_validator("purge_interval")
+    @classmethod
+    def _purge_now_and_then(cls, interval: timedelta) -> timedelta:
+        # Each round also makes the partitions ahead (14 days of bodies): a round at least daily keeps
+        # them well ahead. Each round opens a connection of its own: none between rounds (0s) would do
+        # that in a tight loop; a second apart is already far more often than the retention needs.
+        if not timedelta(seconds=1) <= interval <= timedelta(days=1):
+            raise ValueError(
+                "must be from 1s to 24h: each round also makes the partitions ahead, so at least daily, "
+                "and each opens a connection to Postgres, so not in a tight loop"
+            )
+        return interval
+
     @field_validator("lease_grace")
     @classmethod
     def _some_grace(cls, grace: timedelta) -> timedelta:

@@ -164,8 +164,8 @@ async def test_a_runtime_role_that_may_create_tables_is_warned_of_at_start(
 async def test_a_schema_behind_is_one_line_for_the_runtime_role_and_migrated_by_the_owner(
     postgres_dsn: str, upstream: Upstream, tmp_path: Path, run: Callable[..., Done]
 ) -> None:
-    """A schema one migration behind: serve as the runtime role stops with one line asking for the owner's
-    migrate and changes nothing; the owner's `migrate --grant-to` brings it up, and serve then starts."""
+    """A schema one migration behind: serve or migrate as the runtime role stops with one line asking for
+    the owner's migrate and changes nothing; the owner's `migrate --grant-to` brings it up."""
     latest = migration_files()[-1][0]
     async with own_database(postgres_dsn, "behind_one") as dsn:
         conn = await asyncpg.connect(dsn)
@@ -176,17 +176,25 @@ async def test_a_schema_behind_is_one_line_for_the_runtime_role_and_migrated_by_
             await conn.close()
         config = _config(tmp_path, runtime_url(dsn), upstream.url)
         refused = await asyncio.to_thread(cli, "serve", config=config)
+        as_runtime = {"EFFECT_GATEWAY_DATABASE_URL": runtime_url(dsn)}
+        not_migrated = await in_thread(run, "migrate", env=as_runtime)
         assert await _fetchval(dsn, "select max(version) from effect_gateway_migrations") == latest - 1
         role, _ = runtime_role()
         migrated = await in_thread(
             run, "migrate", "--grant-to", role, env={"EFFECT_GATEWAY_DATABASE_URL": dsn}
         )
+        nothing_to_do = await in_thread(run, "migrate", env=as_runtime)
         gateway = start_gateway_process(config)
         gateway.stop()
     assert one_line_error(refused) == (
         f"effect-gateway: the schema is at migration {latest - 1}, this gateway needs {latest}: run "
         f"`effect-gateway migrate` as the owner of the tables ({owner})"
     )
+    assert one_line_error(not_migrated) == (
+        f"effect-gateway: this role may not change the schema (at migration {latest - 1}, this gateway "
+        f"needs {latest}): run `effect-gateway migrate` as the owner of the tables ({owner})"
+    )
+    assert nothing_to_do.status == 0, nothing_to_do.err
     assert migrated.status == 0, migrated.err
     assert f"granted {role} what serve needs" in migrated.out
     assert gateway.proc.returncode == 0

@@ -97,6 +97,9 @@ ON_9000 = 'listen = "127.0.0.1:9000"\n[upstreams.m]\nbase_url = "http://x"\n'
         ('[upstreams.shop]\nbase_url = "http://x"\nmax_connections = 0', "max_connections"),
         ('[upstreams.shop]\nbase_url = "http://x"\nconnect_timeout = "0s"', "upstreams.shop"),
         ('request_body_timeout = "0s"', "request_body_timeout"),
+        # none at all spins on Postgres; a month lets the partitions made ahead run out between rounds
+        ('purge_interval = "0s"', "purge_interval: must be from 1s to 24h"),
+        ('purge_interval = "30d"', "purge_interval: must be from 1s to 24h"),
         # no time between the claim and the send: every keyed request was late, and none was ever sent
         ('lease_grace = "0s"', "lease_grace: must be more than 0s"),
         ('[upstreams.m]\nbase_url = "x"\nfingerprint_fields = ["a"]\nfingerprint_ignore = ["b"]', "not both"),
