@@ -719,8 +719,9 @@ async def test_hostile_ids_and_responses_on_the_command_line_are_one_line_and_ch
 # What an agent or an upstream could put in an effect's text to act on the operator's terminal or hide
 # from it: escape sequences that clear the screen and set the window's title, a carriage return that
 # overwrites the line, a C1 control (CSI in one character), DEL, a right-to-left override and an
-# isolate that reorder what follows, a zero-width space.
-HOSTILE = "\x1b[2J\x1b]0;owned\x07\rok\x9b31m\x7f\u202eevil\u2066x\u2069\u200b"
+# isolate that reorder what follows, a zero-width space, a no-break space and a braille blank that pass
+# for a space.
+HOSTILE = "\x1b[2J\x1b]0;owned\x07\rok\x9b31m\x7f\u202eevil\u2066x\u2069\u200b\u00a0\u2800"
 # The characters a terminal obeys or hides instead of showing, by Unicode's general category.
 UNSHOWN = {"Cc", "Cf", "Zl", "Zp", "Cs"}
 

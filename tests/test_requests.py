@@ -65,7 +65,11 @@ async def test_a_header_read_as_one_value_sent_twice_is_refused(
 
 
 BIDI = "a bidi control, which reorders the text around it"
-SELECTOR = "a variation selector, kept only right after a letter, mark or symbol beyond ASCII"
+SELECTOR = (
+    "a variation selector, kept only in a sequence Unicode lists (an emoji's style, a standardized variant)"
+)
+JOINER = "a joiner, kept only where it changes how the letters or emoji beside it are drawn"
+SPACE = "a space other than U+0020, which passes for it"
 
 
 @pytest.mark.parametrize(
@@ -83,10 +87,19 @@ SELECTOR = "a variation selector, kept only right after a letter, mark or symbol
         (b"Effect-Gateway-Step", "place\u17b4", "U+17B4, an invisible character"),
         (b"Effect-Gateway-Run", "run-1\ufe00", f"U+FE00, {SELECTOR}"),
         (b"Effect-Gateway-Run", "run-1\U000e0100", f"U+E0100, {SELECTOR}"),
+        # Each passed for "run-1", "run 1" or the text without its joiner or selector.
+        (b"Effect-Gateway-Run", "run-1\u00a0", f"U+00A0, {SPACE}"),
+        (b"Effect-Gateway-Run", "run\u202f1", f"U+202F, {SPACE}"),
+        (b"Effect-Gateway-Run", "run-1\u2800", "U+2800, a character drawn as blank"),
+        (b"Effect-Gateway-Step", "\u6ce8\u200d\u6587", f"U+200D, {JOINER}"),
+        (b"Effect-Gateway-Step", "\u6ce8\u6587\ufe00", f"U+FE00, {SELECTOR}"),
+        (b"Effect-Gateway-Run", "Zo\u00eb\ufe0f", f"U+FE0F, {SELECTOR}"),
     ],
     ids=[
         "override", "isolate", "zero-width-space", "c1-control", "line-separator", "hangul-filler",
         "choseong-filler", "grapheme-joiner", "khmer-inherent-vowel", "selector", "ideographic-selector",
+        "no-break-space", "narrow-no-break-space", "braille-blank", "joiner-between-ideographs",
+        "selector-on-an-ideograph", "emoji-style-on-a-letter",
     ],
 )  # fmt: skip
 async def test_a_run_or_step_label_an_operator_name_could_not_hold_is_refused(
@@ -108,8 +121,10 @@ async def test_a_run_or_step_label_an_operator_name_could_not_hold_is_refused(
         "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645",  # Persian: a non-joiner inside the word
         "\U0001f468\u200d\U0001f469\u200d\U0001f467 weekly shop",  # an emoji joined with joiners
         "\u2764\ufe0f order",  # an emoji's colour form
+        "\u0dc1\u0dca\u200d\u0dbb\u0dd3 \u0dbd\u0d82\u0d9a\u0dcf",  # Sinhala: joined after a virama
+        "\u0d05\u0d35\u0d28\u0d4d\u200d",  # Malayalam's "he" as written before Unicode 5.1
     ],
-    ids=["persian", "emoji-sequence", "emoji-selector"],
+    ids=["persian", "emoji-sequence", "emoji-selector", "sinhala", "malayalam-of-old"],
 )
 async def test_a_label_in_real_text_that_needs_a_joiner_goes_through_as_sent(
     gateway: Gateway, upstream: Upstream, dsn: str, run: str
