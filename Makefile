@@ -28,7 +28,8 @@ pytest: $(STAMP) chromium
 # against a real gateway (`make test` runs a few): long (about half an hour here), not for CI. Prints the
 # examples each property tried and the cases per operation.
 FUZZ_TESTS := tests/test_jsonbody.py tests/test_fingerprint.py tests/test_keys.py tests/test_outbound.py \
-	tests/test_wire.py tests/test_openapi.py tests/test_schemathesis.py tests/test_input_cost.py
+	tests/test_wire.py tests/test_openapi.py tests/test_schemathesis.py tests/test_input_cost.py \
+	tests/test_legible.py
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(BIN)/pytest -q --hypothesis-show-statistics $(FUZZ_TESTS)
 
