@@ -59,11 +59,15 @@ LINGER_SECONDS = 2.0
 # says nothing of its decoded size (a kilobyte of gzip inflates to a megabyte in 2 to 3 ms here), and
 # zlib lets go of the interpreter while it inflates, so the loop runs meanwhile.
 OFF_LOOP_BYTES = 64 * 1024
-# Past this many elements, fields and containers (counted by their separators and brackets, which
-# bytes.count finds at memory speed), a body is read off the event loop whatever its size: each costs
-# up to a few microseconds to parse and put in canonical form, so 10,000 form fields in 40 KB held the
-# loop for 30 ms. A thousand is a few milliseconds at most, and more than an API call's body holds.
+# Past this many elements, fields, containers and form escapes (counted by their separators, brackets,
+# "%" and "+", which bytes.count finds at memory speed), a body is read off the event loop whatever its
+# size: each costs up to a few microseconds to parse and put in canonical form, so 10,000 form fields
+# in 40 KB held the loop for 30 ms, and one field of 21,000 escapes (%41, or + for a space) in 64 KB for
+# 15 to 19 ms. A thousand is a few milliseconds at most, and more than an API call's body holds. A JSON
+# body with many "%" or "+" (base64, phone numbers) is then read off the loop too, which costs it only
+# the hand-over to a thread.
 OFF_LOOP_ITEMS = 1000
+_ITEM_MARKS = (b",", b"&", b"[", b"{", b"%", b"+")
 PROXY_ROUTE = r"/{tail:[\s\S]*}"
 # The first segment of the gateway's own paths (no upstream may be named so: see settings).
 GATEWAY_PATHS = "_gateway"
@@ -447,7 +451,7 @@ def _costly(raw: bytes) -> bool:
     """Whether reading ``raw`` may take longer than the event loop should wait for."""
     if len(raw) > OFF_LOOP_BYTES:
         return True
-    return sum(raw.count(mark) for mark in (b",", b"&", b"[", b"{")) > OFF_LOOP_ITEMS
+    return sum(raw.count(mark) for mark in _ITEM_MARKS) > OFF_LOOP_ITEMS
 
 
 def _read(

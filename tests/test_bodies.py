@@ -252,8 +252,10 @@ async def test_a_megabyte_made_to_be_slow_to_read_is_refused_while_health_answer
         (b'{"items":[' + b"[]," * 19_000 + b'[]],"note":"' + b"x" * 70_000 + b'"}', JSON),  # 127 KB
         (b'{"items":[' + b"[]," * 2_000 + b"[]]}", JSON),  # 6 KB of 2,000 arrays
         (b"a=1&" * 5_000, FORM),  # 20 KB of 5,000 fields
+        (b"note=" + b"%41" * 15_000, FORM),  # 45 KB of one field of 15,000 escapes
+        (b"note=" + b"+" * 40_000, FORM),  # 40 KB of one field of 40,000 spaces
     ],
-    ids=["large-json", "json-of-many-arrays", "form-of-many-fields"],
+    ids=["large-json", "json-of-many-arrays", "form-of-many-fields", "form-of-escapes", "form-of-plus"],
 )
 async def test_a_body_costly_to_read_is_read_off_the_event_loop(
     dsn: str,
