@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -241,8 +242,11 @@ class _Depth:
     # Shared by every level of one body.
     budget: _Budget
     checked: bool = False
-    # Which of PIECES last held a member here: members alike in size start there, which spares the
-    # scans that fail on smaller pieces (each raises an error, a few microseconds).
+    # The smallest of PIECES that would have held the last member here: members alike in size start
+    # there, which spares the scans that fail on smaller pieces (each raises an error, a few
+    # microseconds). It is the last member's size, not the largest so far: one long member followed by
+    # short ones kept every later member in the largest piece, checked for depth and copied whole, and
+    # a megabyte cut so took minutes.
     fits: int = 0
 
     def inside(self) -> _Depth:
@@ -289,7 +293,7 @@ def _value(text: str, idx: int, depth: _Depth) -> tuple[Any, int]:
         # A number is read as far as it is one: cut at "1.|5" or "1e|5" it reads as 1, so a value
         # followed in the piece by what could have gone on with a number may be cut short.
         if end < size and piece[end] not in ".eE":
-            depth.fits = tried
+            depth.fits = bisect_right(PIECES, end)
             depth.budget.spend(piece[:end])
             return value, idx + end
     if text.startswith("[", idx):
