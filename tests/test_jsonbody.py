@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gateway import jsonbody
@@ -179,8 +179,24 @@ def reading(body: bytes, path: tuple[str, ...]) -> object:
     st.text(alphabet='{}[]",:0123456789.eE-+ \nabtrufalsNIy\\', max_size=40)
     | st.builds(json.dumps, TREE)
     | OBJECT.flatmap(json_text),
-    st.sampled_from([(), ("a",), ("metadata", "ref")]),
+    st.sampled_from([(), ("a",), ("a", "b"), ("metadata", "ref")]),
 )
+# Runs of short members are read in one scan, cut at a comma between members: never at one in a string
+# or an array, never leaving a member out, never taking a duplicate or the stamp's place for granted.
+@example('["a,b","c]",[1,2],{"d":3},4]', ())
+@example('[1,"\\",",",5]', ())
+@example("[1, 2, ,3]", ())
+@example("[1,2,3,4,]", ())
+@example('{"a":1,"b":2,"a":3}', ())
+@example('{"a":1,"b":2}', ("a",))
+@example('{"b":1,"metadata":2,"c":3}', ("metadata", "ref"))
+@example("[1,2,3,1.5e3,-0,4]", ())
+@example('["a","b,c","d",1,"e,"]', ())
+@example('[1,"x\\",y",2,"z"]', ())
+# The stamp's parent object among short members: it is walked, never read past in a run.
+@example('{"a":{},"d":2,"e":3}', ("a", "b"))
+@example('{"c":1,"a":{"b":1},"d":2}', ("a", "b"))
+@example('{"c":1,"a":7,"d":2,"e":3}', ("a", "b"))
 def test_a_document_read_in_pieces_reads_as_in_one_scan(text: str, path: tuple[str, ...]) -> None:
     """Any text, read in pieces of a few characters, gives the values, site or refusal of one scan."""
     body = text.encode()
