@@ -60,6 +60,12 @@ _FLAT = rf'(?:[^\[\]{{}}"\\]++|{_JSON_STRING})*+'
 _FLAT_MEMBERS = re.compile(
     rf'(?:(?:[^\[\]{{}}"\\,]++|{_JSON_STRING}|\[{_FLAT}\]|\{{{_FLAT}\}})*+,)++', re.DOTALL
 )
+# After a look finds no run of short members, how many members are read one at a time before the next.
+# A look that fails costs about what reading a member does; eight keeps the looks among members nested
+# deeper to a ninth of the cost, and the members read alone after each such one to eight.
+RUN_WAIT = 8
+# What ends the text _last_comma reads by counting quotes.
+_STRUCTURE = re.compile(r"[\[\]{}\\]")
 _DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 # The C scanner holds the interpreter's lock for as long as it reads one value, so a value is read in
 # one call only when it fits in the largest of these pieces (16 Ki characters: a few milliseconds for
@@ -258,11 +264,8 @@ class _Depth:
     # member followed by short ones kept every later member in the largest piece, checked for depth and
     # copied whole, and a megabyte cut so took minutes.
     fits: int = 0
-    # Members to read one at a time before looking for a run of short ones again (see _flat_members),
-    # and how many looks in a row found none: each look costs about what reading a member does, so
-    # members nested deeper, which no run holds, are looked at less and less often.
+    # Members to read one at a time before looking for a run of short ones again (see _flat_members).
     wait: int = 0
-    misses: int = 0
 
     def inside(self) -> _Depth:
         """The depth within an array or object opened here, which the budget counts."""
@@ -297,7 +300,7 @@ def _value(text: str, idx: int, depth: _Depth) -> tuple[Any, int]:
         if len(text) > PIECES[-1]:  # the end of a body read in pieces
             depth.budget.spend(text[idx:end])
         return value, end
-    for tried in range(depth.fits, len(PIECES)):
+    for tried in range(max(depth.fits, _first_holding(text, idx)), len(PIECES)):
         size = PIECES[tried]
         piece = text[idx : idx + size]
         _check_depth(piece, allowed)
@@ -317,6 +320,20 @@ def _value(text: str, idx: int, depth: _Depth) -> tuple[Any, int]:
         value, end, _ = _walk_object(text, idx, (), depth.inside())
         return value, end
     return _scan_at(text, idx)
+
+
+def _first_holding(text: str, idx: int) -> int:
+    """The index in PIECES of the first piece that may hold the value at ``text[idx]``.
+
+    An array or object ends with a bracket, so a piece without one cannot hold it, and need not be
+    scanned to fail. Deep in a long document, each level so costs one search (memchr) instead of five
+    failed scans: 62 arrays of numbers nested 126 deep, a megabyte, took 3 s read in pieces.
+    """
+    if not text.startswith(("[", "{"), idx):
+        return 0
+    end = idx + PIECES[-1]
+    closes = [at for at in (text.find("]", idx, end), text.find("}", idx, end)) if at >= 0]
+    return bisect_right(PIECES, min(closes) - idx) if closes else len(PIECES)
 
 
 def _scan_at(text: str, idx: int) -> tuple[Any, int]:
@@ -405,21 +422,21 @@ def _flat_members(
     index of the member after them; None when there are none, or they hold the key ``walked`` (then
     they are read one at a time, up to that key's). One scan of a piece of a thousand numbers
     costs what one member read alone does: a megabyte of numbers took a quarter of a second read a
-    member at a time. Only for a body read in pieces (a shorter one is read in one scan anyway), and
-    not at the deepest level, where a member may not be an array or object.
+    member at a time. Only for a body read in pieces: a shorter one is read in one scan anyway.
     """
-    if len(text) <= PIECES[-1] or depth.open >= MAX_DEPTH:
+    if len(text) <= PIECES[-1]:
         return None
     if depth.wait:
         depth.wait -= 1
         return None
-    # Less one: with a bracket at each end, the members scanned fit in the largest piece.
-    comma = _last_comma(text, idx, idx + PIECES[-1] - 1)
+    # Less one: with a bracket at each end, the members scanned fit in the largest piece. At the
+    # deepest level a member may not be an array or object.
+    comma = _last_comma(text, idx, idx + PIECES[-1] - 1, nested=depth.open < MAX_DEPTH)
     if comma < 0:
-        depth.misses += 1
-        depth.wait = 2**depth.misses - 1
+        # Members nested deeper than one level are read one at a time, and a look before each would
+        # make them twice as slow. The wait is short, so that runs are soon found again after one.
+        depth.wait = RUN_WAIT
         return None
-    depth.misses = 0
     members_text = text[idx:comma]
     # _last_comma reads strings and brackets as the scanner does, so in a valid document the comma
     # it finds separates two members: the scanner refuses the members before it only where the body is
@@ -441,32 +458,36 @@ def _flat_members(
     return members, _skip(text, comma + 1)
 
 
-def _last_comma(text: str, idx: int, end: int) -> int:
-    """The index of the last comma in ``text[idx:end]`` after a member that nests at most one level, or -1.
+def _last_comma(text: str, idx: int, end: int, *, nested: bool) -> int:
+    """The index of the last comma in ``text[idx:end]`` after members that nest at most one level (none
+    unless ``nested``), or -1.
 
-    ``idx`` is where a member starts, outside any string. Before the first bracket or backslash, every
-    quote opens or closes a string, so a comma after an even number of them is outside strings: numbers,
-    words and plain strings are found so at the speed of str.find and str.count, five times faster than
-    _FLAT_MEMBERS reads the other text.
+    ``idx`` is where a member starts, outside any string. In text without brackets and backslashes,
+    every quote opens or closes a string, so a comma after an even number of them is outside strings:
+    numbers, words and plain strings are found so at the speed of str.count, twenty times faster than
+    _FLAT_MEMBERS reads the rest. That is used when such text fills the piece, or there is no other
+    choice: ending at the first escape, the runs found would hold a member or two.
     """
     if text.find(",", idx, end) < 0:  # one member fills the piece, if any does
         return -1
-    # str.find is memchr, a tenth of a nanosecond a character; a regular expression's search takes 5.
-    found = [text.find(mark, idx, end) for mark in "[]{}\\"]
-    plain = min([at for at in found if at >= 0], default=end)
-    # Up to `stop` the quotes are even: after the last of them, no string is open. A piece mostly ends
-    # inside a string or just after one; then the comma is looked for before that string, and once
-    # more before the one before it (in an object, a piece cut in a value's string ends just after its
-    # key's).
-    stop = plain if text.count('"', idx, plain) % 2 == 0 else text.rfind('"', idx, plain)
-    for _ in range(2):
-        start = text.rfind('"', idx, stop)
-        comma = text.rfind(",", max(idx, start), stop)
-        if comma >= 0:
-            return comma
-        if start < 0:
-            break
-        stop = text.rfind('"', idx, start)  # where the string that `start` closes opened
+    structure = _STRUCTURE.search(text, idx, end)
+    plain = structure.start() if structure else end
+    if plain == end or not nested:
+        # Up to `stop` the quotes are even: after the last of them, no string is open. A piece mostly
+        # ends inside a string or just after one; then the comma is looked for before that string, and
+        # once more before the one before it (in an object, a piece cut in a value's string ends just
+        # after its key's).
+        stop = plain if text.count('"', idx, plain) % 2 == 0 else text.rfind('"', idx, plain)
+        for _ in range(2):
+            start = text.rfind('"', idx, stop)
+            comma = text.rfind(",", max(idx, start), stop)
+            if comma >= 0:
+                return comma
+            if start < 0:
+                break
+            stop = text.rfind('"', idx, start)  # where the string that `start` closes opened
+    if not nested:
+        return -1
     run = _FLAT_MEMBERS.match(text, idx, end)
     return run.end() - 1 if run else -1
 

@@ -153,6 +153,8 @@ def assert_linear(read: Callable[[bytes], object], make: Callable[[int], bytes],
 # made them two to three times slower.
 @example(head="[", long="", middle="", unit="[[]],", tail="1]")
 @example(head='{"a":[', long="", middle="", unit='{"b":[1,2,{"c":"x"}]},', tail="0]}")
+# An escape after every short member: runs found by counting quotes ended at each, a member or two long.
+@example(head='{"a":[', long="", middle="", unit='1,"\\n",', tail="0]}")
 def test_reading_input_costs_time_in_proportion_to_its_size(
     reader: str, head: str, long: str, middle: str, unit: str, tail: str
 ) -> None:
