@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
+from gateway import urlencoded
 from gateway.body import RequestBody, read_body
 from gateway.fingerprint import BodyFields, canonical_query, fingerprint
 from tests.strategies import (
@@ -127,6 +128,25 @@ def test_forms_that_decode_differently_never_share_a_fingerprint(one: bytes, oth
     """Whatever the bytes, one fingerprint means one list of decoded pairs (the WHATWG form parser)."""
     if fp(one, FORM) == fp(other, FORM):
         assert whatwg_pairs(one) == whatwg_pairs(other)
+
+
+# Escapes, bare and cut short, in any case, "+" and bytes that are not ASCII.
+FORM_PARTS = st.lists(
+    st.sampled_from([b"%", b"%4", b"%41", b"%ff", b"%G1", b"+", b"a", b"=", b"%%", b"\xff"])
+)
+
+
+@given(FORM_PARTS.map(b"".join), st.integers(3, 11))
+def test_a_form_component_read_in_pieces_reads_as_in_one(component: bytes, size: int) -> None:
+    """A long field is decoded and respelled in pieces (so no one call holds the event loop); read in
+    pieces of a few bytes, it gives the bytes and the canonical spelling of one reading."""
+    whole = (urlencoded._decode(component), urlencoded._canonical(component))
+    kept = urlencoded.PIECE
+    urlencoded.PIECE = size
+    try:
+        assert (urlencoded._decode(component), urlencoded._canonical(component)) == whole
+    finally:
+        urlencoded.PIECE = kept
 
 
 # --- only some body fields, or all but some -------------------------------------------------------------
