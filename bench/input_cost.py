@@ -116,6 +116,33 @@ def many_keys(size: int) -> Shape:
     return Shape("many keys", "shop", b"{" + members + b"}")
 
 
+def long_then_short(size: int) -> Shape:
+    # One member of 5,000 characters, then short arrays: each was read in the piece that held the long
+    # one, 16 Ki characters for three.
+    return Shape(
+        "long member, then short ones", "shop", _fill(b",[]", size, b'["' + b"a" * 5000 + b'"', b"]")
+    )
+
+
+def many_numbers(size: int) -> Shape:
+    # Not adversarial: a long array of short members (ids, a vector), each read alone in the walk of a
+    # long body until runs of short members were read in one scan.
+    return Shape("many numbers", "shop", _fill(b"12345,", size, b'{"ids":[', b"0]}"))
+
+
+def escape_after_each(size: int) -> Shape:
+    # A number, then a string with an escape, again and again (a hostile review's shape): runs of
+    # short members ended at each escape.
+    return Shape("an escape after each number", "shop", _fill(b'1,"\\n",', size, b'{"a":[', b"0]}"))
+
+
+def deep_siblings(size: int) -> Shape:
+    # Arrays of numbers nested 126 deep, side by side (a hostile review's shape): each level tried five
+    # pieces that could not hold it.
+    one = b"[" * 126 + b"1," * min(8250, size // 8) + b"1" + b"]" * 126  # longer than a piece at 1 MiB
+    return Shape("numbers nested 126 deep, side by side", "shop", _fill(one + b",", size, b"[", b"1]"))
+
+
 def unicode_escapes(size: int) -> Shape:
     # Surrogate pairs, lone surrogates (which Python keeps) and other \u escapes.
     unit = b"\\ud83d\\ude00\\ud800\\u00e9\\u0000"
@@ -131,6 +158,13 @@ def form_fields(size: int) -> Shape:
     field_ = b"metadata%5Bnote%5D=" + b"%FF%fe+%" * 13 + b"&"
     field_ += b"x" * (128 - len(field_))
     return Shape("form fields of escapes", "pay", _fill(field_, size), content_type=FORM)
+
+
+def form_one_field_of_escapes(size: int) -> Shape:
+    # Few separators: read on the event loop until "%" and "+" counted as parts.
+    return Shape(
+        "form field of one escape after another", "pay", _fill(b"%41+", size, b"note="), content_type=FORM
+    )
 
 
 def form_tiny_fields(size: int) -> Shape:
@@ -172,9 +206,14 @@ SHAPES: list[Callable[[int], Shape]] = [
     nesting_at_limit,
     nesting_past_limit,
     many_keys,
+    long_then_short,
+    many_numbers,
+    escape_after_each,
+    deep_siblings,
     unicode_escapes,
     short_escapes,
     form_fields,
+    form_one_field_of_escapes,
     form_tiny_fields,
     query_string,
     many_headers,
