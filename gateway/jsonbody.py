@@ -300,20 +300,22 @@ def _value(text: str, idx: int, depth: _Depth) -> tuple[Any, int]:
         if len(text) > PIECES[-1]:  # the end of a body read in pieces
             depth.budget.spend(text[idx:end])
         return value, end
-    for tried in range(max(depth.fits, _first_holding(text, idx)), len(PIECES)):
+    tried = depth.fits
+    while tried < len(PIECES):
         size = PIECES[tried]
         piece = text[idx : idx + size]
         _check_depth(piece, allowed)
         try:
             value, end = _scan(piece, 0)
         except (StopIteration, json.JSONDecodeError):
-            continue  # cut short by the piece's end, or not JSON: the whole text will say which
+            end = size  # cut short by the piece's end, or not JSON: the whole text will say which
         # A number is read as far as it is one: cut at "1.|5" or "1e|5" it reads as 1, so a value
         # followed in the piece by what could have gone on with a number may be cut short.
         if end < size and piece[end] not in ".eE":
             depth.fits = bisect_right(PIECES, end)
             depth.budget.spend(piece[:end])
             return value, idx + end
+        tried = max(tried + 1, _first_holding(text, idx))  # the next piece that may hold it
     if text.startswith("[", idx):
         return _walk_array(text, idx, depth.inside())
     if text.startswith("{", idx):
