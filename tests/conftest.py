@@ -6,6 +6,7 @@ import asyncio
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -22,6 +23,7 @@ from tests.support import (
     empty_effects,
     grant_runtime,
     upstream_server,
+    worker_database,
 )
 
 # Property tests: a few examples each in `make test` (the whole suite stays fast), many in `make fuzz`.
@@ -82,9 +84,12 @@ def postgres_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     and the suite grants it. Fixtures that empty tables or write rows by hand use the owner's URL.
     """
     given = os.environ.get("TEST_DATABASE_URL")
+    # Under pytest-xdist each worker (gw0, gw1, ...) has a session of its own: an embedded server of its
+    # own, or a database of its own beside TEST_DATABASE_URL's (its user needs CREATEDB for that).
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
     embedded = None
     if given:
-        dsn = given
+        dsn = asyncio.run(worker_database(given, worker)) if worker else given
     else:
         embedded = EmbeddedPostgres(tmp_path_factory.mktemp("pg"))
         dsn = embedded.start()
@@ -95,6 +100,8 @@ def postgres_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         if embedded is not None:
             embedded.stop()
+        elif given and worker:
+            asyncio.run(worker_database(given, worker, drop=True))
 
 
 @pytest.fixture
@@ -108,6 +115,36 @@ async def dsn(postgres_dsn: str) -> str:
 async def upstream() -> AsyncIterator[Upstream]:
     async with upstream_server() as server:
         yield server
+
+
+# What tests leave for the summary at the end of the run. Under pytest-xdist the tests run in worker
+# processes and only their reports reach the one that prints the summary, so each test's rows travel on
+# its teardown report (as plain values) and are gathered back from the reports.
+_SUMMARY: dict[str, list[Any]] = {
+    "crash_matrix": CRASH_MATRIX,
+    "fuzz_counts": FUZZ_COUNTS,
+    "screenshots": SCREENSHOTS,
+}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    report: pytest.TestReport = yield
+    if call.when == "teardown":
+        for name, rows in _SUMMARY.items():
+            report.user_properties.extend((name, str(row) if isinstance(row, Path) else row) for row in rows)
+            rows.clear()
+    return report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # a worker: its reports go on to the process that prints the summary
+    for name, row in report.user_properties:
+        if name == "screenshots":
+            SCREENSHOTS.append(Path(row))
+        elif name in _SUMMARY:
+            _SUMMARY[name].append(tuple(row))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

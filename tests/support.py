@@ -197,6 +197,21 @@ def runtime_url(dsn: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{quote(user, safe='')}:{quote(password, safe='')}@{where}"))
 
 
+async def worker_database(dsn: str, worker: str, *, drop: bool = False) -> str:
+    """The URL of a database of its own for one pytest-xdist ``worker``, made empty beside ``dsn``'s (or
+    dropped, with ``drop``)."""
+    parts = urlsplit(dsn)
+    name = f"{unquote(parts.path.lstrip('/')) or parts.username}_{worker}"
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(f'drop database if exists "{name}" with (force)')
+        if not drop:
+            await conn.execute(f'create database "{name}"')
+    finally:
+        await conn.close()
+    return urlunsplit(parts._replace(path="/" + quote(name, safe="")))
+
+
 async def grant_runtime(dsn: str) -> None:
     """The runtime role granted what serve needs in ``dsn``'s database (migrated), as its owner grants it;
     made first (login, password) unless TEST_RUNTIME_DATABASE_URL names one, which takes the right to
@@ -208,7 +223,11 @@ async def grant_runtime(dsn: str) -> None:
             exists = await conn.fetchval("select exists (select from pg_roles where rolname = $1)", user)
             # The password is a literal: a role's password cannot be a statement's parameter.
             how = f"login password '{password}'"
-            await conn.execute(f"{'alter' if exists else 'create'} role {user} {how}")
+            try:
+                await conn.execute(f"{'alter' if exists else 'create'} role {user} {how}")
+            except asyncpg.exceptions.DuplicateObjectError:
+                # Another pytest-xdist worker made it meanwhile (roles belong to the whole server).
+                await conn.execute(f"alter role {user} {how}")
         except asyncpg.exceptions.InsufficientPrivilegeError as exc:
             raise RuntimeError(
                 f"the tests' database user may not make the role {user} ({exc}): give it CREATEROLE, or make "

@@ -87,6 +87,19 @@ SECRET = b"s" * 32
         ("order-2024-06-01", False),
         ("c0a8f3e1-9b7d-e2f4-5a6b-8c9d0e1f2a3", False),  # one digit short
     ],
+    # Named, not by the keys: those are new in each process, and parallel workers must collect alike.
+    ids=[
+        "uuid4",
+        "uuid4-upper",
+        "sdk-retry",
+        "stripe",
+        "uuid1",
+        "run-step",
+        "uuid-run-step",
+        "hex-run-step",
+        "date",
+        "one-digit-short",
+    ],
 )
 def test_keys_that_end_in_a_uuid_look_made_up(key: str, made_up: bool) -> None:
     """A key ending in a UUID (any version, any prefix) looks made up per call; step keys do not."""
