@@ -273,6 +273,12 @@ def _younger_than(record: EffectRecord, now: datetime, memory: timedelta, policy
 
 
 @dataclass(frozen=True, slots=True)
+class Send:
+    """Send the request under the attempt the record holds (before sending: nothing stops it; after a
+    probe: it found nothing and can be trusted to have looked)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Late:
     """Too long since the record was taken: take it again (a fresh lease) before the request leaves."""
 
@@ -288,8 +294,8 @@ class Refuse:
 
 def before_sending(
     record: EffectRecord, now: datetime, waited: timedelta, policy: Policy, reason: SendReason | None
-) -> Late | Refuse | None:
-    """Whether the request may leave under the attempt ``record`` holds (None: send it).
+) -> Send | Late | Refuse:
+    """Whether the request may leave under the attempt ``record`` holds.
 
     ``now`` is the database's clock when the record was taken (the claim or take-over that returned
     ``record``) and ``waited`` how long has passed since, measured from before that statement, so never
@@ -302,7 +308,7 @@ def before_sending(
         return Late(waited)
     if reason == "native_key" and not _native_key_fresh(record, now, policy):
         return Refuse("not sent: the native key grew too old to trust while the record was being taken over")
-    return None
+    return Send()
 
 
 # --- what each write does to the record's state -----------------------------------------------------
@@ -358,11 +364,6 @@ def unrecorded(settlement: Settlement) -> Settlement:
     if not settlement.may_have_sent:
         return settlement
     return Settlement(Transition(State.PENDING, State.NEEDS_REVIEW), may_have_sent=True, ends_lease=True)
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    """The probe found nothing and can be trusted to have looked: send under the attempt held."""
 
 
 def settle_probe(

@@ -362,17 +362,16 @@ class EffectService:
         is a Refuse when the request cannot be built: it is settled as never sent.
         """
         fault("after-claim", policy.name)
-        record, refused, took = await self._ready_to_send(record, took, policy, reason)
-        if isinstance(outbound, Refuse):
-            refused = refused or outbound
-        if refused is not None:
-            log.warning("effect %s: %s", record.id, refused.reason)
-            outcome: Outcome = NotSent(refused.reason)
-        else:
-            assert isinstance(outbound, Outbound), "a request that cannot be built is refused above"
-            outcome = await self._client.send(
-                outbound, policy.timeout.total_seconds(), leave_within=_left_to_leave(policy, took)
-            )
+        record, check, took = await self._ready_to_send(record, took, policy, reason)
+        outcome: Outcome
+        match check, outbound:
+            case Send(), Outbound():
+                outcome = await self._client.send(
+                    outbound, policy.timeout.total_seconds(), leave_within=_left_to_leave(policy, took)
+                )
+            case (Refuse() as refused, _) | (Send(), Refuse() as refused):
+                log.warning("effect %s: %s", record.id, refused.reason)
+                outcome = NotSent(refused.reason)
         fault("after-upstream", policy.name)
         try:
             return await self._record(record, policy, outcome, reason)
@@ -422,8 +421,9 @@ class EffectService:
 
     async def _ready_to_send(
         self, record: EffectRecord, took: float, policy: UpstreamPolicy, reason: SendReason | None
-    ) -> tuple[EffectRecord, Refuse | None, float]:
-        """The attempt to send under (taken again if this gateway fell behind its lease), or a refusal.
+    ) -> tuple[EffectRecord, Send | Refuse, float]:
+        """The attempt to send under (taken again if this gateway fell behind its lease), and whether it
+        may be sent.
 
         Also returns this process's clock from just before the statement that took the attempt.
         """

@@ -268,8 +268,8 @@ def _unrecorded_outage_escapes() -> contextlib.AbstractContextManager[None]:
 
 
 def _late_sender() -> contextlib.AbstractContextManager[None]:
-    def before_sending(*args: Any) -> None:
-        return None
+    def before_sending(*args: Any) -> decision.Send:
+        return decision.Send()
 
     return patched((service, "before_sending", before_sending))
 

@@ -517,8 +517,8 @@ WINDOW = replace(NATIVE, send_window=timedelta(seconds=5))
     ("rec", "waited", "reason", "expected"),
     [
         # sent promptly after the claim or take-over
-        (record(State.PENDING), timedelta(milliseconds=3), None, None),
-        (record(State.PENDING), timedelta(seconds=5), "native_key", None),
+        (record(State.PENDING), timedelta(milliseconds=3), None, Send()),
+        (record(State.PENDING), timedelta(seconds=5), "native_key", Send()),
         # stalled between taking the record and sending: the lease no longer covers the request, so the
         # record must be taken again first
         (record(State.PENDING), timedelta(seconds=5.1), None, Late(timedelta(seconds=5.1))),
@@ -538,11 +538,11 @@ WINDOW = replace(NATIVE, send_window=timedelta(seconds=5))
             Refuse("not sent: the native key grew too old to trust while the record was being taken over"),
         ),
         # ... which does not matter when the send is not relying on the key
-        (record(State.PENDING, first_sent_at=NOW - timedelta(days=2)), timedelta(0), "never_sent", None),
+        (record(State.PENDING, first_sent_at=NOW - timedelta(days=2)), timedelta(0), "never_sent", Send()),
     ],
 )
 def test_before_sending(
-    rec: EffectRecord, waited: timedelta, reason: SendReason | None, expected: Late | Refuse | None
+    rec: EffectRecord, waited: timedelta, reason: SendReason | None, expected: Send | Late | Refuse
 ) -> None:
     """A request leaves only within the lease's grace of its take-over, and only under a key still trusted."""
     assert before_sending(rec, NOW, waited, WINDOW, reason) == expected
