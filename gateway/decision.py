@@ -1,7 +1,7 @@
 """The idempotency decision: pure functions of (record, request or outcome, now, policy).
 
 Nothing here does I/O or reads a clock. :func:`decide` says what to do with a request whose key has
-a record; :func:`settle`, :func:`settle_probe`, :func:`take_over`, :func:`review` and
+a record; :func:`settle`, :func:`after_probe`, :func:`take_over`, :func:`review` and
 :func:`resolution` say what each kind of write does to the record's state, and build the
 :class:`~gateway.states.Transition` that the store carries out (so a move the state table does not
 list raises before any SQL runs). The driver (:mod:`gateway.service`) carries out the actions; tests
@@ -366,34 +366,6 @@ def unrecorded(settlement: Settlement) -> Settlement:
     return Settlement(Transition(State.PENDING, State.NEEDS_REVIEW), may_have_sent=True, ends_lease=True)
 
 
-def settle_probe(
-    record: EffectRecord, result: ProbeResult, now: datetime, policy: Policy
-) -> Settlement | Send:
-    """What a probe run under a take-over of ``record`` (now pending) leaves it as.
-
-    A probe only proves absence for effects its upstream's search can still see: those it can find
-    (probe_covers: of its routes, their key carried where it looks), and within the probe's horizon
-    (less the margin, as for a native key's TTL). Otherwise "not found" proves nothing and an operator
-    must look. ``now`` must be the database's clock read after the probe answered (a gateway may stall
-    between taking the record and probing); the margin then covers the send that follows.
-    """
-    pending = State.PENDING
-    match result:
-        case Found():
-            return Settlement(Transition(pending, State.COMPLETED), may_have_sent=True, ends_lease=True)
-        case NotFound():
-            # Only about effects it can find, and within its horizon.
-            if probe_covers(record, policy) and (
-                policy.probe_horizon is None or _younger_than(record, now, policy.probe_horizon, policy)
-            ):
-                return Send()
-            return Settlement(Transition(pending, State.NEEDS_REVIEW), may_have_sent=True, ends_lease=True)
-        case ProbeError():
-            # Back to in doubt: nothing left, so no lease need be waited out before the next try.
-            return Settlement(Transition(pending, State.IN_DOUBT), may_have_sent=True, ends_lease=True)
-    raise AssertionError(f"unhandled probe result {result}")  # pragma: no cover
-
-
 @dataclass(frozen=True, slots=True)
 class TooSoon:
     """The probe found nothing, but its search may not list the latest attempt's effect yet.
@@ -406,7 +378,7 @@ class TooSoon:
     retry_after: timedelta
 
 
-def too_soon(record: EffectRecord, asked_at: datetime, policy: Policy) -> TooSoon | None:
+def _too_soon(record: EffectRecord, asked_at: datetime, policy: Policy) -> TooSoon | None:
     """Whether a probe's "not found" may be the search lagging behind the latest attempt (None: it is not).
 
     ``record`` is the record as the take-over the probe runs under returned it, and ``asked_at`` that
@@ -433,6 +405,57 @@ def too_soon(record: EffectRecord, asked_at: datetime, policy: Policy) -> TooSoo
         return None
     back = Settlement(Transition(State.PENDING, State.IN_DOUBT), may_have_sent=True, ends_lease=True)
     return TooSoon(back, retry_after=listed_by - asked_at)
+
+
+@dataclass(frozen=True, slots=True)
+class TakeOver:
+    """Take the record over again before judging the probe's "not found": a fresh lease for the send
+    that may follow, and the database's clock read after the probe answered, to judge it by."""
+
+
+ProbeStep = Settlement | TooSoon | TakeOver | Send
+
+
+def after_probe(
+    record: EffectRecord,
+    result: ProbeResult,
+    asked_at: datetime,
+    policy: Policy,
+    *,
+    retaken_at: datetime | None = None,
+) -> ProbeStep:
+    """What a probe run under a take-over of ``record`` (now pending) comes to, in the probe's order.
+
+    Found: the effect happened, and the record completes from the probe's answer. Failed: back to in
+    doubt (nothing left, so no lease need be waited out before the next try). Not found: too soon for
+    the search to list the latest attempt (see _too_soon), else take the record over again
+    (``retaken_at`` None), and then, at the clock of that take-over, send or give up to review.
+
+    ``asked_at`` is the clock of the take-over the probe ran under, read before the probe left;
+    ``retaken_at`` that of the take-over after it answered (``record`` is then the one it returned).
+
+    A probe only proves absence for effects its upstream's search can still see: those it can find
+    (probe_covers: of its routes, their key carried where it looks), and within the probe's horizon
+    (less the margin, as for a native key's TTL), judged at ``retaken_at`` (a gateway may stall between
+    taking the record and probing; the margin then covers the send that follows). Otherwise "not
+    found" proves nothing and an operator must look.
+    """
+    pending = State.PENDING
+    match result:
+        case Found():
+            return Settlement(Transition(pending, State.COMPLETED), may_have_sent=True, ends_lease=True)
+        case ProbeError():
+            return Settlement(Transition(pending, State.IN_DOUBT), may_have_sent=True, ends_lease=True)
+        case NotFound() if retaken_at is None:
+            return _too_soon(record, asked_at, policy) or TakeOver()
+        case NotFound():
+            horizon = policy.probe_horizon
+            if probe_covers(record, policy) and (
+                horizon is None or _younger_than(record, retaken_at, horizon, policy)
+            ):
+                return Send()
+            return Settlement(Transition(pending, State.NEEDS_REVIEW), may_have_sent=True, ends_lease=True)
+    raise AssertionError(f"unhandled probe result {result}")  # pragma: no cover
 
 
 def take_over(record: EffectRecord) -> Transition:

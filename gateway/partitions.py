@@ -292,7 +292,7 @@ async def _drop(conn: AnyConn, part: Partition, progress: Progress) -> None:
     # answer (stored since its claim): its new time is later than the answer was, which only makes a
     # probe's lag count from later. An earlier attempt's answer is not carried, and the record stops
     # pointing at it: carried to now it would pass for the answer of the attempt under way, and a
-    # probe's lag would count from now instead of from that attempt's lease (gateway.decision.too_soon).
+    # probe's lag would count from now instead of from that attempt's lease (gateway.decision.after_probe).
     # The record is changed only while it is still open and still points at that very answer: a settle
     # that completes it meanwhile wrote an answer of its own, which must stand.
     #

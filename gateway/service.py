@@ -34,17 +34,17 @@ from gateway.decision import (
     Send,
     SendReason,
     Settlement,
+    TakeOver,
     TooSoon,
     Unknown,
+    after_probe,
     before_sending,
     carried_by,
     decide,
     restore,
     review,
     settle,
-    settle_probe,
     take_over,
-    too_soon,
     unrecorded,
     why_not_probed,
 )
@@ -503,9 +503,8 @@ class EffectService:
         asked_at = record.read_at  # the take-over's clock: the probe leaves after it
         assert asked_at is not None
         result = await self._look(policy, record)
-        if isinstance(result, NotFound) and (early := too_soon(record, asked_at, policy.decision)):
-            return await self._too_soon(record, early)
-        if isinstance(result, NotFound):
+        step = after_probe(record, result, asked_at, policy.decision)
+        if isinstance(step, TakeOver):
             # Taken again once the probe has answered: the new attempt's lease covers the send (the
             # probe may have used up most of the old one), and the take-over reads the database's clock
             # after the probe, which is when "not found" must still be within the probe's horizon.
@@ -524,13 +523,22 @@ class EffectService:
                 raise problems.Fenced("a newer attempt took over while probing; retry", effect_id=record.id)
             record = again
             trail.saw(record)
-            assert record.read_at is not None
-            if isinstance(settle_probe(record, result, record.read_at, policy.decision), Send):
+            step = after_probe(record, result, asked_at, policy.decision, retaken_at=record.read_at)
+        match step:
+            case Send():
                 log.info("probe: effect %s not found upstream, sending", record.id)
                 return await self._attempt(record, took, policy, _first_sent(inbound, record), reason=None)
-        assert record.read_at is not None
-        verdict = settle_probe(record, result, record.read_at, policy.decision)
-        assert isinstance(verdict, Settlement), "a send was decided above"
+            case TooSoon():
+                return await self._too_soon(record, step)
+            case Settlement():
+                return await self._settle_probe(record, step, result)
+            case TakeOver():
+                raise AssertionError("judged after the take-over")  # pragma: no cover
+            case _:
+                assert_never(step)
+
+    async def _settle_probe(self, record: EffectRecord, verdict: Settlement, result: ProbeResult) -> Reply:
+        """Write down what the probe came to (fenced): completed with its answer, in review, or in doubt."""
         found = result.response if isinstance(result, Found) else None
         note = {
             State.COMPLETED: "found by probe",

@@ -165,44 +165,43 @@ def _purged_not_found_resends() -> contextlib.AbstractContextManager[None]:
 
 
 def _horizon_ignored() -> contextlib.AbstractContextManager[None]:
-    real = decision.settle_probe
+    real = decision.after_probe
 
-    def settle_probe(
-        record: EffectRecord, result: ProbeResult, now: datetime, policy: Policy
-    ) -> Settlement | decision.Send:
-        return real(record, result, now, replace(policy, probe_horizon=None))
+    def after_probe(
+        record: EffectRecord, result: ProbeResult, asked_at: datetime, policy: Policy, **kw: Any
+    ) -> decision.ProbeStep:
+        return real(record, result, asked_at, replace(policy, probe_horizon=None), **kw)
 
-    return patched((service, "settle_probe", settle_probe))
-
-
-# The database's clock when the record was taken over to probe it (for "horizon-at-take-over").
-_TAKEN_AT: contextvars.ContextVar[datetime] = contextvars.ContextVar("mutation_taken_at")
+    return patched((service, "after_probe", after_probe))
 
 
 def _horizon_at_take_over() -> contextlib.AbstractContextManager[None]:
-    real_probe = EffectService._probe
-    real = decision.settle_probe
+    real = decision.after_probe
 
-    async def probe(self: EffectService, record: EffectRecord, *args: Any) -> Reply:
-        assert record.read_at is not None
-        _TAKEN_AT.set(record.read_at)
-        return await real_probe(self, record, *args)
+    def after_probe(
+        record: EffectRecord,
+        result: ProbeResult,
+        asked_at: datetime,
+        policy: Policy,
+        retaken_at: datetime | None = None,
+    ) -> decision.ProbeStep:
+        # The old code: "not found" judged at the take-over's clock, before the probe ran (a pause in
+        # between is not seen), instead of at the re-take after the probe answered.
+        return real(record, result, asked_at, policy, retaken_at=retaken_at and asked_at)
 
-    def settle_probe(
-        record: EffectRecord, result: ProbeResult, now: datetime, policy: Policy
-    ) -> Settlement | decision.Send:
-        # The old code: judged at the take-over's clock, before the probe ran (a pause in between is
-        # not seen), instead of at the re-take after the probe answered.
-        return real(record, result, _TAKEN_AT.get(now), policy)
-
-    return patched((EffectService, "_probe", probe), (service, "settle_probe", settle_probe))
+    return patched((service, "after_probe", after_probe))
 
 
 def _lag_ignored() -> contextlib.AbstractContextManager[None]:
-    def too_soon(record: EffectRecord, asked_at: datetime, policy: Policy) -> decision.TooSoon | None:
-        return None  # "not found" trusted at once, however lately the search lists an effect
+    real = decision.after_probe
 
-    return patched((service, "too_soon", too_soon))
+    def after_probe(
+        record: EffectRecord, result: ProbeResult, asked_at: datetime, policy: Policy, **kw: Any
+    ) -> decision.ProbeStep:
+        # "Not found" trusted at once, however lately the search lists an effect.
+        return real(record, result, asked_at, replace(policy, probe_lag=timedelta(0)), **kw)
+
+    return patched((service, "after_probe", after_probe))
 
 
 # This process's clock when the probe's take-over returned (for "lag-after-probe").
@@ -211,31 +210,45 @@ _PROBED_FROM: contextvars.ContextVar[float] = contextvars.ContextVar("mutation_p
 
 def _lag_after_probe() -> contextlib.AbstractContextManager[None]:
     real_probe = EffectService._probe
-    real = decision.too_soon
+    real = decision.after_probe
 
     async def probe(self: EffectService, record: EffectRecord, *args: Any) -> Reply:
         _PROBED_FROM.set(asyncio.get_running_loop().time())
         return await real_probe(self, record, *args)
 
-    def too_soon(record: EffectRecord, asked_at: datetime, policy: Policy) -> decision.TooSoon | None:
-        # Judged at the database's clock once the probe has answered, as the horizon is (the simulated
-        # database's clock runs with the loop's), instead of the take-over's, before the probe left.
-        since = asyncio.get_running_loop().time() - _PROBED_FROM.get()
-        return real(record, asked_at + timedelta(seconds=since), policy)
+    def after_probe(
+        record: EffectRecord,
+        result: ProbeResult,
+        asked_at: datetime,
+        policy: Policy,
+        retaken_at: datetime | None = None,
+    ) -> decision.ProbeStep:
+        # The lag judged at the database's clock once the probe has answered, as the horizon is (the
+        # simulated database's clock runs with the loop's), instead of the take-over's, before it left.
+        if retaken_at is None:
+            asked_at += timedelta(seconds=asyncio.get_running_loop().time() - _PROBED_FROM.get())
+        return real(record, result, asked_at, policy, retaken_at=retaken_at)
 
-    return patched((EffectService, "_probe", probe), (service, "too_soon", too_soon))
+    return patched((EffectService, "_probe", probe), (service, "after_probe", after_probe))
 
 
 def _lag_from_the_claim() -> contextlib.AbstractContextManager[None]:
-    real = decision.too_soon
+    real = decision.after_probe
 
-    def too_soon(record: EffectRecord, asked_at: datetime, policy: Policy) -> decision.TooSoon | None:
+    def after_probe(
+        record: EffectRecord,
+        result: ProbeResult,
+        asked_at: datetime,
+        policy: Policy,
+        retaken_at: datetime | None = None,
+    ) -> decision.ProbeStep:
         # The lag counted from the latest claim, as if the upstream acted the moment it was sent: the
         # answer's time and the lease are left out.
-        claimed = record.last_sent_at or record.created_at
-        return real(replace(record, response_at=claimed), asked_at, policy)
+        if retaken_at is None:
+            record = replace(record, response_at=record.last_sent_at or record.created_at)
+        return real(record, result, asked_at, policy, retaken_at=retaken_at)
 
-    return patched((service, "too_soon", too_soon))
+    return patched((service, "after_probe", after_probe))
 
 
 class _Escaped(Exception):
@@ -339,25 +352,23 @@ MUTATIONS = [
         "a failed probe of a purged completed record puts it in doubt",
         _failed_probe_doubts,
     ),
-    Mutation(
-        "horizon-ignored", "settle_probe trusts 'not found' whatever the effect's age", _horizon_ignored
-    ),
+    Mutation("horizon-ignored", "after_probe trusts 'not found' whatever the effect's age", _horizon_ignored),
     Mutation(
         "horizon-at-take-over",
-        "settle_probe judges 'not found' at the take-over's clock, before the probe ran (a bug found)",
+        "after_probe judges 'not found' at the take-over's clock, before the probe ran (a bug found)",
         _horizon_at_take_over,
     ),
     Mutation(
-        "lag-ignored", "too_soon trusts 'not found' at once, however late the search lists", _lag_ignored
+        "lag-ignored", "after_probe trusts 'not found' at once, however late the search lists", _lag_ignored
     ),
     Mutation(
         "lag-after-probe",
-        "too_soon judges the lag at the clock after the probe answered, not the take-over's",
+        "after_probe judges the lag at the clock after the probe answered, not the take-over's",
         _lag_after_probe,
     ),
     Mutation(
         "lag-from-the-claim",
-        "too_soon counts the lag from the latest claim, not from its answer or the end of its lease",
+        "after_probe counts the lag from the latest claim, not from its answer or the end of its lease",
         _lag_from_the_claim,
     ),
     Mutation(

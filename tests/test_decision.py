@@ -24,7 +24,10 @@ from gateway.decision import (
     Send,
     SendReason,
     Settlement,
+    TakeOver,
+    TooSoon,
     Unknown,
+    after_probe,
     before_sending,
     carried_by,
     decide,
@@ -32,9 +35,7 @@ from gateway.decision import (
     restore,
     review,
     settle,
-    settle_probe,
     take_over,
-    too_soon,
     unrecorded,
 )
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError, ProbeResult
@@ -416,9 +417,11 @@ FOUND = Found(OK)
         (record(State.PENDING, first_sent_at=OLD), ProbeError("timeout"), HORIZON, State.IN_DOUBT),
     ],
 )
-def test_settle_probe(rec: EffectRecord, result: ProbeResult, policy: Policy, expected: object) -> None:
+def test_after_probe_when_retaken(
+    rec: EffectRecord, result: ProbeResult, policy: Policy, expected: object
+) -> None:
     """A probe completes, sends, gives up to review or leaves the record in doubt, as its horizon allows."""
-    verdict = settle_probe(rec, result, NOW, policy)
+    verdict = after_probe(rec, result, NOW, policy, retaken_at=NOW)
     if isinstance(expected, Send):
         assert verdict == expected
     else:
@@ -448,13 +451,13 @@ S = timedelta(seconds=1)
         (record(State.PENDING, last_sent_at=NOW - 40 * S, response_at=NOW - 100 * S), LAGGED, 55 * S),
     ],
 )
-def test_too_soon(rec: EffectRecord, policy: Policy, expected: timedelta | None) -> None:
+def test_after_probe_when_not_found(rec: EffectRecord, policy: Policy, expected: timedelta | None) -> None:
     """ "Not found" is trusted only once the search has had its lag since the latest attempt could act."""
-    early = too_soon(rec, NOW, policy)
+    early = after_probe(rec, NotFound(), NOW, policy)
     if expected is None:
-        assert early is None
+        assert early == TakeOver()
     else:
-        assert early is not None
+        assert isinstance(early, TooSoon)
         assert early.retry_after == expected
         back = early.settlement
         assert (back.transition, back.may_have_sent, back.ends_lease) == (

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from agent_example.crash_matrix import gateway_config
-from gateway.decision import Action, Policy, Probe, Resend, Review, Send, Settlement, decide, settle_probe
+from gateway.decision import Action, Policy, Probe, Resend, Review, Send, Settlement, after_probe, decide
 from gateway.errors import ConfigError
 from gateway.outcome import NotFound
 from gateway.policy import upstream_policy
@@ -213,7 +213,7 @@ def test_a_probe_for_the_native_key_alone_stops_trusting_not_found_when_the_key_
     policy = upstream_policy("shop", settings.upstreams["shop"], settings.lease_grace).decision
     # taken over to probe, past the key's TTL
     old = in_doubt(State.PENDING, TTL + timedelta(hours=1), policy)
-    verdict = settle_probe(old, NotFound(), NOW, policy)
+    verdict = after_probe(old, NotFound(), NOW, policy, retaken_at=NOW)
     assert verdict != Send(), "sent again on a search by a key the upstream may have forgotten"
     assert isinstance(verdict, Settlement)
     assert verdict.state is State.NEEDS_REVIEW
@@ -222,7 +222,7 @@ def test_a_probe_for_the_native_key_alone_stops_trusting_not_found_when_the_key_
     cfg["probe"] = {**cfg["probe"], "horizon": "30d"}
     settings = load_settings(None, upstreams={"shop": cfg})
     policy = upstream_policy("shop", settings.upstreams["shop"], settings.lease_grace).decision
-    assert settle_probe(old, NotFound(), NOW, policy) == Send()
+    assert after_probe(old, NotFound(), NOW, policy, retaken_at=NOW) == Send()
 
 
 def _kubernetes_config(tmp_path: Path) -> Path:

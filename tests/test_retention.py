@@ -18,9 +18,9 @@ import pytest
 
 from gateway import partitions
 from gateway import store as store_module
-from gateway.decision import Policy, settle, take_over, too_soon
+from gateway.decision import Policy, TooSoon, after_probe, settle, take_over
 from gateway.errors import StoreUnavailable
-from gateway.outcome import Answered
+from gateway.outcome import Answered, NotFound
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State
 from gateway.store import Store, StoreLimits, opened, session_settings
@@ -258,8 +258,8 @@ async def test_a_retry_taken_over_while_the_retention_runs_gets_no_earlier_answe
     now = await store.reread(taken)
     assert now.response is None
     lagged = Policy(lease=LEASE, has_probe=True, probe_lag=timedelta(seconds=5))
-    early = too_soon(now, taken.last_sent_at, lagged)
-    assert early is not None
+    early = after_probe(now, NotFound(), taken.last_sent_at, lagged)
+    assert isinstance(early, TooSoon)
     assert early.retry_after == LEASE + timedelta(seconds=5)
 
 

@@ -17,7 +17,7 @@ import asyncpg
 import pytest
 
 from gateway.audit_query import EffectFilter
-from gateway.decision import Policy, Send, Settlement, review, settle, settle_probe, take_over, too_soon
+from gateway.decision import Policy, Send, Settlement, TooSoon, after_probe, review, settle, take_over
 from gateway.errors import CursorUnknown, StoreRejected
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError
 from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
@@ -467,13 +467,13 @@ async def test_send_to_review_is_fenced_and_fences_out_the_holder(subject: Subje
 
 
 async def test_a_probe_that_failed_puts_a_take_over_back_in_doubt(subject: Subject) -> None:
-    """settle_probe's verdict is written like any settle, under the take-over's attempt."""
+    """after_probe's verdict is written like any settle, under the take-over's attempt."""
     store = subject.store
     record = await claimed(store, lease=EXPIRED)
     probing = await store.reclaim(record, take_over(record), LEASE, "probe", sends=False)
     assert probing is not None
     assert probing.read_at is not None
-    verdict = settle_probe(probing, ProbeError("down"), probing.read_at, Policy(lease=LEASE, has_probe=True))
+    verdict = after_probe(probing, ProbeError("down"), probing.read_at, Policy(lease=LEASE, has_probe=True))
     assert isinstance(verdict, Settlement)
     saved = await store.settle(probing, verdict, response=None, recovered_by=None)
     assert saved is not None
@@ -483,13 +483,13 @@ async def test_a_probe_that_failed_puts_a_take_over_back_in_doubt(subject: Subje
 async def test_a_probe_that_found_the_effect_completes_the_take_over_with_its_answer(
     subject: Subject,
 ) -> None:
-    """settle_probe's Found is written under the take-over: completed, by the probe, its answer replayed."""
+    """after_probe's Found is written under the take-over: completed, by the probe, its answer replayed."""
     store = subject.store
     record = await claimed(store, lease=EXPIRED)
     probing = await store.reclaim(record, take_over(record), LEASE, "probe", sends=False)
     assert probing is not None
     assert probing.read_at is not None
-    verdict = settle_probe(probing, Found(OK), probing.read_at, Policy(lease=LEASE, has_probe=True))
+    verdict = after_probe(probing, Found(OK), probing.read_at, Policy(lease=LEASE, has_probe=True))
     assert isinstance(verdict, Settlement)
     saved = await store.settle(probing, verdict, response=OK, recovered_by="probe", note="found by probe")
     assert saved is not None
@@ -523,7 +523,7 @@ async def test_a_probe_that_found_nothing_sends_under_a_re_take_or_goes_to_revie
         probed = Policy(
             lease=lease, has_probe=True, probe_horizon=horizon, probe_routes=ORDERS, key_carriers=CARRIED
         )
-        verdict = settle_probe(again, NotFound(), again.read_at, probed)
+        verdict = after_probe(again, NotFound(), probing.read_at, probed, retaken_at=again.read_at)
         assert isinstance(verdict, Send) == sends
         if isinstance(verdict, Settlement):
             saved = await store.settle(again, verdict, response=None, recovered_by=None)
@@ -535,7 +535,7 @@ async def test_a_probe_that_found_nothing_sends_under_a_re_take_or_goes_to_revie
 async def test_a_probe_too_soon_after_an_answer_waits_from_that_answer_and_not_again(
     subject: Subject,
 ) -> None:
-    """too_soon reads the latest answer's time from the probe's take-over, and the wait leaves it as it was.
+    """The lag is read from the latest answer's time at the probe's take-over; the wait leaves it as it was.
 
     The take-over to probe keeps the send times; so does putting the record back in doubt: every probe
     in between judges the lag from the same answer, and waiting it out ends.
@@ -555,8 +555,8 @@ async def test_a_probe_too_soon_after_an_answer_waits_from_that_answer_and_not_a
         assert probing.attempt == attempt
         assert (probing.last_sent_at, probing.response_at) == (answered.last_sent_at, answered.response_at)
         assert probing.read_at is not None
-        early = too_soon(probing, probing.read_at, lagged)
-        assert early is not None
+        early = after_probe(probing, NotFound(), probing.read_at, lagged)
+        assert isinstance(early, TooSoon)
         assert early.retry_after == answered.response_at + timedelta(hours=1) - probing.read_at
         back = await store.settle(probing, early.settlement, response=None, recovered_by=None)
         assert back is not None
@@ -757,8 +757,8 @@ async def test_the_retention_never_passes_an_earlier_answer_off_as_the_attempt_u
     now = await store.reread(sending)
     assert now.response is None
     probed_at = sending.last_sent_at + timedelta(seconds=1)
-    early = too_soon(now, probed_at, lagged)
-    assert early is not None
+    early = after_probe(now, NotFound(), probed_at, lagged)
+    assert isinstance(early, TooSoon)
     assert early.retry_after == sending.last_sent_at + LEASE + timedelta(seconds=5) - probed_at
     full = await store.get(record.id)
     assert full is not None
