@@ -19,6 +19,7 @@ PAGES = [
     ROOT / "deploy" / "README.md",
     ROOT / "sim" / "README.md",
     ROOT / "model" / "README.md",
+    ROOT / "bench" / "README.md",
 ]
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 
