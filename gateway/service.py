@@ -525,7 +525,7 @@ class EffectService:
             trail.saw(record)
             step = after_probe(record, result, asked_at, policy.decision, retaken_at=record.read_at)
         match step:
-            case Send():
+            case Send():  # only ever after the take-over above, which set `took`
                 log.info("probe: effect %s not found upstream, sending", record.id)
                 return await self._attempt(record, took, policy, _first_sent(inbound, record), reason=None)
             case TooSoon():
