@@ -92,7 +92,7 @@ class Mismatch:
 
 @dataclass(frozen=True, slots=True)
 class Busy:
-    """A twin holds the key; it may be answered within ``retry_after``."""
+    """Another request with the same key holds it; it may be answered within ``retry_after``."""
 
     retry_after: timedelta
 

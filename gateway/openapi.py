@@ -523,7 +523,10 @@ def _proxy_operation(method: str) -> dict[str, Any]:
             {
                 "name": "Prefer",
                 "in": "header",
-                "description": "wait=N: wait up to N seconds (at most max_wait) for a twin in flight",
+                "description": (
+                    "wait=N: wait up to N seconds (at most max_wait) for another request with this key "
+                    "in flight"
+                ),
                 "schema": _TEXT,
             },
             *(

@@ -72,7 +72,7 @@ async def claim(conn: Conn, new: NewEffect, lease: timedelta) -> tuple[EffectRec
     # A new key: one round trip. A known one is read by statements of their own, which find its
     # partitions first: a read joined into this statement would lock every partition of the
     # audit on each claim (see partitions.within). They also run after this statement, so they
-    # see a twin's row that committed while this one waited for it on the key.
+    # see the row of another request with the same key that committed while this one waited for it on the key.
     row = await conn.fetchrow(
         f"""
         with k as (

@@ -72,15 +72,16 @@ T = TypeVar("T")
 # Times a gateway that fell behind its lease before sending takes the record again; more means it is
 # too overloaded to keep any lease, and the request is settled as never sent.
 RENEWALS = 3
-# Waiting for a twin: start fast (most upstream calls end in tens of ms), back off to spare Postgres.
+# Waiting for another request with the same key: start fast (most upstream calls end in tens of ms),
+# back off to spare Postgres.
 FIRST_POLL = 0.01
 MAX_POLL = 0.2
 
 
 @dataclass(slots=True)
 class _Wait:
-    """One request's wait for its twin: until when, whether it has a place among the key's waiters,
-    and how to tell that its client has left (then it has nothing to wait for)."""
+    """One request's wait for another with its key: until when, whether it has a place among the key's
+    waiters, and how to tell that its client has left (then it has nothing to wait for)."""
 
     deadline: float
     client_left: Callable[[], bool]
@@ -90,7 +91,8 @@ class _Wait:
 
 
 class EffectService:
-    """Each request with a key to its end: claimed, sent, recorded, replayed, recovered or refused."""
+    """Carry each request with a key to its end: claim it, send it, record what came of it, or replay,
+    recover or refuse it."""
 
     def __init__(
         self,
@@ -111,7 +113,7 @@ class EffectService:
         self._prober = prober
         self._tasks: set[asyncio.Task[Any]] = set()
         self._replays = Replays(replay_cache_bytes, retention, store.add_replays, self._spawn)
-        # Twins waiting in this process are woken as soon as the record is written here; twins of a
+        # Requests waiting in this process are woken as soon as the record is written here; those for a
         # request another gateway holds fall back to polling the row.
         self._waiters: dict[int, asyncio.Event] = {}
         # How many requests wait for each effect here: waiters_per_key at most (the setting
@@ -248,7 +250,7 @@ class EffectService:
                 case Mismatch():
                     raise replies.key_reused(record.id)
                 case Busy(retry_after=retry_after):
-                    record = await self._wait_for_twin(record, retry_after, wait)
+                    record = await self._wait_for_holder(record, retry_after, wait)
                 case Resend(reason=reason):
                     took = _clock()
                     claimed = await self._store.reclaim(
@@ -300,7 +302,9 @@ class EffectService:
                 case _:
                     assert_never(action)
 
-    async def _wait_for_twin(self, record: EffectRecord, retry_after: timedelta, wait: _Wait) -> EffectRecord:
+    async def _wait_for_holder(
+        self, record: EffectRecord, retry_after: timedelta, wait: _Wait
+    ) -> EffectRecord:
         """Wait a little for the request that holds the key, then read the record again.
 
         Raises the 409 in-flight when the wait is over, when its client has left (it reads the record
@@ -341,7 +345,7 @@ class EffectService:
             self._telemetry.taken_over(record.upstream)
 
     async def _wake_after(self, record: EffectRecord, write: Awaitable[T]) -> T:
-        """Carry out a write to the record, then wake the twins waiting on it here, whatever came of it."""
+        """Carry out a write to the record, then wake the requests waiting on it here, whatever came of it."""
         try:
             return await write
         finally:
@@ -610,7 +614,7 @@ class EffectService:
 
 
 def _in_flight(record: EffectRecord, retry_after: timedelta, then: str) -> problems.Problem:
-    # A twin in flight ends within a second or so; a lease to wait out is told as is.
+    # A request in flight ends within a second or so; a lease to wait out is told as is.
     hint = 1 if record.state is State.PENDING else math.ceil(retry_after.total_seconds())
     return problems.InFlight(
         f"another request with this key is in flight; {then}",
