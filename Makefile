@@ -22,11 +22,12 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # Tests run in parallel, one worker per CPU (pytest-xdist), each with a Postgres of its own: the
-# embedded server, or a database of its own beside TEST_DATABASE_URL's. PYTEST_WORKERS=0 runs them in
-# this process, one after another.
+# embedded server, or a database of its own beside TEST_DATABASE_URL's. A file's tests stay together,
+# in order, on one worker: the blocks of a documentation page build on the ones before them.
+# PYTEST_WORKERS=0 runs them in this process, one after another.
 PYTEST_WORKERS ?= auto
 pytest: $(STAMP) chromium
-	$(BIN)/pytest -n $(PYTEST_WORKERS)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 # The property tests with thousands of examples each, and schemathesis with hundreds per operation
 # against a real gateway (`make test` runs a few): long (about half an hour here), not for CI. Prints the

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import unicodedata
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -75,14 +76,18 @@ def _env(extra: dict[str, str] | None) -> dict[str, str]:
 
 def cli(*args: str, config: Path | None = None, env: dict[str, str] | None = None, cwd: Path = ROOT) -> Done:
     where = ["--config", str(config)] if config else []
-    done = subprocess.run(
-        [sys.executable, "-m", "gateway", *where, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=cwd,
-        env=_env(env),
-    )
+    # A temporary directory of its own: `serve` sweeps the metrics directories that killed gateways
+    # left in the shared one, and says so, which a crash test running beside it (pytest-xdist) would
+    # make part of what this command prints.
+    with tempfile.TemporaryDirectory(prefix="effect-gateway-cli-") as own:
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway", *where, *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=cwd,
+            env={**_env(env), "TMPDIR": own},
+        )
     return Done(done.returncode, done.stdout, done.stderr)
 
 
