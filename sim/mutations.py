@@ -164,18 +164,20 @@ def _purged_not_found_resends() -> contextlib.AbstractContextManager[None]:
     )
 
 
-def _horizon_ignored() -> contextlib.AbstractContextManager[None]:
-    real = decision.after_probe
+@dataclass(frozen=True, slots=True)
+class _Judged:
+    """What after_probe judges a probe's answer by, besides the answer itself."""
 
-    def after_probe(
-        record: EffectRecord, result: ProbeResult, asked_at: datetime, policy: Policy, **kw: Any
-    ) -> decision.ProbeStep:
-        return real(record, result, asked_at, replace(policy, probe_horizon=None), **kw)
-
-    return patched((service, "after_probe", after_probe))
+    record: EffectRecord
+    asked_at: datetime
+    policy: Policy
+    retaken_at: datetime | None
 
 
-def _horizon_at_take_over() -> contextlib.AbstractContextManager[None]:
+def _judging_probes(
+    change: Callable[[_Judged], _Judged], *more: tuple[Any, str, Any]
+) -> contextlib.AbstractContextManager[None]:
+    """after_probe judging by what ``change`` makes of its arguments (each probe mutation says how)."""
     real = decision.after_probe
 
     def after_probe(
@@ -185,23 +187,29 @@ def _horizon_at_take_over() -> contextlib.AbstractContextManager[None]:
         policy: Policy,
         retaken_at: datetime | None = None,
     ) -> decision.ProbeStep:
-        # The old code: "not found" judged at the take-over's clock, before the probe ran (a pause in
-        # between is not seen), instead of at the re-take after the probe answered.
-        return real(record, result, asked_at, policy, retaken_at=retaken_at and asked_at)
+        judged = change(_Judged(record, asked_at, policy, retaken_at))
+        return real(judged.record, result, judged.asked_at, judged.policy, retaken_at=judged.retaken_at)
 
-    return patched((service, "after_probe", after_probe))
+    return patched((service, "after_probe", after_probe), *more)
+
+
+def _horizon_ignored() -> contextlib.AbstractContextManager[None]:
+    return _judging_probes(lambda judged: replace(judged, policy=replace(judged.policy, probe_horizon=None)))
+
+
+def _horizon_at_take_over() -> contextlib.AbstractContextManager[None]:
+    # The old code: "not found" judged at the take-over's clock, before the probe ran (a pause in
+    # between is not seen), instead of at the re-take after the probe answered.
+    return _judging_probes(
+        lambda judged: judged if judged.retaken_at is None else replace(judged, retaken_at=judged.asked_at)
+    )
 
 
 def _lag_ignored() -> contextlib.AbstractContextManager[None]:
-    real = decision.after_probe
-
-    def after_probe(
-        record: EffectRecord, result: ProbeResult, asked_at: datetime, policy: Policy, **kw: Any
-    ) -> decision.ProbeStep:
-        # "Not found" trusted at once, however lately the search lists an effect.
-        return real(record, result, asked_at, replace(policy, probe_lag=timedelta(0)), **kw)
-
-    return patched((service, "after_probe", after_probe))
+    # "Not found" trusted at once, however lately the search lists an effect.
+    return _judging_probes(
+        lambda judged: replace(judged, policy=replace(judged.policy, probe_lag=timedelta(0)))
+    )
 
 
 # This process's clock when the probe's take-over returned (for "lag-after-probe").
@@ -210,45 +218,32 @@ _PROBED_FROM: contextvars.ContextVar[float] = contextvars.ContextVar("mutation_p
 
 def _lag_after_probe() -> contextlib.AbstractContextManager[None]:
     real_probe = EffectService._probe
-    real = decision.after_probe
 
     async def probe(self: EffectService, record: EffectRecord, *args: Any) -> Reply:
         _PROBED_FROM.set(asyncio.get_running_loop().time())
         return await real_probe(self, record, *args)
 
-    def after_probe(
-        record: EffectRecord,
-        result: ProbeResult,
-        asked_at: datetime,
-        policy: Policy,
-        retaken_at: datetime | None = None,
-    ) -> decision.ProbeStep:
+    def later(judged: _Judged) -> _Judged:
         # The lag judged at the database's clock once the probe has answered, as the horizon is (the
         # simulated database's clock runs with the loop's), instead of the take-over's, before it left.
-        if retaken_at is None:
-            asked_at += timedelta(seconds=asyncio.get_running_loop().time() - _PROBED_FROM.get())
-        return real(record, result, asked_at, policy, retaken_at=retaken_at)
+        if judged.retaken_at is not None:
+            return judged
+        since = timedelta(seconds=asyncio.get_running_loop().time() - _PROBED_FROM.get())
+        return replace(judged, asked_at=judged.asked_at + since)
 
-    return patched((EffectService, "_probe", probe), (service, "after_probe", after_probe))
+    return _judging_probes(later, (EffectService, "_probe", probe))
 
 
 def _lag_from_the_claim() -> contextlib.AbstractContextManager[None]:
-    real = decision.after_probe
-
-    def after_probe(
-        record: EffectRecord,
-        result: ProbeResult,
-        asked_at: datetime,
-        policy: Policy,
-        retaken_at: datetime | None = None,
-    ) -> decision.ProbeStep:
+    def from_the_claim(judged: _Judged) -> _Judged:
         # The lag counted from the latest claim, as if the upstream acted the moment it was sent: the
         # answer's time and the lease are left out.
-        if retaken_at is None:
-            record = replace(record, response_at=record.last_sent_at or record.created_at)
-        return real(record, result, asked_at, policy, retaken_at=retaken_at)
+        if judged.retaken_at is not None:
+            return judged
+        record = judged.record
+        return replace(judged, record=replace(record, response_at=record.last_sent_at or record.created_at))
 
-    return patched((service, "after_probe", after_probe))
+    return _judging_probes(from_the_claim)
 
 
 class _Escaped(Exception):
