@@ -14,8 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway import jsonbody, operators, problems, process
 from gateway.audit_query import EffectFilter
-from gateway.decision import NotAwaitingOperator
-from gateway.errors import CursorUnknown, StoreUnavailable
+from gateway.errors import BadName, CursorUnknown, NoSuchEffect, NotAwaitingOperator, StoreUnavailable
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.metrics import states_exposition
 from gateway.record import EffectRecord, StoredResponse
@@ -329,7 +328,7 @@ async def resolve_effect(request: web.Request) -> web.Response:
     by = request.headers.get("Effect-Gateway-Operator")
     try:
         operators.check_name(by)
-    except operators.BadName as exc:
+    except BadName as exc:
         raise problems.BadRequest(f"Effect-Gateway-Operator: {exc}") from None
     record = await _load(request, None)
     try:
@@ -352,7 +351,7 @@ async def resolve_effect(request: web.Request) -> web.Response:
             response=response,
             by=by,
         )
-    except operators.NoSuchEffect as exc:
+    except NoSuchEffect as exc:
         raise problems.NotFound(str(exc)) from None
     except NotAwaitingOperator as exc:
         raise problems.NotResolvable(str(exc), effect_id=record.id) from None

@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 
-from gateway import admin, audit_routes, browser, codings, legible, openapi, problems
+from gateway import admin, audit_routes, browser, codings, legible, openapi, problems, replies
 from gateway.body import RequestBody, read_body
 from gateway.errors import BodyUnreadable, StoreRejected, StoreUnavailable
 from gateway.fingerprint import covered
@@ -374,7 +374,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         raise problems.StampReserved(
             f"{taken} is where the gateway puts its key for {policy.name}; the request may not set it"
         )
-    reply = await runtime.service.handle(
+    result = await runtime.service.handle(
         Inbound(
             tenant=tenant,
             upstream=policy,
@@ -390,6 +390,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             client_left=lambda: _client_left(request),
         )
     )
+    reply = replies.answer(result)
     trail.replayed = reply.replayed
     return to_response(reply)
 

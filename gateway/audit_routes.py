@@ -31,8 +31,9 @@ from gateway.admin import (
     whole_number,
 )
 from gateway.audit_page import BASE, Chrome, Listing
-from gateway.decision import NotAwaitingOperator, resolution
+from gateway.decision import awaits_operator
 from gateway.effect_page import ResolveForm, Verdict
+from gateway.errors import BadName, NoSuchEffect, NotAwaitingOperator
 from gateway.record import EffectRecord, StoredResponse
 from gateway.runtime import RUNTIME, Runtime, is_admin, read_request_body, tenant_of
 from gateway.sessions import (
@@ -363,12 +364,8 @@ async def _load(request: web.Request, tenant: str | None) -> EffectRecord:
 
 def _verdict(record: EffectRecord, viewer: Viewer, form: ResolveForm | None = None) -> Verdict:
     """Whether the record waits for an operator: the decision's own rule, asked, not repeated here."""
-    assert record.read_at is not None, "records are read with the database's time"
-    try:
-        resolution(record, record.read_at, happened=False)
-        blocked = None
-    except NotAwaitingOperator as exc:
-        blocked = str(exc)
+    refused = awaits_operator(record)
+    blocked = None if refused is None else refused.reason
     return Verdict(viewer.may_resolve, blocked, viewer.csrf, form or ResolveForm())
 
 
@@ -462,7 +459,7 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
     try:
         try:
             operators.check_name(entered.by)
-        except operators.BadName as exc:
+        except BadName as exc:
             raise problems.BadRequest(_sentence(exc)) from None
         if happened == "yes":
             response = _response(entered)
@@ -480,7 +477,7 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
             response=response,
             by=by,
         )
-    except operators.NoSuchEffect:
+    except NoSuchEffect:
         raise PageError(404, "No such effect", f"There is no effect {record.id}.") from None
     except NotAwaitingOperator as exc:
         fresh = await _load(request, None)

@@ -27,9 +27,17 @@ from urllib.parse import parse_qs, urlsplit
 import asyncpg
 
 from gateway import admin, embedded, jsonbody, legible, logs, operators, problems, report
-from gateway.decision import NotAwaitingOperator
 from gateway.embedded import EmbeddedPostgres
-from gateway.errors import CannotListen, ConfigError, GatewayError, LoginRefused, StoreUnavailable
+from gateway.errors import (
+    BadName,
+    CannotListen,
+    ConfigError,
+    GatewayError,
+    LoginRefused,
+    NoSuchEffect,
+    NotAwaitingOperator,
+    StoreUnavailable,
+)
 from gateway.policy import PythonProbe, upstream_policies, upstream_policy
 from gateway.probes import Prober, load_python_probe
 from gateway.record import EffectRecord, StoredResponse
@@ -348,7 +356,7 @@ def cmd_resolve(settings: Settings, args: argparse.Namespace) -> int:
     effect_id(args.id)
     try:
         operators.check_name(args.operator)
-    except operators.BadName as exc:
+    except BadName as exc:
         raise UsageError(f"--operator: {exc}") from None
     given = None
     if happened and not args.from_upstream:
@@ -369,7 +377,7 @@ def cmd_resolve(settings: Settings, args: argparse.Namespace) -> int:
                     response=response,
                     by=args.operator,
                 )
-            except operators.NoSuchEffect as exc:
+            except NoSuchEffect as exc:
                 raise UsageError(str(exc)) from None
             except NotAwaitingOperator as exc:
                 raise UsageError(f"effect {args.id}: {exc}") from None

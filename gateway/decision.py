@@ -1,11 +1,12 @@
 """The idempotency decision: pure functions of (record, request or outcome, now, policy).
 
-Nothing here does I/O or reads a clock. :func:`decide` says what to do with a request whose key has
-a record; :func:`settle`, :func:`after_probe`, :func:`take_over`, :func:`review` and
-:func:`resolution` say what each kind of write does to the record's state, and build the
-:class:`~gateway.states.Transition` that the store carries out (so a move the state table does not
-list raises before any SQL runs). The driver (:mod:`gateway.service`) carries out the actions; tests
-drive this module with tables (tests/test_decision.py), grouped by the rows of the state table.
+Nothing here does I/O or reads a clock. Every function that judges returns a member of one union,
+:data:`Action`: :func:`decide` says what to do with a request whose key has a record,
+:func:`before_sending` whether its request may leave, :func:`settle` and :func:`after_probe` what an
+attempt or a probe comes to, and :func:`resolution` what an operator's verdict does. The settlements
+carry the :class:`~gateway.states.Transition` that the store carries out (so a move the state table
+does not list raises before any SQL runs). The driver (:mod:`gateway.service`) carries out the actions;
+tests drive this module with tables (tests/test_decision.py), grouped by the rows of the state table.
 """
 
 from __future__ import annotations
@@ -129,10 +130,11 @@ class Purged:
     """Completed, the stored response is gone and nothing can supply it: 410. Nothing is sent."""
 
 
-Action = Replay | Mismatch | Busy | Resend | Probe | Review | Unknown | Restore | Purged
+# What :func:`decide` may say; members of :data:`Action`, like every other function's answer here.
+Decision = Replay | Mismatch | Busy | Resend | Probe | Review | Unknown | Restore | Purged
 
 
-def decide(record: EffectRecord, request: Request, now: datetime, policy: Policy) -> Action:
+def decide(record: EffectRecord, request: Request, now: datetime, policy: Policy) -> Decision:
     """What to do with a request whose key already has a record."""
     if not record.response_read:
         raise ValueError("the decision needs the record read with its response")
@@ -163,7 +165,7 @@ def decide(record: EffectRecord, request: Request, now: datetime, policy: Policy
     raise AssertionError(f"unhandled state {record.state}")  # pragma: no cover
 
 
-def _recover(record: EffectRecord, now: datetime, policy: Policy) -> Action:
+def _recover(record: EffectRecord, now: datetime, policy: Policy) -> Decision:
     """The recovery order for a record in doubt (or a pending one whose lease ran out)."""
     # A pending record whose lease ran out belongs to a gateway that died or stalled after its claim:
     # the claim is the intent to send, so that attempt may have reached the upstream.
@@ -473,25 +475,36 @@ def restore(record: EffectRecord) -> Transition:
     return Transition(record.state, State.COMPLETED)
 
 
-class NotAwaitingOperator(ValueError):
-    """An operator's verdict on a record that is not waiting for one."""
+@dataclass(frozen=True, slots=True)
+class Resolve:
+    """Write down an operator's verdict: the record moves as ``transition`` says."""
+
+    transition: Transition
 
 
-def resolution(record: EffectRecord, now: datetime, *, happened: bool) -> Transition:
-    """An operator's verdict: it happened (completed, with a response) or it did not (retryable).
+def resolution(record: EffectRecord, now: datetime, *, happened: bool) -> Resolve | Refuse:
+    """Judge an operator's verdict: it happened (completed, with a response) or it did not (retryable).
 
     Taken for records in review or in doubt, and for pending records whose lease ran out (a gateway
-    died holding them). Never while a lease runs: the upstream may still act on the request. Never for
-    a completed record: the effect happened, whatever anyone says later.
+    died holding them). Refused while a lease runs: the upstream may still act on the request. Refused
+    for a completed record: the effect happened, whatever anyone says later.
     """
     if record.state is State.COMPLETED:
-        raise NotAwaitingOperator(
-            "the effect completed; a completed effect is never resolved (its response is replayed)"
-        )
+        return Refuse("the effect completed; a completed effect is never resolved (its response is replayed)")
     if record.state is State.RETRYABLE:
-        raise NotAwaitingOperator("nothing happened upstream; the next retry sends it")
+        return Refuse("nothing happened upstream; the next retry sends it")
     if record.lease_expires_at is not None and now < record.lease_expires_at:
-        raise NotAwaitingOperator(
+        return Refuse(
             f"a call may still be under way until its lease ends at {record.lease_expires_at.isoformat()}"
         )
-    return Transition(record.state, State.COMPLETED if happened else State.RETRYABLE)
+    return Resolve(Transition(record.state, State.COMPLETED if happened else State.RETRYABLE))
+
+
+def awaits_operator(record: EffectRecord) -> Refuse | None:
+    """Say why an operator may not give a verdict on ``record`` as read (None: they may)."""
+    judged = resolution(record, record.as_of, happened=False)
+    return judged if isinstance(judged, Refuse) else None
+
+
+# Every answer of the functions above: what the driver, the operators' commands and the tests match on.
+Action = Decision | Send | Late | Refuse | Settlement | TooSoon | TakeOver | Resolve

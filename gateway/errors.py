@@ -57,3 +57,15 @@ class ProbeFailed(GatewayError):
 
 class CursorUnknown(GatewayError):
     """A page of the audit read by time was asked to go on from an effect its viewer cannot see."""
+
+
+class NotAwaitingOperator(GatewayError):
+    """An operator's verdict on a record that is not waiting for one, or that changed since it was judged."""
+
+
+class NoSuchEffect(GatewayError):
+    """No effect has this id (or none the caller may see)."""
+
+
+class BadName(GatewayError):
+    """An operator's name that the history cannot keep as given."""

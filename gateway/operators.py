@@ -2,35 +2,22 @@
 
 from __future__ import annotations
 
-from gateway.decision import NotAwaitingOperator, resolution
+from gateway.decision import Refuse, awaits_operator, resolution
+from gateway.errors import BadName, NoSuchEffect, NotAwaitingOperator
 from gateway.legible import flaw
 from gateway.record import EffectRecord, StoredResponse
+from gateway.seams import Verdicts
 from gateway.states import State
-from gateway.store import Store
 
 
 def resolvable(record: EffectRecord) -> bool:
     """Whether an operator may give a verdict on the record as read (it waits for one, no lease runs)."""
-    if record.read_at is None:
-        return False
-    try:
-        resolution(record, record.read_at, happened=False)
-    except NotAwaitingOperator:
-        return False
-    return True
+    return record.read_at is not None and awaits_operator(record) is None
 
 
 def _resolved_at(record: EffectRecord, attempt: int) -> bool:
     """Whether the history holds an operator's verdict on ``attempt`` (read with its history)."""
     return any(e.get("event") == "resolved" and e.get("attempt") == attempt for e in record.history)
-
-
-class NoSuchEffect(LookupError):
-    """No effect has this id (or none the caller may see)."""
-
-
-class BadName(ValueError):
-    """An operator's name that the history cannot keep as given."""
 
 
 # The name is kept in the effect's history for good, and shown on the page and on the command line:
@@ -51,7 +38,7 @@ def check_name(by: str | None) -> None:
 
 
 async def resolve(
-    store: Store,
+    store: Verdicts,
     effect_id: int,
     *,
     attempt: int,
@@ -66,7 +53,7 @@ async def resolve(
     "did not happen" would then let the next request send it again.
 
     Raises :class:`BadName` for a name the history cannot keep, :class:`NoSuchEffect`, or
-    :class:`~gateway.decision.NotAwaitingOperator` when the record is not waiting for an operator or
+    :class:`~gateway.errors.NotAwaitingOperator` when the record is not waiting for an operator or
     changed since it was judged.
     """
     check_name(by)
@@ -89,9 +76,10 @@ async def resolve(
             "it changed since it was judged: another verdict said it did not happen "
             "(now retryable, and the next retry sends it); look at it again"
         )
-    assert record.read_at is not None
-    move = resolution(record, record.read_at, happened=happened)
-    if await store.resolve(record, move, response, by) is None:
+    move = resolution(record, record.as_of, happened=happened)
+    if isinstance(move, Refuse):
+        raise NotAwaitingOperator(move.reason)
+    if await store.resolve(record, move.transition, response, by) is None:
         raise NotAwaitingOperator("it changed state meanwhile; look at it again")
     resolved = await store.get(effect_id)
     assert resolved is not None, "a resolved effect is still there"

@@ -114,6 +114,13 @@ class EffectRecord:
     send_lease: timedelta | None = None
 
     @property
+    def as_of(self) -> datetime:
+        """Return the database's clock when this record was read; every record the store returns has it."""
+        if self.read_at is None:
+            raise ValueError("this record was not read from the store, so it has no time to judge it at")
+        return self.read_at
+
+    @property
     def replay_refused(self) -> bool:
         """Completed, with a response on record that cannot be read back: a retry is refused (500), never
         answered with garbage, and the effect is not sent again."""

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import assert_never
 
 from gateway import problems
 from gateway.decision import repeats_request
+from gateway.endings import (
+    AwaitsOperator,
+    Ending,
+    Fenced,
+    InFlight,
+    KeyMissing,
+    KeyReused,
+    ProbeTooSoon,
+    ProbeUnavailable,
+    Redirected,
+    ResponseGone,
+    Unanswered,
+    Unrecorded,
+)
 from gateway.outcome import Answered, NoAnswer, NotSent, Outcome
 from gateway.policy import UpstreamPolicy
 from gateway.record import EffectRecord, StoredResponse
@@ -22,54 +38,28 @@ class Reply:
     effect_id: int | None
 
 
-def reply(outcome: Outcome, effect_id: int | None) -> Reply:
-    match outcome:
-        case Answered():
-            return Reply(StoredResponse(outcome.status, outcome.headers, outcome.body), False, effect_id)
-        case NotSent(reason=reason):
-            raise problems.UpstreamUnreachable(
-                f"{reason}; nothing was sent, retry with the same key",
-                headers={"Retry-After": "1"},
-                effect_id=effect_id,
-            )
-        case NoAnswer(reason=reason, too_large=True):
-            raise problems.ResponseTooLarge(
-                f"{reason}; the effect may have happened, retry with the same key to recover it",
-                effect_id=effect_id,
-            )
-        case NoAnswer(reason=reason, timed_out=True):
-            raise problems.UpstreamTimeout(
-                f"{reason}; the effect may have happened, retry with the same key to recover it",
-                effect_id=effect_id,
-            )
-        case NoAnswer(reason=reason):
-            raise problems.UpstreamBroken(
-                f"{reason}; the effect may have happened, retry with the same key to recover it",
-                effect_id=effect_id,
-            )
-    assert_never(outcome)
+def reply(outcome: Outcome, effect_id: int | None) -> Reply | Unanswered:
+    """Answer with what the upstream answered, or say that it gave no answer."""
+    if isinstance(outcome, Answered):
+        return Reply(StoredResponse(outcome.status, outcome.headers, outcome.body), False, effect_id)
+    return Unanswered(outcome, effect_id)
 
 
-def refuse_redirect(outcome: Outcome, policy: UpstreamPolicy, effect_id: int | None, method: str) -> None:
-    """A redirect that keeps the method is never relayed for a request that may have an effect.
+def redirected(
+    outcome: Outcome, policy: UpstreamPolicy, effect_id: int | None, method: str
+) -> Redirected | None:
+    """Say when an answer is a redirect that repeats the request, which is never relayed (None: it is not).
 
     A client that follows it (requests and aiohttp do by default) would send the request again to
     wherever Location points, past the gateway: on the first answer and on every replay, with the
     agent's Effect-Gateway-Token. The upstream did not act (the record is retryable): say so instead.
     """
     if not (isinstance(outcome, Answered) and repeats_request(outcome.status, method)):
-        return
+        return None
     location = next((value for name, value in outcome.headers if name.lower() == "location"), "")
     # Stored header text stands for the upstream's bytes (surrogate-escaped): shown here as text.
     shown = location.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    raise problems.UpstreamRedirected(
-        f"the upstream answered {outcome.status} with Location {shown or '(none)'}: it did not act on the "
-        "request and asks for it there. The gateway relays no redirect that repeats a request, which a "
-        "client following it would send past the gateway. Nothing was done; once "
-        f"upstreams.{policy.name}.base_url points where it moved, retry with the same key",
-        effect_id=effect_id,
-        location=shown,
-    )
+    return Redirected(effect_id, outcome.status, shown, policy.name)
 
 
 def stored(outcome: Outcome) -> StoredResponse | None:
@@ -87,37 +77,119 @@ def describe(outcome: Outcome) -> str:
     assert_never(outcome)
 
 
-def key_reused(effect_id: int) -> problems.Problem:
-    return problems.KeyReused(
-        "this Idempotency-Key was first used with a different method, path, query or body",
-        effect_id=effect_id,
+def problem(ending: Ending) -> problems.Problem:
+    """Turn how a request ended into the problem its agent gets: the one place that picks the status,
+    the ``Retry-After`` and the words."""
+    match ending:
+        case KeyReused(effect_id=effect_id):
+            return problems.KeyReused(
+                "this Idempotency-Key was first used with a different method, path, query or body",
+                effect_id=effect_id,
+            )
+        case KeyMissing(method=method, upstream=upstream):
+            return problems.KeyMissing(
+                f"{method} to {upstream} needs an Idempotency-Key header: without one a retry would do the "
+                "effect again"
+            )
+        case InFlight(effect_id=effect_id, retry_after=retry_after, then=then):
+            return problems.InFlight(
+                f"another request with this key is in flight; {then}",
+                headers=_retry_after(retry_after),
+                effect_id=effect_id,
+            )
+        case Fenced(effect_id=effect_id, detail=detail):
+            return problems.Fenced(detail, headers={"Retry-After": "1"}, effect_id=effect_id)
+        case AwaitsOperator(effect_id=effect_id, seen=None):
+            return problems.OutcomeUnknown(
+                f"the effect may have happened and nothing can tell; {how_to_resolve(ending)}",
+                effect_id=effect_id,
+            )
+        case AwaitsOperator(effect_id=effect_id, seen=seen):
+            return problems.OutcomeUnknown(
+                f"{seen}; nothing will be sent again for this key until it is resolved: "
+                f"{how_to_resolve(ending)}",
+                effect_id=effect_id,
+            )
+        case ResponseGone(effect_id=None, why=why):
+            return problems.ResponsePurged(why)
+        case ResponseGone(effect_id=effect_id, why=why):
+            return problems.ResponsePurged(
+                "the effect happened and is never sent again; its response was dropped after the retention "
+                f"and {why}",
+                effect_id=effect_id,
+            )
+        case ProbeUnavailable(effect_id=effect_id, detail=detail):
+            return problems.ProbeUnavailable(detail, headers={"Retry-After": "5"}, effect_id=effect_id)
+        case ProbeTooSoon(effect_id=effect_id, detail=detail, retry_after=retry_after):
+            wait = _retry_after(retry_after)
+            return problems.ProbeTooSoon(
+                f"{detail} (the upstream's probe.lag); nothing was sent and the record is unchanged, retry "
+                f"in {wait['Retry-After']}s",
+                headers=wait,
+                effect_id=effect_id,
+            )
+        case Unrecorded(effect_id=effect_id, error=error, lease=lease):
+            return problems.StoreDown(
+                f"the upstream was called but its outcome could not be recorded ({error}); retry with the "
+                "same key to recover it",
+                headers=_retry_after(lease),
+                effect_id=effect_id,
+            )
+        case Unanswered(outcome=outcome, effect_id=effect_id):
+            return _unanswered(outcome, effect_id)
+        case Redirected(effect_id=effect_id, status=status, location=location, upstream=upstream):
+            return problems.UpstreamRedirected(
+                f"the upstream answered {status} with Location {location or '(none)'}: it did not act on the "
+                "request and asks for it there. The gateway relays no redirect that repeats a request, which "
+                "a client following it would send past the gateway. Nothing was done; once "
+                f"upstreams.{upstream}.base_url points where it moved, retry with the same key",
+                effect_id=effect_id,
+                location=location,
+            )
+    assert_never(ending)
+
+
+def _unanswered(outcome: NotSent | NoAnswer, effect_id: int | None) -> problems.Problem:
+    match outcome:
+        case NotSent(reason=reason):
+            return problems.UpstreamUnreachable(
+                f"{reason}; nothing was sent, retry with the same key",
+                headers={"Retry-After": "1"},
+                effect_id=effect_id,
+            )
+        case NoAnswer(reason=reason, too_large=True):
+            kind: type[problems.Problem] = problems.ResponseTooLarge
+        case NoAnswer(reason=reason, timed_out=True):
+            kind = problems.UpstreamTimeout
+        case NoAnswer(reason=reason):
+            kind = problems.UpstreamBroken
+    return kind(
+        f"{reason}; the effect may have happened, retry with the same key to recover it", effect_id=effect_id
     )
 
 
-def purged(record: EffectRecord, why: str) -> problems.Problem:
-    return problems.ResponsePurged(
-        f"the effect happened and is never sent again; its response was dropped after the retention and "
-        f"{why}",
-        effect_id=record.id,
-    )
+def answer(result: Reply | Ending) -> Reply:
+    """Return the reply, or raise the problem that says why there is none."""
+    if isinstance(result, Reply):
+        return result
+    raise problem(result)
 
 
-def outcome_unknown(record: EffectRecord) -> problems.Problem:
-    return problems.OutcomeUnknown(
-        f"the effect may have happened and nothing can tell; {how_to_resolve(record)}",
-        effect_id=record.id,
-    )
+def _retry_after(wait: timedelta) -> dict[str, str]:
+    # Whole seconds, never 0: an agent told 0 would retry at once, and a wait under a second rounds up.
+    return {"Retry-After": str(max(1, math.ceil(wait.total_seconds())))}
 
 
-def how_to_resolve(record: EffectRecord) -> str:
-    """Return the commands an operator runs to resolve ``record``, naming the attempt to judge.
+def how_to_resolve(record: EffectRecord | AwaitsOperator) -> str:
+    """Return the commands an operator runs to resolve the effect, naming the attempt to judge.
 
     The one for "it did not happen" runs as written; the one for "it happened" needs the response to
     replay filled in, which only the operator knows.
     """
-    command = f"effect-gateway resolve {record.id} --attempt {record.attempt}"
+    effect_id = record.id if isinstance(record, EffectRecord) else record.effect_id
+    command = f"effect-gateway resolve {effect_id} --attempt {record.attempt}"
     return (
         f"an operator who finds it did not happen runs `{command} --did-not-happen`, one who finds it did "
         f"runs `{command} --happened --status STATUS --body BODY` with the response to replay (or POST "
-        f'/_gateway/effects/{record.id}/resolve with "attempt": {record.attempt})'
+        f'/_gateway/effects/{effect_id}/resolve with "attempt": {record.attempt})'
     )

@@ -23,20 +23,19 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from gateway import decision, operators, problems, service, states
+from gateway import attempts, decision, operators, probing, problems, replies, service, states
 from gateway.decision import Policy, Resend, Settlement
-from gateway.errors import StoreUnavailable
+from gateway.endings import Ending, Unanswered, Unrecorded
+from gateway.errors import ProbeFailed
+from gateway.outcome import NotSent, ProbeResult
 from gateway.outcome import Outcome as Sent
-from gateway.outcome import ProbeError, ProbeResult
 from gateway.policy import UpstreamPolicy
-from gateway.record import EffectRecord
-from gateway.replies import Reply
-from gateway.service import EffectService
+from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State, Transition
-from gateway.upstream import Outbound
 from sim.invariants import USER_VISIBLE, checking_only
 from sim.run import Outcome, explore, report, run, shrink
 from sim.store import Row, SimDatabase
+from sim.upstreams import SimProber
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ def _doubt_not_sticky() -> contextlib.AbstractContextManager[None]:
         fresh = real(outcome, earlier_doubt=False, method=method)
         return Settlement(fresh.transition, earlier_doubt or fresh.may_have_sent, fresh.ends_lease)
 
-    return patched((decision, "settle", settle), (service, "settle", settle))
+    return patched((decision, "settle", settle), (attempts, "settle", settle))
 
 
 def _margin_zero() -> contextlib.AbstractContextManager[None]:
@@ -98,7 +97,7 @@ def _resend_purged(widen_table: bool) -> Callable[[], contextlib.AbstractContext
 
         def decide(
             record: EffectRecord, request: decision.Request, now: datetime, policy: Policy
-        ) -> decision.Action:
+        ) -> decision.Decision:
             action = real(record, request, now, policy)
             if isinstance(action, decision.Restore | decision.Purged):
                 return Resend("native_key" if policy.native_key_ttl is not None else "retryable")
@@ -113,55 +112,70 @@ def _resend_purged(widen_table: bool) -> Callable[[], contextlib.AbstractContext
     return patch
 
 
-def _failed_probe_doubts() -> contextlib.AbstractContextManager[None]:
-    real = EffectService._restore
+def _probing(
+    after: Callable[[SimProber, UpstreamPolicy, str, StoredResponse | ProbeFailed | None], None],
+) -> tuple[Any, str, Any]:
+    """Wrap the simulated prober, a seam the driver calls: ``after`` sees each probe's answer (or failure)
+    before the driver does."""
+    real = SimProber.probe
 
-    async def restore(self: EffectService, record: EffectRecord, policy: Any) -> Any:
-        looked = await self._look(policy, record)
-        if isinstance(looked, ProbeError):
-            # The old bug: a failed probe of a purged, completed effect put it back in doubt.
+    async def probe(self: SimProber, policy: UpstreamPolicy, derived_key: str) -> StoredResponse | None:
+        try:
+            found = await real(self, policy, derived_key)
+        except ProbeFailed as exc:
+            after(self, policy, derived_key, exc)
+            raise
+        after(self, policy, derived_key, found)
+        return found
+
+    return (SimProber, "probe", probe)
+
+
+def _purged_row(prober: SimProber, derived_key: str) -> tuple[SimDatabase, EffectRecord] | None:
+    """The completed record, its response purged, that a probe looked for (None: it is not one)."""
+    db: SimDatabase = prober.stage.db  # type: ignore[attr-defined]  # the stage is the World
+    for row in db.rows.values():
+        if row.derived_key == derived_key:
+            record = db.record(row, db.now(), response=True)
+            return (db, record) if record.purged else None
+    return None
+
+
+def _failed_probe_doubts() -> contextlib.AbstractContextManager[None]:
+    def after(prober: SimProber, policy: UpstreamPolicy, key: str, answer: object) -> None:
+        purged = _purged_row(prober, key)
+        if isinstance(answer, ProbeFailed) and purged is not None:
+            # The old bug: a failed probe of a purged, completed effect put it back in doubt. (The state
+            # table forbids that move, so it is built past its check.)
+            db, record = purged
             move = object.__new__(Transition)
             object.__setattr__(move, "source", State.COMPLETED)
             object.__setattr__(move, "target", State.IN_DOUBT)
-            await self._store.settle(record, Settlement(move, True, True), response=None, recovered_by=None)
-        return await real(self, record, policy)
+            db.settle(record, Settlement(move, True, True), State.COMPLETED, response=None, recovered_by=None)
 
-    return patched((EffectService, "_restore", restore))
-
-
-# The request being followed, for a mutated _restore that sends (the real one never needs it).
-_OUTBOUND: contextvars.ContextVar[Outbound] = contextvars.ContextVar("mutation_outbound")
+    return patched(_probing(after))
 
 
 def _purged_not_found_resends() -> contextlib.AbstractContextManager[None]:
-    real_follow = EffectService._follow
-    real_restore = EffectService._restore
+    # The old code: a purged effect that the probe no longer finds is taken over and sent again (its
+    # table let a completed record be taken: completed -> pending). Here decide, the pure core, sends
+    # it again on the next request once a probe has found nothing for it.
+    lost: set[str] = set()
+    real = decision.decide
 
-    async def follow(self: EffectService, record: EffectRecord, *args: Any) -> Reply:
-        _OUTBOUND.set(args[2])  # (request, policy, outbound, wait)
-        return await real_follow(self, record, *args)
+    def after(prober: SimProber, policy: UpstreamPolicy, key: str, answer: object) -> None:
+        if answer is None and _purged_row(prober, key) is not None:
+            lost.add(key)
 
-    async def restore(self: EffectService, record: EffectRecord, policy: UpstreamPolicy) -> Reply:
-        try:
-            return await real_restore(self, record, policy)
-        except problems.ResponsePurged:
-            pass  # the probe no longer finds it
-        # The old code: a purged effect that the probe no longer finds is taken over and sent again
-        # (its table let a completed record be taken: completed -> pending).
-        took = asyncio.get_running_loop().time()
-        claimed = await self._store.reclaim(
-            record, decision.take_over(record), policy.lease, "the probe found nothing", sends=True
-        )
-        if claimed is None:
-            return await real_restore(self, await self._store.reread(record), policy)
-        return await self._attempt(claimed, took, policy, _OUTBOUND.get(), reason=None)
+    def decide(
+        record: EffectRecord, request: decision.Request, now: datetime, policy: Policy
+    ) -> decision.Decision:
+        if record.purged and record.derived_key in lost:
+            return Resend("retryable")
+        return real(record, request, now, policy)
 
     wider = {**states.TRANSITIONS, State.COMPLETED: frozenset({State.COMPLETED, State.PENDING})}
-    return patched(
-        (EffectService, "_follow", follow),
-        (EffectService, "_restore", restore),
-        (states, "TRANSITIONS", wider),
-    )
+    return patched(_probing(after), (service, "decide", decide), (states, "TRANSITIONS", wider))
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +204,7 @@ def _judging_probes(
         judged = change(_Judged(record, asked_at, policy, retaken_at))
         return real(judged.record, result, judged.asked_at, judged.policy, retaken_at=judged.retaken_at)
 
-    return patched((service, "after_probe", after_probe), *more)
+    return patched((probing, "after_probe", after_probe), *more)
 
 
 def _horizon_ignored() -> contextlib.AbstractContextManager[None]:
@@ -212,16 +226,17 @@ def _lag_ignored() -> contextlib.AbstractContextManager[None]:
     )
 
 
-# This process's clock when the probe's take-over returned (for "lag-after-probe").
+# This process's clock when the probe left (for "lag-after-probe").
 _PROBED_FROM: contextvars.ContextVar[float] = contextvars.ContextVar("mutation_probed_from")
 
 
 def _lag_after_probe() -> contextlib.AbstractContextManager[None]:
-    real_probe = EffectService._probe
+    real_probe = SimProber.probe
 
-    async def probe(self: EffectService, record: EffectRecord, *args: Any) -> Reply:
+    async def probe(self: SimProber, policy: UpstreamPolicy, derived_key: str) -> StoredResponse | None:
+        # Set in the driver's task, which goes on to judge the answer.
         _PROBED_FROM.set(asyncio.get_running_loop().time())
-        return await real_probe(self, record, *args)
+        return await real_probe(self, policy, derived_key)
 
     def later(judged: _Judged) -> _Judged:
         # The lag judged at the database's clock once the probe has answered, as the horizon is (the
@@ -231,7 +246,7 @@ def _lag_after_probe() -> contextlib.AbstractContextManager[None]:
         since = timedelta(seconds=asyncio.get_running_loop().time() - _PROBED_FROM.get())
         return replace(judged, asked_at=judged.asked_at + since)
 
-    return _judging_probes(later, (EffectService, "_probe", probe))
+    return _judging_probes(later, (SimProber, "probe", probe))
 
 
 def _lag_from_the_claim() -> contextlib.AbstractContextManager[None]:
@@ -246,50 +261,41 @@ def _lag_from_the_claim() -> contextlib.AbstractContextManager[None]:
     return _judging_probes(from_the_claim)
 
 
-class _Escaped(Exception):
-    """Carries a store error past the service's own handler (for "unrecorded-outage-escapes")."""
-
-    def __init__(self, error: StoreUnavailable) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 def _unrecorded_outage_escapes() -> contextlib.AbstractContextManager[None]:
-    real_unrecorded = EffectService._unrecorded
-    real_attempt = EffectService._attempt
+    real = replies.problem
 
-    async def unrecorded(self: EffectService, *args: Any) -> Reply:
-        try:
-            return await real_unrecorded(self, *args)
-        except StoreUnavailable as exc:
-            raise _Escaped(exc) from None
+    def problem(ending: Ending) -> problems.Problem:
+        # The old code: an outage while writing down what the upstream answered (or while sending it to
+        # review after Postgres refused the answer) reached the agent as "...; nothing was sent".
+        if isinstance(ending, Unrecorded):
+            return real(Unanswered(NotSent(f"the store is unavailable: {ending.error}"), ending.effect_id))
+        return real(ending)
 
-    async def attempt(self: EffectService, *args: Any, **kwargs: Any) -> Reply:
-        # The old code: an outage on the write to review (after Postgres refused the answer) left the
-        # service as StoreUnavailable, which the app answers "...; nothing was sent".
-        try:
-            return await real_attempt(self, *args, **kwargs)
-        except _Escaped as escaped:
-            raise escaped.error from None
-
-    return patched((EffectService, "_unrecorded", unrecorded), (EffectService, "_attempt", attempt))
+    return patched((replies, "problem", problem))
 
 
 def _late_sender() -> contextlib.AbstractContextManager[None]:
     def before_sending(*args: Any) -> decision.Send:
         return decision.Send()
 
-    return patched((service, "before_sending", before_sending))
+    return patched((attempts, "before_sending", before_sending))
 
 
 def _operator_during_lease(store_too: bool) -> Callable[[], contextlib.AbstractContextManager[None]]:
     def patch() -> contextlib.AbstractContextManager[None]:
         real = decision.resolution
 
-        def resolution(record: EffectRecord, now: datetime, *, happened: bool) -> Transition:
+        def resolution(
+            record: EffectRecord, now: datetime, *, happened: bool
+        ) -> decision.Resolve | decision.Refuse:
             return real(replace(record, lease_expires_at=None), now, happened=happened)
 
-        changes: list[tuple[Any, str, Any]] = [(operators, "resolution", resolution)]
+        # The pure core's rule, whoever asks it: the operators' commands, and whether a record is shown
+        # as waiting for a verdict (operators.resolvable, through decision.awaits_operator).
+        changes: list[tuple[Any, str, Any]] = [
+            (decision, "resolution", resolution),
+            (operators, "resolution", resolution),
+        ]
         if store_too:
             changes.append((SimDatabase, "_resolvable", lambda self, row, now: True))
         return patched(*changes)

@@ -298,7 +298,7 @@ class SimProber:
     """gateway.probes.Prober's ``probe``, asking the simulated upstream's search."""
 
     def __init__(self, stage: Stage, upstreams: dict[str, SimUpstream], who: str) -> None:
-        self._stage = stage
+        self.stage = stage
         self._upstreams = upstreams
         self._who = who
 
@@ -310,14 +310,14 @@ class SimProber:
         upstream = self._upstreams[policy.name]
         owner = OWNER.get()
         who = owner.name if owner else self._who
-        self._stage.hazard(who, policy.timeout.total_seconds())
+        self.stage.hazard(who, policy.timeout.total_seconds())
         fate = (
-            self._stage.chaos.pick([ProbeFate.FAILS, ProbeFate.SLOW])
-            if self._stage.faulty(f"probe:{policy.name}")
+            self.stage.chaos.pick([ProbeFate.FAILS, ProbeFate.SLOW])
+            if self.stage.faulty(f"probe:{policy.name}")
             else ProbeFate.OK
         )
         timeout = policy.timeout.total_seconds()
-        self._stage.probing(who, upstream)
+        self.stage.probing(who, upstream)
         found: asyncio.Future[StoredResponse | None] = loop.create_future()
 
         def look() -> None:
@@ -327,11 +327,11 @@ class SimProber:
                 loop.call_later(back, _fail, found, context=DATABASE)
                 return
             result = upstream.search(derived_key, loop.time())
-            self._stage.note(upstream.name, f"search {derived_key[:12]}: {'found' if result else 'nothing'}")
+            self.stage.note(upstream.name, f"search {derived_key[:12]}: {'found' if result else 'nothing'}")
             loop.call_later(back, _settle, found, result, context=DATABASE)
 
-        back = self._stage.net.between(*NET)
-        loop.call_later(self._stage.net.between(*NET), look, context=DATABASE)
+        back = self.stage.net.between(*NET)
+        loop.call_later(self.stage.net.between(*NET), look, context=DATABASE)
         try:
             return await asyncio.wait_for(found, timeout)
         except TimeoutError:

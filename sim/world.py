@@ -22,23 +22,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
-from gateway import operators, problems
+from gateway import operators, problems, replies
 from gateway.audit_query import EffectFilter
 from gateway.body import read_body
-from gateway.decision import NotAwaitingOperator
-from gateway.errors import StoreRejected, StoreUnavailable
+from gateway.endings import Ending
+from gateway.errors import NoSuchEffect, NotAwaitingOperator, StoreRejected, StoreUnavailable
 from gateway.inbound import Inbound
 from gateway.policy import UpstreamPolicy, upstream_policy
-from gateway.probes import Prober
 from gateway.record import StoredResponse
 from gateway.replies import Reply
 from gateway.service import EffectService
 from gateway.settings import NativeKeySettings, ProbeSettings, StampSettings, UpstreamSettings
 from gateway.states import State
-from gateway.store import Store
-from gateway.upstream import UpstreamClient
 from sim.choices import Choices, Stream
 from sim.invariants import Checks, Violation
 from sim.loop import OWNER, REQUEST, Owner, SimLoop
@@ -214,9 +211,9 @@ class Gateway:
         self.context = contextvars.Context()
         self.context.run(OWNER.set, self.owner)
         self.service = EffectService(
-            cast(Store, self.store),
-            cast(UpstreamClient, self.client),
-            cast(Prober, self.prober),
+            self.store,
+            self.client,
+            self.prober,
             self.world.db.key_secret,
             retention=self.world.setup.retention,
             replay_cache_bytes=self.world.setup.replay_cache,
@@ -259,13 +256,19 @@ class Gateway:
         task = loop.create_task(self.service.handle(inbound), context=context)
         self.waiting[request] = answer
 
-        def done(task: asyncio.Task[Reply]) -> None:
+        def done(task: asyncio.Task[Reply | Ending]) -> None:
             self.waiting.pop(request, None)
-            outcome: Reply | BaseException = task.exception() or task.result()
+            # What the agent gets: the reply, or the problem the app would answer with (replies.problem).
+            error = task.exception()
+            outcome: Reply | BaseException = error if error is not None else _answered(task.result())
             loop.call_later(self.world.net.between(*NET), _resolve, answer, outcome, context=DATABASE)
 
         task.add_done_callback(done, context=DATABASE)
         return answer
+
+
+def _answered(result: Reply | Ending) -> Reply | BaseException:
+    return result if isinstance(result, Reply) else replies.problem(result)
 
 
 def _resolve(answer: asyncio.Future[Reply | BaseException], outcome: Reply | BaseException) -> None:
@@ -558,7 +561,7 @@ class World:
         await asyncio.sleep(think)
         try:
             await operators.resolve(
-                cast(Store, self.operator_store),
+                self.operator_store,
                 effect_id,
                 attempt=looked.attempt,  # the verdict holds for the record the operator judged
                 happened=answer is not None,
@@ -566,7 +569,7 @@ class World:
                 by="operator",
             )
             self.note("operator", f"resolved {scope[0]}/{scope[2]}")
-        except (NotAwaitingOperator, operators.NoSuchEffect, StoreUnavailable, StoreRejected) as exc:
+        except (NotAwaitingOperator, NoSuchEffect, StoreUnavailable, StoreRejected) as exc:
             self.note("operator", f"refused: {exc}")
 
     async def maintainer(self) -> None:

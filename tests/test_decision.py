@@ -11,7 +11,6 @@ from gateway.decision import (
     Busy,
     Late,
     Mismatch,
-    NotAwaitingOperator,
     Policy,
     Probe,
     Purged,
@@ -19,6 +18,7 @@ from gateway.decision import (
     Replay,
     Request,
     Resend,
+    Resolve,
     Restore,
     Review,
     Send,
@@ -366,7 +366,7 @@ def test_a_timeout_keeps_the_lease_and_an_answer_ends_it() -> None:
 )
 def test_operator_resolution(rec: EffectRecord, happened: bool, expected: State) -> None:
     """Records in review, in doubt, or pending past their lease take an operator's verdict."""
-    assert resolution(rec, NOW, happened=happened) == Transition(rec.state, expected)
+    assert resolution(rec, NOW, happened=happened) == Resolve(Transition(rec.state, expected))
 
 
 @pytest.mark.parametrize(
@@ -382,8 +382,9 @@ def test_operator_resolution(rec: EffectRecord, happened: bool, expected: State)
 def test_operator_resolution_refused(rec: EffectRecord, why: str) -> None:
     """A completed effect is never resolved, and nothing is resolved while a lease still runs."""
     for happened in (True, False):
-        with pytest.raises(NotAwaitingOperator, match=why):
-            resolution(rec, NOW, happened=happened)
+        judged = resolution(rec, NOW, happened=happened)
+        assert isinstance(judged, Refuse)
+        assert why in judged.reason
 
 
 FOUND = Found(OK)

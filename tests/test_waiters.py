@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import service
+from gateway import waiting
 from tests.support import Gateway, Upstream, effect_rows, gateway_server
 
 BODY = b'{"items":["atta"]}'
@@ -139,8 +139,8 @@ async def test_a_waiter_that_leaves_does_not_take_the_others_wake_up_with_it(
 ) -> None:
     """The waiters still seated are woken by the call's end, though one past the cap has come and gone."""
     # They poll once in half a minute here: only the wake-up the call's end sends answers them sooner.
-    monkeypatch.setattr(service, "FIRST_POLL", 30.0)
-    monkeypatch.setattr(service, "MAX_POLL", 30.0)
+    monkeypatch.setattr(waiting, "FIRST_POLL", 30.0)
+    monkeypatch.setattr(waiting, "MAX_POLL", 30.0)
     shop = {"shop": {"base_url": upstream.url, "timeout": "60s"}}
     async with (
         gateway_server(dsn, upstreams=shop, max_waiters_per_key=CAP) as gw,
