@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway import jsonbody, operators, problems, process
 from gateway.audit_query import EffectFilter
-from gateway.errors import BadName, CursorUnknown, NoSuchEffect, NotAwaitingOperator, StoreUnavailable
+from gateway.errors import StoreUnavailable
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.metrics import states_exposition
 from gateway.record import EffectRecord, StoredResponse
@@ -232,10 +232,7 @@ def parse_filter(query: dict[str, str], tenant: str | None) -> EffectFilter:
 
 async def find_page(runtime: Runtime, where: EffectFilter) -> list[EffectRecord]:
     """A page of the audit; a ``before`` that names no effect of a span read by time is a bad request."""
-    try:
-        return await runtime.store.find(where)
-    except CursorUnknown as exc:
-        raise problems.BadRequest(f"{exc}: page on with the answer's next link") from None
+    return await runtime.store.find(where)  # CursorUnknown: a 400 (gateway.replies.problem_of_error)
 
 
 def next_query(where: EffectFilter, last: EffectRecord) -> dict[str, str]:
@@ -326,10 +323,7 @@ async def resolve_effect(request: web.Request) -> web.Response:
         # gateway open without an admin token, this is what keeps such a page from resolving effects.
         raise problems.BadRequest("send the verdict as Content-Type: application/json")
     by = request.headers.get("Effect-Gateway-Operator")
-    try:
-        operators.check_name(by)
-    except BadName as exc:
-        raise problems.BadRequest(f"Effect-Gateway-Operator: {exc}") from None
+    operators.check_name(by)  # BadName: a 400 (gateway.replies.problem_of_error)
     record = await _load(request, None)
     try:
         doc = jsonbody.loads(await read_request_body(request, runtime.settings))
@@ -342,19 +336,10 @@ async def resolve_effect(request: web.Request) -> web.Response:
             '"attempt" must be the attempt you judged, as GET /_gateway/effects/{id} shows it: the verdict '
             "holds only if the effect has not changed since"
         )
-    try:
-        resolved = await operators.resolve(
-            runtime.store,
-            record.id,
-            attempt=attempt,
-            happened=happened,
-            response=response,
-            by=by,
-        )
-    except NoSuchEffect as exc:
-        raise problems.NotFound(str(exc)) from None
-    except NotAwaitingOperator as exc:
-        raise problems.NotResolvable(str(exc), effect_id=record.id) from None
+    # NoSuchEffect is a 404 and NotAwaitingOperator a 409 (gateway.replies.problem_of_error).
+    resolved = await operators.resolve(
+        runtime.store, record.id, attempt=attempt, happened=happened, response=response, by=by
+    )
     verdict_given(runtime, resolved, happened, by)
     return _json(effect_json(resolved, full=True))
 

@@ -19,7 +19,7 @@ from aiohttp.typedefs import Middleware
 
 from gateway import admin, audit_routes, browser, codings, legible, openapi, problems, replies
 from gateway.body import RequestBody, read_body
-from gateway.errors import BodyUnreadable, StoreRejected, StoreUnavailable
+from gateway.errors import GatewayError
 from gateway.fingerprint import covered
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.inbound import Inbound
@@ -255,20 +255,12 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
             "%s %s: the client went away before its request was whole (%s)", request.method, request.path, exc
         )
         return _render(request, problems.BadRequest("the request was cut short"))
-    except StoreUnavailable as exc:
-        # Raised before anything was sent: a failure after sending is answered by the service itself.
-        log.error("store unavailable: %s", exc)
-        return _render(request, problems.StoreDown(f"{exc}; nothing was sent", headers={"Retry-After": "1"}))
-    except BodyUnreadable as exc:
-        # Only the response of an effect that happened is read on this path: it is not sent again.
-        log.error("%s %s: %s", request.method, request.path, exc)
-        detail = f"{exc}; the effect is not sent again, and an operator must look at it"
-        return _render(request, problems.Problem(detail, effect_id=exc.effect_id))
-    except StoreRejected as exc:
-        log.error("store refused a request before anything was sent: %s", exc)
-        return _render(
-            request, problems.Problem(f"the request could not be recorded ({exc}); nothing was sent")
-        )
+    except GatewayError as exc:
+        told = replies.problem_of_error(exc)
+        # The gateway's own failures are logged as errors; an operator's mistake (a 4xx) is not one.
+        level = logging.ERROR if told.status >= 500 else logging.INFO
+        log.log(level, "%s %s: %s", request.method, request.path, exc)
+        return _render(request, told)
     except web.HTTPException:
         raise
     except Exception:

@@ -62,6 +62,10 @@ class CursorUnknown(GatewayError):
 class NotAwaitingOperator(GatewayError):
     """An operator's verdict on a record that is not waiting for one, or that changed since it was judged."""
 
+    def __init__(self, message: str, effect_id: int | None = None) -> None:
+        super().__init__(message)
+        self.effect_id = effect_id
+
 
 class NoSuchEffect(GatewayError):
     """No effect has this id (or none the caller may see)."""

@@ -63,24 +63,27 @@ async def resolve(
     if attempt > record.attempt:
         raise NotAwaitingOperator(
             f"it has had no attempt {attempt}: its latest is attempt {record.attempt} "
-            f"({record.state}), the one to judge"
+            f"({record.state}), the one to judge",
+            effect_id,
         )
     if attempt < record.attempt:
         raise NotAwaitingOperator(
             f"it changed since it was judged (attempt {attempt}, now attempt "
-            f"{record.attempt}, {record.state}); look at it again"
+            f"{record.attempt}, {record.state}); look at it again",
+            effect_id,
         )
     if record.state is State.RETRYABLE and _resolved_at(record, attempt):
         # A verdict keeps the attempt: a second operator on the same attempt is told what changed.
         raise NotAwaitingOperator(
             "it changed since it was judged: another verdict said it did not happen "
-            "(now retryable, and the next retry sends it); look at it again"
+            "(now retryable, and the next retry sends it); look at it again",
+            effect_id,
         )
     move = resolution(record, record.as_of, happened=happened)
     if isinstance(move, Refuse):
-        raise NotAwaitingOperator(move.reason)
+        raise NotAwaitingOperator(move.reason, effect_id)
     if await store.resolve(record, move.transition, response, by) is None:
-        raise NotAwaitingOperator("it changed state meanwhile; look at it again")
+        raise NotAwaitingOperator("it changed state meanwhile; look at it again", effect_id)
     resolved = await store.get(effect_id)
     assert resolved is not None, "a resolved effect is still there"
     return resolved

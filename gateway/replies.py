@@ -23,6 +23,16 @@ from gateway.endings import (
     Unanswered,
     Unrecorded,
 )
+from gateway.errors import (
+    BadName,
+    BodyUnreadable,
+    CursorUnknown,
+    GatewayError,
+    NoSuchEffect,
+    NotAwaitingOperator,
+    StoreRejected,
+    StoreUnavailable,
+)
 from gateway.outcome import Answered, NoAnswer, NotSent, Outcome
 from gateway.policy import UpstreamPolicy
 from gateway.record import EffectRecord, StoredResponse
@@ -166,6 +176,31 @@ def _unanswered(outcome: NotSent | NoAnswer, effect_id: int | None) -> problems.
     return kind(
         f"{reason}; the effect may have happened, retry with the same key to recover it", effect_id=effect_id
     )
+
+
+def problem_of_error(exc: GatewayError) -> problems.Problem:
+    """Turn one of the gateway's own errors, raised on the way to an answer, into the agent's problem: the
+    table the problem middleware reads. Every path that could send checks these before anything is
+    sent; a failure after sending is an ending of the driver's (:class:`Unrecorded`), never one of these.
+    """
+    match exc:
+        case StoreUnavailable():
+            return problems.StoreDown(f"{exc}; nothing was sent", headers={"Retry-After": "1"})
+        case StoreRejected():
+            return problems.Problem(f"the request could not be recorded ({exc}); nothing was sent")
+        case BodyUnreadable(effect_id=effect_id):
+            # Only the response of an effect that happened is read on this path: it is not sent again.
+            detail = f"{exc}; the effect is not sent again, and an operator must look at it"
+            return problems.Problem(detail, effect_id=effect_id)
+        case NoSuchEffect():
+            return problems.NotFound(str(exc))
+        case NotAwaitingOperator(effect_id=effect_id):
+            return problems.NotResolvable(str(exc), effect_id=effect_id)
+        case BadName():
+            return problems.BadRequest(f"Effect-Gateway-Operator: {exc}")
+        case CursorUnknown():
+            return problems.BadRequest(f"{exc}: page on with the answer's next link")
+    return problems.Problem(f"the gateway failed: {exc}")
 
 
 def answer(result: Reply | Ending) -> Reply:

@@ -23,7 +23,7 @@ from gateway.errors import (
     StoreRejected,
     StoreUnavailable,
 )
-from gateway.store import OUTAGE, RETRYABLE_SQLSTATES, cannot_connect
+from gateway.pg_failures import FAILURES, OUTAGE, RETRY, cannot_connect
 
 log = logging.getLogger("effect_gateway")
 
@@ -56,11 +56,13 @@ async def _connected(dsn: str) -> AsyncIterator[asyncpg.Connection]:
     """A connection of its own, closed after; an outage, on connecting or later, is StoreUnavailable."""
     try:
         conn = await asyncpg.connect(dsn)
-    except (OSError, asyncpg.PostgresError) as exc:
+    except FAILURES as exc:
+        if isinstance(exc, asyncpg.ClientConfigurationError):
+            raise  # a database_url asyncpg cannot use: the command line says which
         raise cannot_connect(exc) from exc
     try:
         yield conn
-    except (*OUTAGE, asyncpg.InterfaceError) as exc:
+    except OUTAGE as exc:
         raise StoreUnavailable(f"Postgres went away: {type(exc).__name__}: {exc}") from exc
     finally:
         await conn.close()
@@ -173,7 +175,9 @@ async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[st
     """
     try:
         conn = await asyncpg.connect(dsn)
-    except (OSError, asyncpg.PostgresError) as exc:
+    except FAILURES as exc:
+        if isinstance(exc, asyncpg.ClientConfigurationError):
+            raise  # a database_url asyncpg cannot use: the command line says which
         raise cannot_connect(exc) from exc
     try:
         # Waits its turn behind another replica's migrations for as long as they take (whatever
@@ -194,7 +198,7 @@ async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[st
             "or its schema that another session holds (see pg_stat_activity); nothing was applied: run it "
             "again"
         ) from exc
-    except (*OUTAGE, asyncpg.InterfaceError) as exc:
+    except OUTAGE as exc:
         raise StoreUnavailable(f"Postgres went away while migrating: {type(exc).__name__}: {exc}") from exc
     finally:
         await conn.close()
@@ -255,7 +259,7 @@ async def _apply(conn: asyncpg.Connection, version: int, name: str, sql: str) ->
             "session holds (a long transaction on the table: see pg_stat_activity), so that the "
             "statements queued behind it could go on; nothing of it was applied: run it again"
         ) from exc
-    except (*OUTAGE, *RETRYABLE_SQLSTATES, asyncpg.InterfaceError) as exc:
+    except (*OUTAGE, *RETRY) as exc:
         # Postgres went away, or a lock or a deadlock with another session got in the way: the same
         # command may work later. (Once the connection is gone, ending the transaction fails too: say
         # why it went.)

@@ -36,7 +36,8 @@ from gateway.audit_query import (
     find_statement,
 )
 from gateway.decision import Settlement
-from gateway.errors import CursorUnknown, LoginRefused, PrivilegesMissing, StoreRejected, StoreUnavailable
+from gateway.errors import CursorUnknown, PrivilegesMissing, StoreRejected, StoreUnavailable
+from gateway.pg_failures import FAILURES, OUTAGE, RETRY, cannot_connect, kind
 from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
 from gateway.rows import (
     HISTORY,
@@ -90,37 +91,6 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     """
 
 
-# The server went away under a statement: lost connection, or shut down or restarted by an operator (57P);
-# or a statement ran past statement_timeout or lock_timeout, which the gateway treats alike: try later.
-OUTAGE = (
-    OSError,
-    TimeoutError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.ConnectionDoesNotExistError,
-    asyncpg.exceptions.OperatorInterventionError,
-    asyncpg.exceptions.QueryCanceledError,
-    asyncpg.exceptions.LockNotAvailableError,
-    # what asyncpg raises when the server cuts a session in the middle of a message exchange
-    asyncpg.exceptions.InternalClientError,
-)
-# What a server that is up answers to a login it will refuse however long one waits: a wrong password
-# (28P01, a kind of 28000), a role it does not know, that may not log in or that pg_hba.conf turns away
-# (28000), a database that does not exist (3D000). Whatever else stops a connection (the server down or
-# starting up, no connection slot free) may pass if tried again.
-LOGIN_REFUSED = (
-    asyncpg.exceptions.InvalidAuthorizationSpecificationError,
-    asyncpg.exceptions.InvalidCatalogNameError,
-)
-
-
-def cannot_connect(exc: OSError | asyncpg.PostgresError) -> StoreUnavailable:
-    """The error for a connection that could not be made: :class:`LoginRefused` when trying again
-    cannot help, else :class:`StoreUnavailable`."""
-    if isinstance(exc, LOGIN_REFUSED):
-        return LoginRefused(f"Postgres refused the connection: {exc} (check database_url)")
-    return StoreUnavailable(f"cannot connect to Postgres: {exc}")
-
-
 # Whether the effect a page read by time goes on from is one the viewer sees: asked only when the page
 # is empty. One probe of the primary key in each partition of the audit.
 _CURSOR = """
@@ -139,9 +109,6 @@ _PARTITION_SIZES = """
 # Held (per session) by the one gateway maintaining partitions; any constant no other application uses:
 # "effects" in ASCII and 1, beside the migrations' lock (gateway.schema), which is "effects" alone.
 MAINTENANCE_LOCK = 0x6566666563747301
-# What Postgres rolls back whole and says to try again: the same statement can then succeed. Anything
-# else it refuses would be refused again.
-RETRYABLE_SQLSTATES = (asyncpg.exceptions.SerializationError, asyncpg.exceptions.DeadlockDetectedError)
 # How long a write that found no partition for its row waits for the table's lock to make one (seconds).
 # Another gateway making them holds it for milliseconds, and the retention detaches a day only once the
 # days ahead exist, so its long waits never meet a write that needs a partition; ten seconds is the
@@ -202,14 +169,16 @@ class Store:
                 server_settings=session_settings(limits),
                 command_timeout=limits.answer,
             )
-        except (OSError, asyncpg.PostgresError) as exc:
+        except FAILURES as exc:
+            if isinstance(exc, asyncpg.ClientConfigurationError):
+                raise  # a database_url asyncpg cannot use: the command line says which
             raise cannot_connect(exc) from exc
         return cls(pool, limits, dsn, telemetry)
 
     async def close(self) -> None:
         try:
             await self._pool.close()
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        except FAILURES:
             # A server that no longer answers cannot take a graceful goodbye: the gateway stops anyway.
             self._pool.terminate()
 
@@ -225,7 +194,7 @@ class Store:
             behind = False
             try:
                 return await op(conn)
-            except RETRYABLE_SQLSTATES as exc:
+            except RETRY as exc:
                 if attempt == 2:
                     # Each try was rolled back whole: nothing of it is stored, and a later one may pass.
                     raise StoreUnavailable(
@@ -266,7 +235,7 @@ class Store:
             raise StoreUnavailable(
                 f"no Postgres connection free within {self._limits.acquire.total_seconds():g}s"
             ) from None
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        except FAILURES as exc:
             # Whatever stops a new connection (server gone, refusing, out of slots) is an outage.
             raise StoreUnavailable(f"Postgres is unavailable: {exc}") from exc
         return conn
@@ -274,7 +243,7 @@ class Store:
     async def _release(self, conn: Conn) -> None:
         try:
             await self._pool.release(conn)
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        except FAILURES:
             # A statement cut short by the client-side bound leaves a cancellation the server has to
             # confirm; one that never does has its connection closed here (the pool opens another).
             # What the statement returned or raised stands either way.
@@ -533,7 +502,9 @@ class Store:
         """
         try:
             conn = await asyncpg.connect(self._dsn)
-        except (OSError, asyncpg.PostgresError) as exc:
+        except FAILURES as exc:
+            if isinstance(exc, asyncpg.ClientConfigurationError):
+                raise  # a database_url asyncpg cannot use: the command line says which
             raise cannot_connect(exc) from exc
         try:
             await conn.execute("set statement_timeout = 0; set lock_timeout = '5s'")
@@ -580,9 +551,10 @@ class Store:
         be, and warns when few days are left."""
         try:
             made = await partitions.make_ahead(conn)
-        except OUTAGE:
-            raise
-        except asyncpg.PostgresError as exc:  # EXECUTE revoked, the function dropped, a table in the way
+        except FAILURES as exc:
+            if kind(exc) != "refused":
+                raise
+            # EXECUTE revoked, the function dropped, a table in the way
             log.warning("the partitions ahead could not be made: %s: %s", type(exc).__name__, exc)
             made = False
         warning = (await partitions.ahead(conn)).warning()

@@ -67,18 +67,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from datetime import datetime
+from typing import Protocol
 
 from gateway import problems
 from gateway.errors import StoreRejected, StoreUnavailable
 from gateway.record import StoredResponse
 from gateway.replies import Reply
 from gateway.states import TRANSITIONS, State
-from sim.store import Write
+from sim.store import SimDatabase, Write
 from sim.upstreams import Call, Effect, Kind, SimUpstream
-
-if TYPE_CHECKING:
-    from sim.world import Gateway, World
 
 Scope = tuple[str, str, str]
 Answer = tuple[int, StoredResponse, float]  # the request that got it, the answer, when it got it
@@ -115,8 +113,25 @@ class Violation:
     at: float
 
 
+class Watched(Protocol):
+    """What the checks read of the world they watch (sim.world.World), and how they report to it."""
+
+    db: SimDatabase
+    upstreams: dict[str, SimUpstream]
+
+    def now(self) -> float: ...
+    def db_clock(self) -> datetime: ...
+    def truth(self, scope: Scope) -> StoredResponse | None: ...
+    def note(self, who: str, text: str) -> None: ...
+    def page(self, effect_id: int, state: State, lease_ends: float) -> None: ...
+    def violate(self, violation: Violation) -> None: ...
+
+    @property
+    def epoch(self) -> datetime: ...
+
+
 class Checks:
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: Watched) -> None:
         self.world = world
         # (effect id, attempt) of writes Postgres was made to refuse: the answer could not be stored.
         self.refused: set[tuple[int, int]] = set()
@@ -131,7 +146,7 @@ class Checks:
     def fail(self, invariant: str, detail: str) -> None:
         if _checked is not None and invariant not in _checked:
             return
-        self.world.violate(Violation(invariant, detail, self.world.loop.time()))
+        self.world.violate(Violation(invariant, detail, self.world.now()))
 
     # --- the database's writes ----------------------------------------------------------------------------
 
@@ -220,7 +235,7 @@ class Checks:
             )
         known = self.world.db.keys.get(effect.scope)
         row = self.world.db.rows.get(known[0]) if known else None
-        now = self.world._db_clock()
+        now = self.world.db_clock()
         if row is None:
             self.fail("effect-under-lease", f"effect #{effect.n} for {_label(effect.scope)} has no record")
         elif row.state not in LIVE or row.lease_expires_at is None or row.lease_expires_at < now:
@@ -238,9 +253,9 @@ class Checks:
     # --- what clients are told --------------------------------------------------------------------------
 
     def reply(
-        self, scope: Scope, number: int, started: float, gateway: Gateway, result: Reply | BaseException
+        self, scope: Scope, number: int, started: float, sent: bool, result: Reply | BaseException
     ) -> None:
-        sent = number in gateway.client.sent
+        """Check what request ``number`` was told (``sent``: whether its gateway sent it upstream)."""
         first = self.answers.get(scope)
         if first is not None and started > first[2]:
             self._after_answer(scope, number, first, result)
@@ -255,7 +270,7 @@ class Checks:
                         f"{row.state if row else 'missing'}",
                     )
                 if first is None:
-                    self.answers[scope] = (number, response, self.world.loop.time())
+                    self.answers[scope] = (number, response, self.world.now())
                     truth = self.world.truth(scope)
                     if self.world.upstreams[scope[1]].kind is not Kind.HARMLESS and response != truth:
                         self.fail(
@@ -322,7 +337,7 @@ class Checks:
                 return
 
     def at_rest(self) -> None:
-        now = self.world._db_clock()
+        now = self.world.db_clock()
         for row in self.world.db.rows.values():
             if row.state is State.PENDING and (row.lease_expires_at is None or row.lease_expires_at > now):
                 self.fail(

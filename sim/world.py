@@ -293,7 +293,7 @@ class World:
         self.loop = loop
         self.trace: list[tuple[float, str, str]] = []
         self.setup = draw_setup(choices)
-        self.db = SimDatabase(self._db_clock)
+        self.db = SimDatabase(self.db_clock)
         self.upstreams: dict[str, SimUpstream] = {}
         for kind, policy in self.setup.upstreams:
             horizon = policy.decision.probe_horizon
@@ -326,8 +326,12 @@ class World:
         """The database's time when the loop's clock reads 0."""
         return EPOCH + timedelta(seconds=self.setup.clock_offset)
 
-    def _db_clock(self) -> datetime:
+    def db_clock(self) -> datetime:
         return self.epoch + timedelta(seconds=self.loop.time())
+
+    def now(self) -> float:
+        """Return the simulated time, in seconds since the run began."""
+        return self.loop.time()
 
     def note(self, who: str, text: str) -> None:
         self.trace.append((self.loop.time(), who, text))
@@ -453,7 +457,7 @@ class World:
         else:
             result = await gateway.serve(self.inbound(scope, wait), number)
         self.note(client, f"r{number} <- {_shown(result)}")
-        self.checks.reply(scope, number, started, gateway, result)
+        self.checks.reply(scope, number, started, number in gateway.client.sent, result)
         return result
 
     def gap(self, mind: Stream, aim: Stream, scope: Scope, later: bool, eager: Stream | None = None) -> float:

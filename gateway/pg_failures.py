@@ -1,0 +1,65 @@
+"""What a Postgres failure means to the gateway: try the statement again, an outage, or a refusal.
+
+The store, the schema's migrations and the partitions' upkeep all ask :func:`kind`, so one failure is
+never an outage in one place and a crash in another.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import asyncpg
+
+from gateway.errors import LoginRefused, StoreUnavailable
+
+# What Postgres rolls back whole and says to try again: the same statement can then succeed. Anything
+# else it refuses would be refused again.
+RETRY = (asyncpg.exceptions.SerializationError, asyncpg.exceptions.DeadlockDetectedError)
+# The server went away under a statement: lost connection, or shut down or restarted by an operator
+# (57P); or a statement ran past statement_timeout or lock_timeout, which the gateway treats alike: try
+# later. asyncpg's InterfaceError is its side of a session that broke (a closed connection, one left
+# mid-exchange by a cancelled statement), except a database_url it cannot use (ClientConfigurationError).
+OUTAGE = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.ConnectionDoesNotExistError,
+    asyncpg.exceptions.OperatorInterventionError,
+    asyncpg.exceptions.QueryCanceledError,
+    asyncpg.exceptions.LockNotAvailableError,
+    asyncpg.InterfaceError,
+    # what asyncpg raises when the server cuts a session in the middle of a message exchange
+    asyncpg.exceptions.InternalClientError,
+)
+# What a server that is up answers to a login it will refuse however long one waits: a wrong password
+# (28P01, a kind of 28000), a role it does not know, that may not log in or that pg_hba.conf turns away
+# (28000), a database that does not exist (3D000). Whatever else stops a connection (the server down or
+# starting up, no connection slot free) may pass if tried again.
+LOGIN_REFUSED = (
+    asyncpg.exceptions.InvalidAuthorizationSpecificationError,
+    asyncpg.exceptions.InvalidCatalogNameError,
+)
+# Everything talking to Postgres may raise: what every handler below is given to classify.
+FAILURES = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+
+Kind = Literal["retry", "outage", "refused"]
+
+
+def kind(exc: BaseException) -> Kind:
+    """Say what a failure means: ``retry`` the statement, an ``outage`` (try later), or ``refused``
+    (Postgres is up and will refuse the same again: data it cannot hold, a setting to fix)."""
+    if isinstance(exc, RETRY):
+        return "retry"
+    if isinstance(exc, asyncpg.ClientConfigurationError):
+        return "refused"
+    if isinstance(exc, OUTAGE):
+        return "outage"
+    return "refused"
+
+
+def cannot_connect(exc: BaseException) -> StoreUnavailable:
+    """Return the error for a connection that could not be made: :class:`LoginRefused` when trying again
+    cannot help, else :class:`StoreUnavailable`."""
+    if isinstance(exc, LOGIN_REFUSED):
+        return LoginRefused(f"Postgres refused the connection: {exc} (check database_url)")
+    return StoreUnavailable(f"cannot connect to Postgres: {exc}")
