@@ -25,9 +25,9 @@ import asyncpg
 
 from agent_example.processes import Service, start_service
 from gateway.decision import review, take_over
-from gateway.record import NewEffect
 from gateway.store import opened
 from tests.doc_blocks import ROOT, NoRule
+from tests.factories import new_effect
 from tests.support import empty_effects, other_database
 
 EXAMPLE = ROOT / "examples" / "gateway.toml"
@@ -145,19 +145,12 @@ async def awaiting_operator(dsn: str, attempt: int, effect_id: int | None = None
             if await store.get(effect_id) is not None:
                 return effect_id
             await _next_id_is(dsn, effect_id)
-        new = NewEffect(
-            tenant="default",
-            upstream="shop",
-            key=f"doc-review-{uuid.uuid4().hex}",
+        new = new_effect(
+            f"doc-review-{uuid.uuid4().hex}",
             derived_key="doc-review",
-            method="POST",
-            path="/orders",
-            query="",
             fingerprint="doc",
             request_headers={"content-type": "application/json"},
             request_body=b'{"items": ["atta"]}',
-            run_id=None,
-            step=None,
         )
         record, _ = await store.claim(new, timedelta(0))  # a lease of nothing: it runs out at once
         for _ in range(attempt - 1):

@@ -20,11 +20,12 @@ from agent_example.processes import Service, start_service
 from gateway import packing
 from gateway.app import PROXY_ROUTE, runners
 from gateway.decision import review as review_move
-from gateway.record import EffectRecord, NewEffect
+from gateway.record import EffectRecord
 from gateway.runtime import RUNTIME, Runtime
 from gateway.schema import grant_to
 from gateway.settings import load_settings
 from gateway.store import Store, StoreLimits, opened, session_settings
+from tests.factories import new_effect
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # The probe of Upstream.serve_search's order search, which finds the orders (POST /orders) by their stamp.
@@ -606,16 +607,10 @@ async def effect(dsn: str, *keys: str, review: bool = False, upstream: str = "sh
 
 
 async def claim_effect(store: Store, key: str, review: bool, upstream: str) -> EffectRecord:
-    new = NewEffect(
-        tenant="default",
+    new = new_effect(
+        key,
         upstream=upstream,
-        key=key,
         derived_key=f"dk-{key}",
-        method="POST",
-        path="/orders",
-        query="",
-        fingerprint="f",
-        request_headers={},
         request_body=b'{"items":["atta"]}',
         run_id="run-1",
         step="4",

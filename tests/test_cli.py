@@ -26,8 +26,9 @@ from gateway.cli import main
 from gateway.decision import settle
 from gateway.embedded import EmbeddedPostgres
 from gateway.outcome import Answered
-from gateway.record import EffectRecord, NewEffect, StoredResponse
+from gateway.record import EffectRecord, StoredResponse
 from gateway.store import opened
+from tests.factories import new_effect
 from tests.support import (
     PORT_ZERO,
     ROOT,
@@ -735,16 +736,11 @@ async def hostile_effect(dsn: str) -> EffectRecord:
     """A completed effect with HOSTILE in every text an agent, an upstream or an earlier version of the
     gateway could have put there: key, path, run and step, both bodies, a response header, the history."""
     async with opened(dsn) as store:
-        new = NewEffect(
-            tenant="default",
-            upstream="shop",
-            key=f"k-{HOSTILE}",
+        new = new_effect(
+            f"k-{HOSTILE}",
             derived_key="dk-1",
-            method="POST",
             path=f"/orders/{HOSTILE}",
-            query="",
             fingerprint="f",
-            request_headers={},
             request_body=f'{{"note": "{HOSTILE}"}}\r\nsecond line'.encode(),
             run_id=f"run-{HOSTILE}",
             step=HOSTILE,

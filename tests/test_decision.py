@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import pytest
 
@@ -39,58 +39,21 @@ from gateway.decision import (
     unrecorded,
 )
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError, ProbeResult
-from gateway.record import EffectRecord, KeyCarriers, StoredResponse
+from gateway.record import EffectRecord, KeyCarriers
 from gateway.routes import Route
 from gateway.states import TRANSITIONS, IllegalTransition, State, Transition, check_transition
-
-NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
-LEASE = timedelta(seconds=35)
-OK = StoredResponse(201, (("Content-Type", "application/json"),), b'{"id": 1}')
+from tests.factories import CARRIED, LEASE, NOW, OK, record
 
 # The probe's routes: the records below are POST /orders unless a row says otherwise.
 ORDERS = (Route.parse("POST /orders"),)
 # What carries the key, today and in the records below unless a row says otherwise.
 STAMP = ("json_field", "client_reference")
-CARRIED = KeyCarriers("Idempotency-Key", STAMP)
 PLAIN = Policy(lease=LEASE, key_carriers=CARRIED)
 NATIVE = Policy(lease=LEASE, native_key_ttl=timedelta(hours=24), key_carriers=CARRIED)
 PROBED = Policy(lease=LEASE, has_probe=True, probe_routes=ORDERS, key_carriers=CARRIED)
 NATIVE_PROBED = replace(PROBED, native_key_ttl=timedelta(hours=24))
 HARMLESS = Policy(lease=LEASE, repeat_harmless=True, key_carriers=CARRIED)
 HORIZON = replace(PROBED, probe_horizon=timedelta(days=30))
-
-
-def record(state: State, **changes: object) -> EffectRecord:
-    base = EffectRecord(
-        id=1,
-        tenant="t",
-        upstream="shop",
-        key="k",
-        derived_key="eg_x",
-        method="POST",
-        path="/orders",
-        query="",
-        fingerprint="fp",
-        state=state,
-        attempt=1,
-        may_have_sent=state is not State.RETRYABLE,
-        lease_expires_at=NOW - timedelta(seconds=1),
-        first_sent_at=NOW - timedelta(minutes=1),
-        last_sent_at=NOW - timedelta(minutes=1),
-        completed_at=None,
-        created_at=NOW - timedelta(minutes=1),
-        response=OK if state is State.COMPLETED else None,
-        response_status=OK.status if state is State.COMPLETED else None,
-        response_at=None,
-        recovered_by=None,
-        replays=0,
-        run_id=None,
-        step=None,
-        read_at=NOW,
-        key_carriers=CARRIED,
-        send_lease=LEASE,
-    )
-    return replace(base, **changes)  # type: ignore[arg-type]
 
 
 SAME = Request(fingerprint="fp")

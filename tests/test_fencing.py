@@ -14,24 +14,12 @@ from aiohttp import web
 
 from gateway.decision import settle, take_over
 from gateway.outcome import Answered
-from gateway.record import NewEffect, StoredResponse
+from gateway.record import StoredResponse
 from gateway.store import opened
+from tests.factories import new_effect
 from tests.support import PORT_ZERO, Upstream, effect_rows, runtime_url, start_gateway_process
 
-NEW = NewEffect(
-    tenant="default",
-    upstream="shop",
-    key="k",
-    derived_key="eg_1",
-    method="POST",
-    path="/orders",
-    query="",
-    fingerprint="fp",
-    request_headers={},
-    request_body=b"{}",
-    run_id=None,
-    step=None,
-)
+NEW = new_effect(derived_key="eg_1")
 
 
 async def test_only_the_current_attempt_may_settle(dsn: str) -> None:

@@ -21,6 +21,7 @@ from gateway.record import NewEffect
 from gateway.schema import migrate, migration_files
 from gateway.states import State
 from gateway.store import opened
+from tests.factories import new_effect
 from tests.support import effect_rows, other_database
 
 
@@ -316,9 +317,7 @@ async def test_an_effects_table_with_rows_migrates_to_the_partitioned_layout(pos
 
 
 def _retry(tenant: str, key: str, upstream: str = "shop") -> NewEffect:
-    return NewEffect(
-        tenant, upstream, key, "eg_" + key, "POST", "/orders", "", "fp-" + key, {}, b"{}", None, None
-    )
+    return new_effect(key, tenant=tenant, upstream=upstream, fingerprint="fp-" + key)
 
 
 async def _migrated_to(dsn: str, last: int) -> None:

@@ -24,9 +24,10 @@ import pytest
 
 from gateway.decision import settle
 from gateway.outcome import Answered
-from gateway.record import NewEffect, StoredResponse
+from gateway.record import StoredResponse
 from gateway.schema import migrate
 from gateway.store import Conn, Store
+from tests.factories import new_effect
 from tests.support import other_database
 
 T = TypeVar("T")
@@ -72,7 +73,7 @@ async def database(postgres_dsn: str) -> AsyncIterator[str]:
 async def _locks_of_an_effect(store: LockCounting) -> dict[str, int]:
     """Locks taken by each phase of one effect: its claim, settle, a retry's read and a reread."""
     key = f"locks-{next(_keys)}"
-    effect = NewEffect("t", "shop", key, "d-" + key, "POST", "/orders", "", "f" * 64, {}, b"{}", None, None)
+    effect = new_effect(key, tenant="t", derived_key="d-" + key, fingerprint="f" * 64)
     taken: dict[str, int] = {}
     store.locks = []
     record, created = await store.claim(effect, timedelta(seconds=30))
