@@ -36,8 +36,8 @@ from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from bench.harness import conditions
-from gateway import app as gateway_app
 from gateway import codings, problems
+from gateway import proxy as gateway_proxy
 from gateway.body import FORM, RequestBody, read_body
 from gateway.fingerprint import canonical_query, fingerprint
 from gateway.jsonbody import MAX_DEPTH, JsonRefused
@@ -364,7 +364,7 @@ async def _requests(shape: Shape, config: Settings, repeat: int) -> Measured:
     async def handle(request: web.Request) -> web.Response:
         try:
             check_headers(request)
-            body = await gateway_app._body(request, config, policy)
+            body = await gateway_proxy._body(request, config, policy)
             if reserved_use(policy, request.headers, shape.query, body) is not None:
                 return web.Response(status=400)
             fingerprint("POST", "/orders", shape.query, body, request.headers, policy.fingerprint_headers)

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import logging
-import re
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,63 +14,27 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 
-from gateway import admin, audit_routes, browser, codings, legible, openapi, problems, replies
-from gateway.body import RequestBody, read_body
+from gateway import admin, audit_routes, openapi, problems, replies
 from gateway.errors import GatewayError
-from gateway.fingerprint import covered
-from gateway.headers import UNSTORED_RESPONSE_HEADERS
-from gateway.inbound import Inbound
-from gateway.jsonbody import JsonRefused
-from gateway.keys import MAX_LABEL, KeySyntaxError, looks_made_up, parse_key
 from gateway.parts import longest_lease, running
-from gateway.policy import UpstreamPolicy
-from gateway.record import StoredResponse
-from gateway.replies import Reply
+from gateway.proxy import PROXY_ROUTE, proxy
 from gateway.runtime import (
     RUNTIME,
     ClientGone,
     check_headers,
     check_host,
-    read_request_body,
-    tenant_of,
 )
 from gateway.settings import ErrorFormat, Settings
-from gateway.stamp import reserved_use
 from gateway.trail import CURRENT, Trail
-from gateway.urlencoded import FormRefused
-from gateway.wire import HeaderRefused, RawHeadResponse
 
 log = logging.getLogger("effect_gateway")
 
-# An encoded slash, backslash, dot or NUL lets a path mean one thing to us and another upstream.
-_ENCODED_TRICKS = re.compile(r"%(2f|5c|2e|00)", re.IGNORECASE)
-# A request target is printable ASCII (RFC 9112 section 3.2); anything else is percent-encoded by a
-# client that means it, and would be re-encoded on the way upstream, differently by each library.
-_TARGET = re.compile(r"[\x21-\x7e]*")
 # After refusing a request whose body has not all come (408, 413), aiohttp reads and drops the rest
 # for this long so the agent can read the answer: a live agent sends even max_body_bytes far faster,
 # and a stalled one would otherwise hold the socket for aiohttp's default of 10 s.
 LINGER_SECONDS = 2.0
-# Past this size a body is parsed off the event loop: the parse then takes milliseconds, which the
-# other requests in flight should not wait for. An encoded body is always read off the loop: its size
-# says nothing of its decoded size (a kilobyte of gzip inflates to a megabyte in 2 to 3 ms here), and
-# zlib lets go of the interpreter while it inflates, so the loop runs meanwhile.
-OFF_LOOP_BYTES = 64 * 1024
-# Past this many elements, fields, containers and form escapes (counted by their separators, brackets,
-# "%" and "+", which bytes.count finds at memory speed), a body is read off the event loop whatever its
-# size: each costs up to a few microseconds to parse and put in canonical form, so 10,000 form fields
-# in 40 KB held the loop for 30 ms, and one field of 21,000 escapes (%41, or + for a space) in 64 KB for
-# 15 to 19 ms. A thousand is a few milliseconds at most, and more than an API call's body holds. A JSON
-# body with many "%" or "+" (base64, phone numbers) is then read off the loop too, which costs it only
-# the hand-over to a thread.
-OFF_LOOP_ITEMS = 1000
-_ITEM_MARKS = (b",", b"&", b"[", b"{", b"%", b"+")
-PROXY_ROUTE = r"/{tail:[\s\S]*}"
-# The first segment of the gateway's own paths (no upstream may be named so: see settings).
-GATEWAY_PATHS = "_gateway"
 # The one gateway path on the agents' listener: what a load balancer or an orchestrator polls.
 READINESS = "/_gateway/health"
-_PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\d+)", re.IGNORECASE)
 
 
 def _application(settings: Settings, *middlewares: Middleware) -> web.Application:
@@ -280,201 +241,7 @@ def _error_format(request: web.Request) -> ErrorFormat:
     return policy.error_format if policy is not None else "problem+json"
 
 
-def split_target(raw_path: str) -> tuple[str, str, str]:
-    """(upstream, path, query) from the raw request target; refuses anything that could escape."""
-    if not _TARGET.fullmatch(raw_path):
-        raise problems.PathRefused("the request target must be printable ASCII; percent-encode other bytes")
-    if "#" in raw_path:
-        # A fragment is never sent to a server; one here would hide a query stamp added after it.
-        raise problems.PathRefused("'#' is refused in the request target; percent-encode it as %23")
-    path, _, query = raw_path.partition("?")
-    if not path.startswith("/") or path.startswith("//") or "://" in path:
-        raise problems.PathRefused("absolute URLs are not accepted; send /<upstream>/<path>")
-    if "\\" in path or _ENCODED_TRICKS.search(path):
-        raise problems.PathRefused("encoded slashes, backslashes, dots and NULs are refused in paths")
-    upstream, _, rest = path[1:].partition("/")
-    rest = "/" + rest
-    if any(segment in (".", "..") for segment in rest.split("/")):
-        raise problems.PathRefused("'.' and '..' are refused in paths")
-    return upstream, rest, query
-
-
-def _label(request: web.Request, header: str) -> str | None:
-    """Return the agent's run or step label, held to the rule of operators' names (legible.flaw):
-    people read both in the audit, where a right-to-left override or a zero-width space would make one
-    run look like another."""
-    value = request.headers.get(header)
-    if value is None:
-        return None
-    if len(value) > MAX_LABEL:
-        raise problems.BadRequest(f"{header} is longer than {MAX_LABEL} characters")
-    why = legible.flaw(value)
-    if why is not None:
-        raise problems.BadRequest(f"{header} {why}")
-    return value
-
-
-def _wait(request: web.Request, settings: Settings) -> float:
-    match = _PREFER_WAIT.search(request.headers.get("Prefer", ""))
-    if not match:
-        return 0.0
-    return min(float(match.group(1)), settings.max_wait.total_seconds())
-
-
-async def proxy(request: web.Request) -> web.StreamResponse:
-    runtime = request.app[RUNTIME]
-    trail = CURRENT.get()
-    assert trail is not None, "observe_middleware starts one for every request routed here"
-    upstream_name, path, query = split_target(request.raw_path)
-    if upstream_name == GATEWAY_PATHS:
-        await _not_ours_to_forward(request)
-    policy = runtime.policies.get(upstream_name)
-    if policy is None:
-        raise problems.UnknownUpstream(f"no upstream named {upstream_name!r} is configured")
-    trail.upstream, trail.path = policy.name, path
-    refused = browser.refusal(request.headers, policy.browser_origins)
-    if refused is not None:
-        raise problems.BrowserRefused(
-            f"{refused}: a page in a browser may not call {policy.name} through the gateway, which would add "
-            f"the credentials it injects; list the page's origin in upstreams.{policy.name}.browser_origins "
-            "to allow it"
-        )
-    tenant = tenant_of(request, runtime.settings)
-    trail.tenant = tenant
-    raw_key = request.headers.get("Idempotency-Key")
-    key = None
-    if raw_key is not None:
-        try:
-            key = parse_key(raw_key)
-        except KeySyntaxError as exc:
-            raise problems.KeyMalformed(str(exc)) from None
-        trail.key_hash = runtime.log_hash.of(tenant, policy.name, key)
-        if policy.refuse_random_keys and looks_made_up(key):
-            raise problems.KeyRandom(
-                f"{policy.name} takes step keys only, and this one ends in a UUID, as keys an SDK makes up "
-                "for a single call do; a key made up per call is new on the agent's re-run, which would do "
-                "the effect again. Send the step's key (run:step), e.g. from the journal"
-            )
-    run_id, step = _label(request, "Effect-Gateway-Run"), _label(request, "Effect-Gateway-Step")
-    trail.run_id, trail.step = run_id, step
-    body = await _body(request, runtime.settings, policy)
-    if len(body.raw) > OFF_LOOP_BYTES:  # searched for the stamp's name: 6 ms a megabyte
-        taken = await asyncio.to_thread(reserved_use, policy, request.headers, query, body)
-    else:
-        taken = reserved_use(policy, request.headers, query, body)
-    if taken is not None:
-        raise problems.StampReserved(
-            f"{taken} is where the gateway puts its key for {policy.name}; the request may not set it"
-        )
-    result = await runtime.service.handle(
-        Inbound(
-            tenant=tenant,
-            upstream=policy,
-            method=request.method,
-            path=path,
-            query=query,
-            headers=request.headers,
-            body=body,
-            key=key,
-            wait=_wait(request, runtime.settings),
-            run_id=run_id,
-            step=step,
-            client_left=lambda: _client_left(request),
-        )
-    )
-    reply = replies.answer(result)
-    trail.replayed = reply.replayed
-    return to_response(reply)
-
-
-def _client_left(request: web.Request) -> bool:
-    """Whether the agent has hung up. aiohttp cancels no handler when it does (handler_cancellation is
-    off: an upstream call must not be cut short), and drops the connection's transport instead."""
-    transport = request.transport
-    return transport is None or transport.is_closing()
-
-
-async def _not_ours_to_forward(request: web.Request) -> None:
-    """A path under /_gateway/ that no route of ours serves for this method: 405 or 404, never forwarded.
-
-    The router hands it to the proxy (the catch-all takes every method); no upstream can have the name.
-    """
-    allowed: set[str] = set()
-    for resource in request.app.router.resources():
-        if resource is not request.match_info.route.resource:
-            _, methods = await resource.resolve(request)
-            allowed |= methods
-    if allowed:
-        raise problems.MethodNotAllowed(
-            f"{request.method} is not allowed on {request.path}",
-            headers={"Allow": ", ".join(sorted(allowed))},
-        )
-    raise problems.NotFound(
-        f"nothing at {request.path} here: the audit, the effects API and the metrics are served on the "
-        "admin listener (the admin_listen setting), never beside the upstreams"
-    )
-
-
 async def ready(request: web.Request) -> web.Response:
     """Up (200) when this worker serves and Postgres answers, for a load balancer or an orchestrator."""
     await request.app[RUNTIME].store.ping()  # down (503) when the store is
     return web.json_response({"status": "ok"})
-
-
-async def _body(request: web.Request, settings: Settings, policy: UpstreamPolicy) -> RequestBody:
-    """The body as the gateway reads it: decoded of any Content-Encoding, parsed once."""
-    raw = await read_request_body(request, settings)
-    coded = codings.codings_of(request.headers.getall("Content-Encoding", ()))
-    content_type = request.headers.get("Content-Type", "")
-    try:
-        if coded or _costly(raw):
-            return await asyncio.to_thread(_read, raw, coded, content_type, settings, policy)
-        return _read(raw, coded, content_type, settings, policy)
-    except codings.UnsupportedCoding as exc:
-        raise problems.EncodingUnsupported(str(exc)) from None
-    except codings.DecodedTooLarge as exc:
-        raise problems.BodyTooLarge(str(exc)) from None
-    except codings.BadCoding as exc:
-        raise problems.BodyMalformed(str(exc)) from None
-    except (JsonRefused, FormRefused) as exc:
-        raise problems.BodyMalformed(f"{exc}; nothing was sent") from None
-
-
-def _costly(raw: bytes) -> bool:
-    """Whether reading ``raw`` may take longer than the event loop should wait for."""
-    if len(raw) > OFF_LOOP_BYTES:
-        return True
-    return sum(raw.count(mark) for mark in _ITEM_MARKS) > OFF_LOOP_ITEMS
-
-
-def _read(
-    raw: bytes, coded: list[str], content_type: str, settings: Settings, policy: UpstreamPolicy
-) -> RequestBody:
-    """Decode ``raw`` of its codings, parse it and put it in the fingerprint's canonical form.
-
-    These are the parts of reading a body whose time grows with it, done together so that a large body
-    has them all off the event loop.
-    """
-    if coded:
-        raw = codings.decode(raw, coded, settings.max_body_bytes, settings.max_content_codings)
-    body = read_body(raw, content_type, policy.json_stamp_path)
-    fields = policy.fingerprint_body
-    return dataclasses.replace(body, covered=(fields, covered(body, fields)))
-
-
-def to_response(reply: Reply) -> web.Response:
-    return response_of(reply.response, replayed=reply.replayed)
-
-
-def response_of(stored: StoredResponse, *, replayed: bool) -> web.Response:
-    """The stored answer with exactly the upstream's header bytes, on the first relay and every replay."""
-    # Lengths are aiohttp's to write; stored rows from before this rule, or an operator's, may hold one.
-    headers = [
-        (name, value) for name, value in stored.headers if name.lower() not in UNSTORED_RESPONSE_HEADERS
-    ]
-    if replayed:
-        headers.append(("Idempotent-Replayed", "true"))
-    try:
-        return RawHeadResponse(stored.status, headers, stored.body)
-    except HeaderRefused as exc:
-        raise problems.Problem(f"the stored answer cannot be written: {exc}") from None

@@ -204,7 +204,7 @@ class Listing:
     counts: dict[str, int]
     # The filters as given (empty fields left out, without the page cursor ``before``).
     query: dict[str, str]
-    # What the next page's query changes (gateway.admin.next_query); None on the last page.
+    # What the next page's query changes (gateway.effects_json.next_query); None on the last page.
     older: dict[str, str] | None
     upstreams: Iterable[str]
     may_resolve: bool

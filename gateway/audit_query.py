@@ -207,7 +207,7 @@ def _time_statement(where: EffectFilter) -> tuple[str, list[Any]]:
     (created_at, id), which the ids alone do not give (ids are taken at claim time and created_at is
     the claim's transaction's start, so two claims at once can have them in opposite orders). It is
     looked up among all the viewer's effects, not the span's: a link kept from before the ``next``
-    links named their span's times (gateway.admin.next_query) repeats a span such as since=1h, which
+    links named their span's times (gateway.effects_json.next_query) repeats a span such as since=1h, which
     starts later by the time it is followed, and its cursor may then lie before the span (the page is
     empty) but must not be refused. The span's end still bounds the page: a cursor after it gives the
     span's first page (a cursor of a ``next`` link lies inside the span, where the end changes nothing).

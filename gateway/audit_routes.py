@@ -21,21 +21,15 @@ from aiohttp import web
 from multidict import MultiDict
 
 from gateway import audit_page, effect_page, operators, problems, urlencoded
-from gateway.admin import (
-    MAX_ID,
-    find_page,
-    next_query,
-    parse_filter,
-    parse_resolution,
-    verdict_given,
-    whole_number,
-)
+from gateway.admin import find_page, verdict_given
 from gateway.audit_page import BASE, Chrome, Listing
+from gateway.auth import is_admin, tenant_of
 from gateway.decision import awaits_operator
 from gateway.effect_page import ResolveForm, Verdict
+from gateway.effects_json import MAX_ID, next_query, parse_filter, parse_resolution, whole_number
 from gateway.errors import BadName, NoSuchEffect, NotAwaitingOperator
 from gateway.record import EffectRecord, StoredResponse
-from gateway.runtime import RUNTIME, Runtime, is_admin, read_request_body, tenant_of
+from gateway.runtime import RUNTIME, Runtime, read_request_body
 from gateway.sessions import (
     ADMIN,
     COOKIE,

@@ -26,7 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
 
-from gateway import admin, embedded, jsonbody, legible, logs, operators, problems, report
+from gateway import effects_json, embedded, jsonbody, legible, logs, operators, problems, report
 from gateway.embedded import EmbeddedPostgres
 from gateway.errors import (
     BadName,
@@ -235,8 +235,8 @@ def cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
 
 def effect_id(value: int) -> int:
     """An effect id from the command line: a Postgres bigint, as the HTTP routes take it."""
-    if not 1 <= value <= admin.MAX_ID:
-        raise UsageError(f"an effect id is a whole number from 1 to {admin.MAX_ID}, not {value}")
+    if not 1 <= value <= effects_json.MAX_ID:
+        raise UsageError(f"an effect id is a whole number from 1 to {effects_json.MAX_ID}, not {value}")
     return value
 
 
@@ -260,7 +260,7 @@ def cmd_effects(settings: Settings, args: argparse.Namespace) -> int:
         if value is not None
     }
     try:
-        where = admin.parse_filter(query, args.tenant)
+        where = effects_json.parse_filter(query, args.tenant)
     except problems.Problem as exc:
         raise UsageError(exc.detail) from None
     if args.id is not None:
@@ -270,8 +270,8 @@ def cmd_effects(settings: Settings, args: argparse.Namespace) -> int:
         await ready(dsn)
         async with opened(dsn) as store:
             if args.id is not None:
-                return [admin.effect_json(await _read_effect(store, args.id), full=True)]
-            return [admin.effect_json(r, full=False) for r in await store.find(where)]
+                return [effects_json.effect_json(await _read_effect(store, args.id), full=True)]
+            return [effects_json.effect_json(r, full=False) for r in await store.find(where)]
 
     with database(settings, create=False) as dsn:
         rows = asyncio.run(run(dsn))
@@ -315,7 +315,7 @@ def _given_response(args: argparse.Namespace, limit: int) -> StoredResponse:
     else:
         response["body"] = args.body
     try:
-        _, stored = admin.parse_resolution({"happened": True, "response": response})
+        _, stored = effects_json.parse_resolution({"happened": True, "response": response})
     except problems.Problem as exc:
         raise UsageError(exc.detail) from None
     assert stored is not None
@@ -381,7 +381,7 @@ def cmd_resolve(settings: Settings, args: argparse.Namespace) -> int:
                 raise UsageError(str(exc)) from None
             except NotAwaitingOperator as exc:
                 raise UsageError(f"effect {args.id}: {exc}") from None
-            return admin.effect_json(resolved, full=True)
+            return effects_json.effect_json(resolved, full=True)
 
     with database(settings, create=False) as dsn:
         doc = asyncio.run(run(dsn))

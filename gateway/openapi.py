@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import admin, problems
+from gateway import effects_json, problems
 from gateway.audit_page import BASE as AUDIT
 from gateway.keys import MAX_KEY_LENGTH, MAX_LABEL
 from gateway.sessions import COOKIE
@@ -109,7 +109,7 @@ _ID = {
     "name": "id",
     "in": "path",
     "required": True,
-    "schema": {"type": "integer", "minimum": 1, "maximum": admin.MAX_ID},
+    "schema": {"type": "integer", "minimum": 1, "maximum": effects_json.MAX_ID},
 }
 _AUDIT_ID = {**_ID, "description": "an effect's id (other text: a 404 page)", "schema": _TEXT}
 _FILTERS = [
@@ -127,13 +127,18 @@ _FILTERS = [
     {
         "name": "limit",
         "in": "query",
-        "schema": {"type": "integer", "minimum": 1, "maximum": admin.MAX_PAGE, "default": admin.DEFAULT_PAGE},
+        "schema": {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": effects_json.MAX_PAGE,
+            "default": effects_json.DEFAULT_PAGE,
+        },
     },
     {
         "name": "before",
         "in": "query",
         "description": "an id: the page of effects older than it (the answer's next links it)",
-        "schema": {"type": "integer", "minimum": 1, "maximum": admin.MAX_ID},
+        "schema": {"type": "integer", "minimum": 1, "maximum": effects_json.MAX_ID},
     },
 ]
 
@@ -206,7 +211,7 @@ def _resolution_schema() -> dict[str, Any]:
     attempt = {
         "type": "integer",
         "minimum": 1,
-        "maximum": admin.MAX_ID,
+        "maximum": effects_json.MAX_ID,
         "description": "the attempt you judged; the verdict holds only if the effect has not changed since",
     }
     response = {

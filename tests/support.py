@@ -18,8 +18,9 @@ from aiohttp import web
 
 from agent_example.processes import Service, start_service
 from gateway import packing
-from gateway.app import PROXY_ROUTE, runners
+from gateway.app import runners
 from gateway.decision import review as review_move
+from gateway.proxy import PROXY_ROUTE
 from gateway.record import EffectRecord
 from gateway.runtime import RUNTIME, Runtime
 from gateway.schema import grant_to

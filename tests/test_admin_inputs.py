@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from gateway import problems
-from gateway.admin import parse_resolution
+from gateway.effects_json import parse_resolution
 from tests.support import Gateway, Upstream, gateway_server
 
 ADMIN = {"Authorization": "Bearer adm-1"}

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway import problems
-from gateway.admin import parse_resolution
-from gateway.app import response_of
 from gateway.decision import MAYBE_HAPPENED, NOTHING_HAPPENED
+from gateway.effects_json import parse_resolution
+from gateway.proxy import response_of
 from gateway.record import StoredResponse
 from gateway.upstream import storable_headers
 from tests.support import Gateway, effect_rows, gateway_server, raw_exchange
