@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from datetime import UTC, datetime
 
 import asyncpg
+import pytest
 
 from gateway.audit_query import EffectFilter, find_statement
 from gateway.states import State
 from gateway.store import opened
-from tests.support import fill_effects, pages_read, plan_run, rows_read
+from tests.support import empty_effects, fill_effects, pages_read, plan_run, rows_read
 
 EVER = {"since": datetime(1, 1, 1, tzinfo=UTC), "until": datetime(9999, 12, 31, tzinfo=UTC)}
 
@@ -89,6 +91,15 @@ async def test_a_quiet_tenants_pages_read_only_its_own_effects(dsn: str) -> None
         assert [r.id for r in await store.find(pages[7])] == list(range(2_000_004, 1_999_999, -1))
 
 
+@pytest.fixture(scope="module")
+def backlog(postgres_dsn: str) -> str:
+    """The test database holding the backlog below, filled once for the tests of this module that read
+    it (the last ones in the file: none of them changes it for good)."""
+    asyncio.run(empty_effects(postgres_dsn))
+    asyncio.run(fill_backlog(postgres_dsn))
+    return postgres_dsn
+
+
 async def fill_backlog(dsn: str) -> None:
     """200,000 completed effects of tenant t and 60,030 waiting for review: 40,000 of t's and 20,000 of
     u's at upstream shop, u's 30 at mail (ids 500,000 to 500,029), and a run r with two of t's waiting."""
@@ -113,7 +124,7 @@ BACKLOG_LISTS = {
 }
 
 
-async def test_a_backlog_of_an_open_state_is_listed_a_page_at_a_time(dsn: str) -> None:
+async def test_a_backlog_of_an_open_state_is_listed_a_page_at_a_time(backlog: str) -> None:
     """The audit filtered by needs_review, with 60,000 of them among 260,000 effects, reads about its
     page of 50 rows: the gateway's list, a tenant's, a run's, an upstream's with few waiting, and a
     tenant's at that upstream.
@@ -125,38 +136,45 @@ async def test_a_backlog_of_an_open_state_is_listed_a_page_at_a_time(dsn: str) -
     (195 ms with 95,000 waiting at another upstream); a tenant's at one upstream, through the tenant's
     (20,030 rows read here; 33 ms with 95,000).
     """
-    await fill_backlog(dsn)
     for name, where in BACKLOG_LISTS.items():
-        plan = await plan_run(dsn, *find_statement(where))
+        plan = await plan_run(backlog, *find_statement(where))
         read = rows_read(plan, "effects") + rows_read(plan, "open_effects")
         assert read <= 100, (name, read)
 
 
-async def test_a_page_deep_in_an_open_list_costs_what_the_first_page_does(dsn: str) -> None:
+async def test_a_page_deep_in_an_open_list_costs_what_the_first_page_does(backlog: str) -> None:
     """A page of a tenant's, an upstream's or a tenant's-at-one-upstream needs_review list after a cursor
     40,000 entries down reads about as many pages as the list's first page.
 
     The cursor was a separate "id <" beside the list's range, and Postgres read down from the list's
     newest entry to it: 557 pages against 205.
     """
-    await fill_backlog(dsn)
-    await fill_effects(dsn, "u", 3_000_000, 40_000, "needs_review", upstream="mail")
-    for first, cursor in (
-        (EffectFilter(tenant="t", state=State.NEEDS_REVIEW), 1_000_100),
-        (EffectFilter(upstream="shop", state=State.NEEDS_REVIEW), 1_000_100),
-        (EffectFilter(tenant="u", upstream="mail", state=State.NEEDS_REVIEW), 500_020),
-    ):
-        deep = replace(first, before_id=cursor)
-        first_pages = pages_read(await plan_run(dsn, *find_statement(first)))
-        assert pages_read(await plan_run(dsn, *find_statement(deep))) <= first_pages * 1.25, deep
+    # 40,000 more of u's waiting at mail, newer than the rest: taken out again after, for the next test.
+    await fill_effects(backlog, "u", 3_000_000, 40_000, "needs_review", upstream="mail")
+    try:
+        for first, cursor in (
+            (EffectFilter(tenant="t", state=State.NEEDS_REVIEW), 1_000_100),
+            (EffectFilter(upstream="shop", state=State.NEEDS_REVIEW), 1_000_100),
+            (EffectFilter(tenant="u", upstream="mail", state=State.NEEDS_REVIEW), 500_020),
+        ):
+            deep = replace(first, before_id=cursor)
+            first_pages = pages_read(await plan_run(backlog, *find_statement(first)))
+            assert pages_read(await plan_run(backlog, *find_statement(deep))) <= first_pages * 1.25, deep
+    finally:
+        conn = await asyncpg.connect(backlog)
+        try:
+            await conn.execute("delete from open_effects where id >= 3000000")
+            await conn.execute("delete from effects where id >= 3000000")
+            await conn.execute("analyze effects, open_effects")
+        finally:
+            await conn.close()
 
 
-async def test_a_backlog_lists_the_rows_of_its_page(dsn: str) -> None:
+async def test_a_backlog_lists_the_rows_of_its_page(backlog: str) -> None:
     """Each list of the needs_review backlog answers its own effects, newest first, and a page after a
     cursor goes on from it: within an upstream's list, a tenant's, and a tenant's across its upstreams."""
-    await fill_backlog(dsn)
     mail = list(range(500_029, 499_999, -1))
-    async with opened(dsn) as store:
+    async with opened(backlog) as store:
         page = await store.find(EffectFilter(state=State.NEEDS_REVIEW, limit=3))
         assert [(r.id, r.tenant) for r in page] == [(2_019_999, "u"), (2_019_998, "u"), (2_019_997, "u")]
         assert [r.id for r in await store.find(BACKLOG_LISTS["a run's"])] == [1_000_006, 1_000_005]

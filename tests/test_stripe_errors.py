@@ -30,11 +30,20 @@ CHARGE = {"amount": 4200, "currency": "inr", "source": "tok_visa"}
 
 
 class CountingClient(stripe.HTTPXClient):
-    """stripe-python's httpx client, counting the requests stripe-python makes (its retries included)."""
+    """stripe-python's httpx client, counting the requests stripe-python makes (its retries included).
 
-    def __init__(self) -> None:
+    Its retries go at once, unless ``backoff``: stripe-python's own backoff (half a second and up) is
+    time the tests would only wait out. Only a test that needs another request to finish meanwhile keeps
+    it.
+    """
+
+    def __init__(self, *, backoff: bool = False) -> None:
         super().__init__()
         self.requests = 0
+        self.backoff = backoff
+
+    def _sleep_time_seconds(self, num_retries: int, *args: Any) -> float:
+        return super()._sleep_time_seconds(num_retries, *args) if self.backoff else 0.0
 
     async def request_async(
         self, method: str, url: str, headers: Mapping[str, str], post_data: Any = None
@@ -118,7 +127,7 @@ async def test_a_key_stripe_python_made_up_is_refused_where_step_keys_are_wanted
         assert (await resp.json())["data"] == []
 
 
-async def test_a_twin_in_flight_is_retried_by_stripe_python_and_gets_the_one_charge(
+async def test_a_request_in_flight_is_retried_by_stripe_python_and_gets_the_one_charge(
     dsn: str, upstream: Upstream
 ) -> None:
     """A call under a key still in flight is 409, as from Stripe; stripe-python retries into the replay."""
@@ -129,7 +138,8 @@ async def test_a_twin_in_flight_is_retried_by_stripe_python_and_gets_the_one_cha
 
     upstream.routes["/v1/charges"] = slow_charge
     async with gateway_server(dsn, upstreams={"payments": {**PAYMENTS, "base_url": upstream.url}}) as gw:
-        first_client, twin_client = CountingClient(), CountingClient()
+        # The retries wait stripe-python's own backoff, long enough for the first call to finish.
+        first_client, twin_client = CountingClient(), CountingClient(backoff=True)
         first = asyncio.create_task(charge(stripe_at(f"{gw.url}/payments", first_client), "run-2:4"))
         await upstream.received.wait()
         twin = await charge(stripe_at(f"{gw.url}/payments", twin_client, retries=5), "run-2:4")
