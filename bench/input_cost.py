@@ -39,15 +39,15 @@ from bench.harness import conditions
 from gateway import codings, problems
 from gateway import proxy as gateway_proxy
 from gateway.body import FORM, RequestBody, read_body
+from gateway.errors import FormRefused, JsonRefused, KeySyntaxError, StampError
 from gateway.fingerprint import canonical_query, fingerprint
-from gateway.jsonbody import MAX_DEPTH, JsonRefused
-from gateway.keys import KeySyntaxError, parse_key
+from gateway.jsonbody import MAX_DEPTH
+from gateway.keys import parse_key
 from gateway.policy import UpstreamPolicy, upstream_policies
 from gateway.runtime import check_headers
 from gateway.settings import Settings, load_settings
-from gateway.stamp import StampError, reserved_use
+from gateway.stamp import reserved_use
 from gateway.upstream import build_outbound
-from gateway.urlencoded import FormRefused
 
 SMALL = 16 * 1024
 # The default max_body_bytes: the largest body an agent can send.

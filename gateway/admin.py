@@ -13,7 +13,7 @@ from gateway import jsonbody, operators, problems, process
 from gateway.audit_query import EffectFilter
 from gateway.auth import is_admin, tenant_of
 from gateway.effects_json import MAX_ID, effect_json, next_query, parse_filter, parse_resolution, whole_number
-from gateway.errors import StoreUnavailable
+from gateway.errors import JsonRefused, StoreUnavailable
 from gateway.metrics import states_exposition
 from gateway.record import EffectRecord
 from gateway.runtime import RUNTIME, Runtime, read_request_body
@@ -149,7 +149,7 @@ async def resolve_effect(request: web.Request) -> web.Response:
     record = await _load(request, None)
     try:
         doc = jsonbody.loads(await read_request_body(request, runtime.settings))
-    except jsonbody.JsonRefused as exc:
+    except JsonRefused as exc:
         raise problems.BadRequest(f"the body must be JSON: {exc}") from None
     happened, response = parse_resolution(doc)
     attempt = doc.get("attempt")

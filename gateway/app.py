@@ -15,15 +15,10 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 
 from gateway import admin, audit_routes, openapi, problems, replies
-from gateway.errors import GatewayError
+from gateway.errors import ClientGone, GatewayError
 from gateway.parts import longest_lease, running
 from gateway.proxy import PROXY_ROUTE, proxy
-from gateway.runtime import (
-    RUNTIME,
-    ClientGone,
-    check_headers,
-    check_host,
-)
+from gateway.runtime import RUNTIME, check_headers, check_host
 from gateway.settings import ErrorFormat, Settings
 from gateway.trail import CURRENT, Trail
 

@@ -26,9 +26,9 @@ from gateway.decision import (
     unrecorded,
 )
 from gateway.endings import AwaitsOperator, Ending, Fenced, Unrecorded
-from gateway.errors import StoreRejected, StoreUnavailable
+from gateway.errors import NotAsFirstSent, StoreRejected, StoreUnavailable
 from gateway.faults import fault
-from gateway.inbound import Inbound, NotAsFirstSent, as_first_sent
+from gateway.inbound import Inbound, as_first_sent
 from gateway.outcome import NotSent, Outcome
 from gateway.policy import UpstreamPolicy
 from gateway.record import EffectRecord

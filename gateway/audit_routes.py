@@ -27,7 +27,7 @@ from gateway.auth import is_admin, tenant_of
 from gateway.decision import awaits_operator
 from gateway.effect_page import ResolveForm, Verdict
 from gateway.effects_json import MAX_ID, next_query, parse_filter, parse_resolution, whole_number
-from gateway.errors import BadName, NoSuchEffect, NotAwaitingOperator
+from gateway.errors import BadName, FormRefused, NoSuchEffect, NotAwaitingOperator
 from gateway.record import EffectRecord, StoredResponse
 from gateway.runtime import RUNTIME, Runtime, read_request_body
 from gateway.sessions import (
@@ -150,7 +150,7 @@ async def _form(request: web.Request) -> Mapping[str, str]:
         raise PageError(400, _UNREADABLE, "The audit's forms are sent urlencoded, as its page sends them.")
     try:
         fields = urlencoded.text_fields(raw, _MOST_FIELDS, _charset(request))
-    except urlencoded.FormRefused as exc:
+    except FormRefused as exc:
         raise PageError(400, _UNREADABLE, _sentence(exc)) from None
     except UnicodeDecodeError:
         raise PageError(

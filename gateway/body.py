@@ -50,8 +50,8 @@ def media_type(content_type: str) -> str:
 def read_body(raw: bytes, content_type: str, json_path: Sequence[str] = ()) -> RequestBody:
     """Parse ``raw`` as its Content-Type says; ``json_path`` (a JSON stamp's) makes it JSON regardless.
 
-    Raises :class:`gateway.jsonbody.JsonRefused` for a body that should be JSON and is not one
-    unambiguous document, :class:`gateway.urlencoded.FormRefused` for a form of too many fields. An
+    Raises :class:`gateway.JsonRefused` for a body that should be JSON and is not one
+    unambiguous document, :class:`gateway.FormRefused` for a form of too many fields. An
     empty body is no document at all, of any kind.
     """
     media = media_type(content_type)

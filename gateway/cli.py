@@ -33,10 +33,12 @@ from gateway.errors import (
     CannotListen,
     ConfigError,
     GatewayError,
+    JsonRefused,
     LoginRefused,
     NoSuchEffect,
     NotAwaitingOperator,
     StoreUnavailable,
+    UsageError,
 )
 from gateway.policy import PythonProbe, upstream_policies, upstream_policy
 from gateway.probes import Prober, load_python_probe
@@ -51,10 +53,6 @@ log = logging.getLogger("effect_gateway")
 FIX = 2  # the operator must change something before trying again
 TEMPFAIL = 75  # sysexits' EX_TEMPFAIL: the database is away; the same command may work later
 BROKEN_PIPE = 141  # what a shell reports for a writer killed by SIGPIPE (128 + 13)
-
-
-class UsageError(GatewayError):
-    pass
 
 
 def say(line: str = "") -> None:
@@ -301,7 +299,7 @@ def _given_response(args: argparse.Namespace, limit: int) -> StoredResponse:
         try:
             # Strictly, as the HTTP route reads a verdict: NaN or Infinity would be stored as the answer.
             response["json"] = jsonbody.loads(args.json_body.encode("utf-8", "surrogateescape"))
-        except jsonbody.JsonRefused as exc:
+        except JsonRefused as exc:
             raise UsageError(f"--json-body is not valid JSON: {exc}") from None
     elif args.body_file is not None:
         try:

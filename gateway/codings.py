@@ -17,25 +17,15 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable
 
+from gateway.errors import BadCoding, DecodedTooLarge, UnsupportedCoding
+
 # RFC 9110 section 8.4.1; x-gzip is the same coding by another name.
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 DECODED = frozenset(_WBITS)
 
 
-class UnsupportedCoding(ValueError):
-    """A content coding the gateway does not decode."""
-
-
-class BadCoding(ValueError):
-    """The body is not valid data of its declared coding."""
-
-
 class TooManyCodings(UnsupportedCoding):
     """The body has more codings than the gateway decodes."""
-
-
-class DecodedTooLarge(ValueError):
-    """Decoded, the body would pass the limit."""
 
 
 # zlib copies the input it was given past the end of a gzip member (unused_data), so a body fed whole

@@ -12,11 +12,12 @@ from typing import Any
 
 from gateway import operators, problems
 from gateway.audit_query import EffectFilter
+from gateway.errors import HeaderRefused
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.record import EffectRecord, StoredResponse
 from gateway.settings import parse_duration
 from gateway.states import State
-from gateway.wire import HeaderRefused, header_line
+from gateway.wire import header_line
 
 # A page of the audit: enough to scan by eye, small enough to render at once.
 DEFAULT_PAGE = 50

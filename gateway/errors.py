@@ -73,3 +73,57 @@ class NoSuchEffect(GatewayError):
 
 class BadName(GatewayError):
     """An operator's name that the history cannot keep as given."""
+
+
+# --- what a request is refused for, before anything is claimed or sent (each a 4xx) ------------------
+
+
+class UnsupportedCoding(ValueError):
+    """A content coding the gateway does not decode."""
+
+
+class BadCoding(ValueError):
+    """The body is not valid data of its declared coding."""
+
+
+class DecodedTooLarge(ValueError):
+    """Decoded, the body would pass the limit."""
+
+
+class NotAsFirstSent(ValueError):
+    """The request the effect was claimed with cannot be sent again (not on record, or not readable)."""
+
+
+class JsonRefused(ValueError):
+    """The body is not one unambiguous JSON document."""
+
+
+class KeySyntaxError(ValueError):
+    """The header value is not a key."""
+
+
+# --- what an upstream, an agent or a command line did that the gateway cannot go on with -------------
+
+
+class NotASearchAnswer(ValueError):
+    """The answer does not have the shape ``found`` describes: it says nothing about the effect."""
+
+
+class ClientGone(Exception):
+    """The agent hung up before its request was whole: nobody is left to answer, and nothing was sent."""
+
+
+class StampError(ValueError):
+    """The request has no place for the stamp (e.g. a JSON field on a body that is not an object)."""
+
+
+class FormRefused(ValueError):
+    """The form body has more fields than the gateway reads."""
+
+
+class HeaderRefused(ValueError):
+    """A header that cannot be written without breaking (or injecting into) the response head."""
+
+
+class UsageError(GatewayError):
+    """A command line that cannot be carried out as given; the message says what to change (exit 2)."""

@@ -7,13 +7,11 @@ from dataclasses import dataclass, replace
 
 from gateway import browser, problems
 from gateway.body import RequestBody, read_body
+from gateway.errors import FormRefused, JsonRefused, NotAsFirstSent, StampError
 from gateway.fingerprint import NEVER_FINGERPRINTED
-from gateway.jsonbody import JsonRefused
 from gateway.policy import UpstreamPolicy
 from gateway.record import EffectRecord, KeyCarriers, NewEffect
-from gateway.stamp import StampError
 from gateway.upstream import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP, Outbound, build_outbound
-from gateway.urlencoded import FormRefused
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +62,6 @@ def to_send(inbound: Inbound, derived_key: str | None) -> Outbound:
         )
     except StampError as exc:
         raise problems.CannotStamp(str(exc)) from None
-
-
-class NotAsFirstSent(ValueError):
-    """The request the effect was claimed with cannot be sent again (not on record, or not readable)."""
 
 
 def as_first_sent(inbound: Inbound, record: EffectRecord) -> Outbound:

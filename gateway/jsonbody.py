@@ -27,6 +27,8 @@ from itertools import accumulate
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
+from gateway.errors import JsonRefused
+
 # serde_json's default recursion limit, the strictest of the common parsers an upstream may use, so a
 # document we accept is one they accept; no API body an agent sends comes near it. It also keeps the
 # standard library's recursive scanner far from Python's recursion limit (10,000 deep is a 400 here,
@@ -76,10 +78,6 @@ _DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 PIECES = (64, 256, 1024, 4096, 16384)
 # ASCII escapes give every string, lone surrogates too, exactly one spelling.
 _string = encode_basestring_ascii
-
-
-class JsonRefused(ValueError):
-    """The body is not one unambiguous JSON document."""
 
 
 def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

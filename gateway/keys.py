@@ -7,6 +7,8 @@ import hmac
 import re
 from dataclasses import dataclass
 
+from gateway.errors import KeySyntaxError
+
 # 255: Stripe's limit, and what the IETF draft's examples fit in; longer keys are a sign of misuse.
 MAX_KEY_LENGTH = 255
 # A key that ends in a UUID's 8-4-4-4-12 hex form, after any prefix: what SDKs make up per call
@@ -16,10 +18,6 @@ MAX_KEY_LENGTH = 255
 _UUID_AT_END = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z", re.IGNORECASE)
 # The audit's run and step labels: as long as a key, so any journal's ids fit.
 MAX_LABEL = MAX_KEY_LENGTH
-
-
-class KeySyntaxError(ValueError):
-    """The header value is not a key."""
 
 
 def parse_key(value: str) -> str:

@@ -18,8 +18,7 @@ import aiohttp
 from yarl import URL
 
 from gateway import jsonbody
-from gateway.errors import ConfigError, ProbeFailed
-from gateway.jsonbody import JsonRefused
+from gateway.errors import ConfigError, JsonRefused, NotASearchAnswer, ProbeFailed
 from gateway.policy import HttpProbe, PythonProbe, UpstreamPolicy
 from gateway.record import StoredResponse
 from gateway.upstream import UpstreamClient, read_limited
@@ -50,10 +49,6 @@ def load_python_probe(name: str) -> PythonProbeFn:
             fn: PythonProbeFn = ep.load()
             return fn
     raise ConfigError(f"bad setting probe.entry_point: no probe named {name!r} in group {ENTRY_POINT_GROUP}")
-
-
-class NotASearchAnswer(ValueError):
-    """The answer does not have the shape ``found`` describes: it says nothing about the effect."""
 
 
 def dig(doc: Any, path: str) -> Any | None:

@@ -16,11 +16,19 @@ from aiohttp import web
 from gateway import browser, codings, legible, problems, replies
 from gateway.auth import tenant_of
 from gateway.body import RequestBody, read_body
+from gateway.errors import (
+    BadCoding,
+    DecodedTooLarge,
+    FormRefused,
+    HeaderRefused,
+    JsonRefused,
+    KeySyntaxError,
+    UnsupportedCoding,
+)
 from gateway.fingerprint import covered
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.inbound import Inbound
-from gateway.jsonbody import JsonRefused
-from gateway.keys import MAX_LABEL, KeySyntaxError, looks_made_up, parse_key
+from gateway.keys import MAX_LABEL, looks_made_up, parse_key
 from gateway.policy import UpstreamPolicy
 from gateway.record import StoredResponse
 from gateway.replies import Reply
@@ -28,8 +36,7 @@ from gateway.runtime import RUNTIME, read_request_body
 from gateway.settings import Settings
 from gateway.stamp import reserved_use
 from gateway.trail import CURRENT
-from gateway.urlencoded import FormRefused
-from gateway.wire import HeaderRefused, RawHeadResponse
+from gateway.wire import RawHeadResponse
 
 # An encoded slash, backslash, dot or NUL lets a path mean one thing to us and another upstream.
 _ENCODED_TRICKS = re.compile(r"%(2f|5c|2e|00)", re.IGNORECASE)
@@ -214,11 +221,11 @@ async def _body(request: web.Request, settings: Settings, policy: UpstreamPolicy
         if coded or _costly(raw):
             return await asyncio.to_thread(_read, raw, coded, content_type, settings, policy)
         return _read(raw, coded, content_type, settings, policy)
-    except codings.UnsupportedCoding as exc:
+    except UnsupportedCoding as exc:
         raise problems.EncodingUnsupported(str(exc)) from None
-    except codings.DecodedTooLarge as exc:
+    except DecodedTooLarge as exc:
         raise problems.BodyTooLarge(str(exc)) from None
-    except codings.BadCoding as exc:
+    except BadCoding as exc:
         raise problems.BodyMalformed(str(exc)) from None
     except (JsonRefused, FormRefused) as exc:
         raise problems.BodyMalformed(f"{exc}; nothing was sent") from None

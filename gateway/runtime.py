@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gateway import problems
+from gateway.errors import ClientGone
 from gateway.keys import LogHash
 from gateway.metrics import CachedCounts
 from gateway.policy import UpstreamPolicy
@@ -89,10 +90,6 @@ def check_host(request: web.Request) -> None:
             "requests to localhost, 127.0.0.1 or [::1] (configure [tenants], and an [admin] token for the "
             "admin listener, to reach it by another name)"
         )
-
-
-class ClientGone(Exception):
-    """The agent hung up before its request was whole: nobody is left to answer, and nothing was sent."""
 
 
 async def read_request_body(request: web.Request, settings: Settings) -> bytes:

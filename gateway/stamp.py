@@ -13,17 +13,14 @@ from multidict import CIMultiDict
 
 from gateway import jsonbody, urlencoded
 from gateway.body import RequestBody
+from gateway.errors import JsonRefused, StampError
 from gateway.headers import same_header
-from gateway.jsonbody import JsonRefused, Taken
+from gateway.jsonbody import Taken
 from gateway.policy import StampKind, UpstreamPolicy
 
 # The agent's own key is the gateway's input and never forwarded, so a native header of this name
 # (Stripe's) is the gateway's to set without any conflict.
 AGENT_KEY_HEADER = "idempotency-key"
-
-
-class StampError(ValueError):
-    """The request has no place for the stamp (e.g. a JSON field on a body that is not an object)."""
 
 
 def stamp_request(

@@ -49,6 +49,8 @@ TRANSITIONS: dict[State | None, frozenset[State]] = {
 
 
 class IllegalTransition(RuntimeError):
+    """A move the state table does not list: a bug of ours, raised before any SQL runs."""
+
     def __init__(self, source: State | None, target: State) -> None:
         super().__init__(f"an effect may not move from {source or 'nothing'} to {target}")
         self.source = source

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import quote, quote_from_bytes, unquote_to_bytes
 
+from gateway.errors import FormRefused
+
 # A "%" that starts no escape is kept by form decoders as a literal "%", but some upstreams refuse it;
 # it is therefore kept apart from a "%25" in the canonical form, as "%%": never in quote_from_bytes'
 # output, where every "%" starts an escape.
@@ -70,10 +72,6 @@ def canonical(parsed: tuple[Pair, ...]) -> bytes:
 # Fields in one form body: Django refuses more than 1,000 and Rack 3 more than 4,096; reading a
 # megabyte of "&" as a million pairs held a core for seconds.
 MAX_FIELDS = 10_000
-
-
-class FormRefused(ValueError):
-    """The form body has more fields than the gateway reads."""
 
 
 def check_size(raw: bytes) -> None:

@@ -16,16 +16,14 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import StreamWriter
 
+from gateway.errors import HeaderRefused
+
 # RFC 9110 section 5.6.2.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # What ends or splits a head (RFC 9110 section 5.5 has a recipient refuse them). Other control bytes are
 # not valid in a field value either, but aiohttp's client accepts them from an upstream, and refusing one
 # here would leave an effect that happened with no answer the agent can ever read: they are relayed.
 _SPLITS_HEAD = re.compile(r"[\x00\r\n]")
-
-
-class HeaderRefused(ValueError):
-    """A header that cannot be written without breaking (or injecting into) the response head."""
 
 
 def header_line(name: str, value: str) -> bytes:

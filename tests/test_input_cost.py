@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 
 from gateway import codings, jsonbody, urlencoded
 from gateway.body import FORM, read_body
+from gateway.errors import FormRefused, JsonRefused, KeySyntaxError
 from gateway.fingerprint import canonical_query
-from gateway.jsonbody import JsonRefused, StampSite
-from gateway.keys import KeySyntaxError, parse_key
-from gateway.urlencoded import FormRefused
+from gateway.jsonbody import StampSite
+from gateway.keys import parse_key
 
 # A fifth of the profile's examples: each times two sizes, and `make test` runs the shapes that once took
 # hours whatever the count (the @example lines); `make fuzz` still searches a thousand shapes per reader.

@@ -13,7 +13,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gateway import jsonbody
-from gateway.jsonbody import JsonRefused
+from gateway.errors import JsonRefused
 from tests.strategies import OBJECT, TREE, json_text
 
 DEEP = b"[" * 10_000 + b"]" * 10_000

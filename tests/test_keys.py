@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.keys import MAX_KEY_LENGTH, KeySyntaxError, LogHash, ScopedKey, looks_made_up, parse_key
+from gateway.errors import KeySyntaxError
+from gateway.keys import MAX_KEY_LENGTH, LogHash, ScopedKey, looks_made_up, parse_key
 from journal import StepContext
 from tests.support import Upstream, effect_rows, gateway_server
 

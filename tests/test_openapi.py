@@ -14,7 +14,8 @@ from hypothesis import given
 
 from gateway import openapi, problems
 from gateway.app import READINESS, make_admin_app, make_proxy_app
-from gateway.keys import KeySyntaxError, parse_key
+from gateway.errors import KeySyntaxError
+from gateway.keys import parse_key
 from gateway.settings import load_settings
 from tests.strategies import KEY_VALUES
 from tests.support import gateway_server

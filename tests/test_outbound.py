@@ -16,11 +16,11 @@ from multidict import CIMultiDict
 
 from gateway import urlencoded
 from gateway.body import read_body
-from gateway.jsonbody import JsonRefused
-from gateway.keys import KeySyntaxError, parse_key
+from gateway.errors import FormRefused, JsonRefused, KeySyntaxError, StampError
+from gateway.keys import parse_key
 from gateway.policy import UpstreamPolicy, upstream_policy
 from gateway.settings import UpstreamSettings
-from gateway.stamp import StampError, reserved_use
+from gateway.stamp import reserved_use
 from gateway.upstream import build_outbound
 from tests.strategies import FORM_BYTES, KEY_VALUES, OBJECT, json_text, spelled
 from tests.support import STAMPED, Upstream, effect_rows, gateway_server, one_insertion, raw_exchange
@@ -394,7 +394,7 @@ def test_no_search_of_a_megabyte_for_a_name_reads_more_than_a_window(monkeypatch
 
 def test_a_form_of_too_many_fields_is_refused() -> None:
     """More than 10,000 fields is a 400: read as pairs, a megabyte of "&" held a core for seconds."""
-    with pytest.raises(urlencoded.FormRefused):
+    with pytest.raises(FormRefused):
         read_body(b"&" * (1024 * 1024), "application/x-www-form-urlencoded")
     read_body(b"a=1&" * 9_000, "application/x-www-form-urlencoded")
 

@@ -38,8 +38,9 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from gateway import openapi, problems
+from gateway.errors import KeySyntaxError
 from gateway.headers import GATEWAY_REQUEST_HEADERS, connection_scoped
-from gateway.keys import KeySyntaxError, parse_key
+from gateway.keys import parse_key
 from gateway.settings import SAFE_METHODS
 from tests.support import (
     FUZZ_COUNTS,
