@@ -27,6 +27,7 @@ from urllib.parse import parse_qs, urlsplit
 import asyncpg
 
 from gateway import effects_json, embedded, jsonbody, legible, logs, operators, problems, report
+from gateway.audit_query import EffectFilter
 from gateway.embedded import EmbeddedPostgres
 from gateway.errors import (
     BadName,
@@ -44,6 +45,7 @@ from gateway.policy import PythonProbe, upstream_policies, upstream_policy
 from gateway.probes import Prober, load_python_probe
 from gateway.record import EffectRecord, StoredResponse
 from gateway.schema import grant_to, migrate, ready
+from gateway.seams import AuditReads, Verdicts
 from gateway.settings import Settings, load_settings
 from gateway.store import Store, opened
 from gateway.upstream import UpstreamClient
@@ -238,11 +240,18 @@ def effect_id(value: int) -> int:
     return value
 
 
-async def _read_effect(store: Store, effect_id: int) -> EffectRecord:
+async def _read_effect(store: Verdicts, effect_id: int) -> EffectRecord:
     record = await store.get(effect_id)
     if record is None:
         raise UsageError(f"no effect {effect_id}")
     return record
+
+
+async def _listed(store: AuditReads, where: EffectFilter, effect_id: int | None) -> list[dict[str, Any]]:
+    """Return the effect ``effect_id`` in full, or the page ``where`` selects, as the effects API has them."""
+    if effect_id is not None:
+        return [effects_json.effect_json(await _read_effect(store, effect_id), full=True)]
+    return [effects_json.effect_json(r, full=False) for r in await store.find(where)]
 
 
 def cmd_effects(settings: Settings, args: argparse.Namespace) -> int:
@@ -267,9 +276,7 @@ def cmd_effects(settings: Settings, args: argparse.Namespace) -> int:
     async def run(dsn: str) -> list[dict[str, Any]]:
         await ready(dsn)
         async with opened(dsn) as store:
-            if args.id is not None:
-                return [effects_json.effect_json(await _read_effect(store, args.id), full=True)]
-            return [effects_json.effect_json(r, full=False) for r in await store.find(where)]
+            return await _listed(store, where, args.id)
 
     with database(settings, create=False) as dsn:
         rows = asyncio.run(run(dsn))

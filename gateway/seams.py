@@ -4,7 +4,8 @@
 satisfy them against Postgres and real upstreams; the simulator's store and upstreams (sim/) satisfy
 them in memory. mypy checks both, so neither side can drift from what :class:`gateway.service.
 EffectService` calls. The audit's reads and the operators' verdicts are apart (:class:`AuditReads`,
-:class:`Verdicts`): the driver never reads a list of effects, and never resolves one.
+:class:`Verdicts`): the driver never reads a list of effects, and never resolves one. :class:`Database`
+is all of them, and the upkeep besides.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Protocol
 
+from gateway import partitions
 from gateway.audit_query import EffectFilter
 from gateway.decision import Settlement
 from gateway.outcome import Outcome
@@ -83,6 +85,24 @@ class AuditReads(Verdicts, Protocol):
     async def find(self, where: EffectFilter) -> list[EffectRecord]: ...
 
     async def state_counts(self, tenant: str | None = None) -> dict[str, int]: ...
+
+
+class Database(EffectStore, AuditReads, Protocol):
+    """Everything the gateway asks of its database: :class:`gateway.store.Store` against Postgres, and
+    the simulator's store in memory. tests/test_store_contract.py holds both to one suite through this
+    type, so the two cannot drift apart without mypy saying so."""
+
+    async def key_secret(self) -> bytes: ...
+
+    async def ping(self) -> None: ...
+
+    async def partitions_ahead(self) -> partitions.Ahead: ...
+
+    async def maintain(
+        self, retention: timedelta, progress: partitions.Progress = ..., *, purge: bool = False
+    ) -> list[partitions.Partition]: ...
+
+    async def close(self) -> None: ...
 
 
 class Sender(Protocol):

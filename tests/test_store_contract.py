@@ -11,7 +11,6 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
-from typing import cast
 
 import asyncpg
 import pytest
@@ -22,6 +21,7 @@ from gateway.errors import CursorUnknown, StoreRejected
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError
 from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
 from gateway.routes import Route
+from gateway.seams import Database
 from gateway.states import State, Transition
 from gateway.store import Store, opened
 from sim.store import Row, SimDatabase, SimStore
@@ -70,7 +70,7 @@ def effect(
 
 @dataclass
 class Subject:
-    store: Store
+    store: Database
     # Moves every stored body ``days`` back in time, as tests/support.py's backdate_bodies does.
     backdate: Callable[[int], Awaitable[None]]
     # The database's own clock, read apart from any statement of the store.
@@ -123,7 +123,7 @@ async def subject(which: tuple[str, str | None]) -> AsyncIterator[Subject]:
                     keyless=False,
                 )
 
-        yield Subject(cast(Store, SimStore(db)), sim_backdate, sim_clock, sim_rows)
+        yield Subject(SimStore(db), sim_backdate, sim_clock, sim_rows)
         return
     await empty_effects(dsn)
 
@@ -155,14 +155,14 @@ async def subject(which: tuple[str, str | None]) -> AsyncIterator[Subject]:
         yield Subject(store, pg_backdate, pg_clock, pg_rows)
 
 
-async def claimed(store: Store, key: str = "k", lease: timedelta = LEASE, **kw: str) -> EffectRecord:
+async def claimed(store: Database, key: str = "k", lease: timedelta = LEASE, **kw: str) -> EffectRecord:
     record, created = await store.claim(effect(key, **kw), lease)
     assert record is not None
     assert created
     return record
 
 
-async def completed(store: Store, key: str = "k") -> EffectRecord:
+async def completed(store: Database, key: str = "k") -> EffectRecord:
     record = await claimed(store, key)
     assert await store.settle(record, DONE, response=OK, recovered_by=None) is not None
     return await store.reread(record)
@@ -933,7 +933,7 @@ async def test_a_tenants_page_of_an_open_state_pages_on_past_an_effect_that_left
     assert [r.id for r in await store.find(replace(pending, tenant="other"))] == [theirs.id, older.id]
 
 
-async def paged(store: Store, where: EffectFilter) -> list[int]:
+async def paged(store: Database, where: EffectFilter) -> list[int]:
     """The ids of every page from ``where`` on, each next page before the last one's last effect."""
     seen: list[int] = []
     for _ in range(1000):  # more pages than any test has effects: it went round in circles
