@@ -511,7 +511,7 @@ class SimDatabase:
             )
         return dropped
 
-    # --- for tests: what tests/support.py's backdate_bodies does in SQL -------------------------------
+    # --- for tests: what tests/database.py's backdate_bodies does in SQL -------------------------------
 
     def backdate_bodies(self, days: int) -> None:
         """Time passes for the stored bodies: they move ``days`` back, into a day the retention will drop."""
@@ -519,7 +519,7 @@ class SimDatabase:
         self.bodies = {(i, kind, at - back): v for (i, kind, at), v in self.bodies.items()}
         for row in self.rows.values():
             if row.response_at is not None:
-                # The attempt that stored an answer moves with it, as in tests/support.py.
+                # The attempt that stored an answer moves with it, as in tests/database.py.
                 if row.last_sent_at is not None and row.last_sent_at <= row.response_at:
                     row.last_sent_at -= back
                 row.response_at -= back

@@ -15,16 +15,9 @@ from playwright.async_api import Browser, async_playwright
 
 from gateway.embedded import EmbeddedPostgres
 from gateway.schema import migrate
-from tests.support import (
-    CRASH_MATRIX,
-    FUZZ_COUNTS,
-    SCREENSHOTS,
-    Upstream,
-    empty_effects,
-    grant_runtime,
-    upstream_server,
-    worker_database,
-)
+from tests.database import empty_effects, grant_runtime, worker_database
+from tests.support import CRASH_MATRIX, FUZZ_COUNTS, SCREENSHOTS
+from tests.upstreams import Upstream, upstream_server
 
 # Property tests: a few examples each in `make test` (the whole suite stays fast), many in `make fuzz`.
 # Choose with HYPOTHESIS_PROFILE; tests that start servers take their count from the profile as well.
@@ -78,7 +71,7 @@ def postgres_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A migrated database, as its owner; the embedded server is stopped (by its pid) when the session ends.
 
     The owner is the embedded server's superuser, or TEST_DATABASE_URL's user. The gateways of the suite
-    run as a runtime role granted exactly what docs/operations.md says serve needs (tests.support
+    run as a runtime role granted exactly what docs/operations.md says serve needs (tests.database
     runtime_url): the suite makes it, which takes a superuser or CREATEROLE; a TEST_DATABASE_URL user
     without either names a role made beforehand (login, password) in TEST_RUNTIME_DATABASE_URL instead,
     and the suite grants it. Fixtures that empty tables or write rows by hand use the owner's URL.

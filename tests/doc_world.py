@@ -26,9 +26,9 @@ import asyncpg
 from agent_example.processes import Service, start_service
 from gateway.decision import review, take_over
 from gateway.store import opened
+from tests.database import empty_effects, other_database
 from tests.doc_blocks import ROOT, NoRule
 from tests.factories import new_effect
-from tests.support import empty_effects, other_database
 
 EXAMPLE = ROOT / "examples" / "gateway.toml"
 # The addresses every page names for the gateway: where `make serve` listens, for agents and operators.

@@ -11,7 +11,9 @@ import aiohttp
 import asyncpg
 import pytest
 
-from tests.support import Upstream, effect, gateway_server
+from tests.database import effect
+from tests.gateways import gateway_server
+from tests.upstreams import Upstream
 
 
 @pytest.fixture

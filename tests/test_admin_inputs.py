@@ -11,7 +11,8 @@ import pytest
 
 from gateway import problems
 from gateway.effects_json import parse_resolution
-from tests.support import Gateway, Upstream, gateway_server
+from tests.gateways import Gateway, gateway_server
+from tests.upstreams import Upstream
 
 ADMIN = {"Authorization": "Bearer adm-1"}
 

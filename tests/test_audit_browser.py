@@ -19,16 +19,10 @@ import pytest_asyncio
 from aiohttp import web
 from playwright.async_api import Browser, ConsoleMessage, Dialog, Page, expect
 
-from tests.support import (
-    ROOT,
-    SCREENSHOTS,
-    Gateway,
-    Upstream,
-    effect_rows,
-    empty_effects,
-    gateway_server,
-    upstream_server,
-)
+from tests.database import effect_rows, empty_effects
+from tests.gateways import Gateway, gateway_server
+from tests.support import ROOT, SCREENSHOTS
+from tests.upstreams import Upstream, upstream_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -28,8 +28,10 @@ from gateway.sessions import (
     holder,
     sent_sessions,
 )
+from tests.database import effect_rows
+from tests.gateways import Gateway, gateway_server
 from tests.strategies import FORM_BYTES, spelled, whatwg_pairs
-from tests.support import Gateway, Upstream, effect_rows, gateway_server
+from tests.upstreams import Upstream
 
 AUDIT = "/_gateway/audit"
 NOW = datetime(2026, 11, 2, 9, 0, tzinfo=UTC)

@@ -12,7 +12,8 @@ import pytest
 from gateway.audit_query import EffectFilter, find_statement
 from gateway.states import State
 from gateway.store import opened
-from tests.support import empty_effects, fill_effects, pages_read, plan_run, rows_read
+from tests.database import empty_effects
+from tests.plans import fill_effects, pages_read, plan_run, rows_read
 
 EVER = {"since": datetime(1, 1, 1, tzinfo=UTC), "until": datetime(9999, 12, 31, tzinfo=UTC)}
 

@@ -18,8 +18,10 @@ from aiohttp import web
 
 import gateway.proxy
 from gateway import jsonbody, urlencoded
+from tests.database import effect_rows
+from tests.gateways import Gateway, gateway_server
 from tests.strategies import DIFFERENT_NUMBERS
-from tests.support import Gateway, Upstream, effect_rows, gateway_server
+from tests.upstreams import Upstream
 
 PROBLEM = "application/problem+json"
 JSON = "application/json"

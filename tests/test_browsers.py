@@ -19,7 +19,9 @@ import pytest_asyncio
 from aiohttp import web
 from playwright.async_api import Browser, BrowserContext, Page
 
-from tests.support import Upstream, effect_rows, empty_effects, gateway_server, serving, upstream_server
+from tests.database import effect_rows, empty_effects
+from tests.gateways import gateway_server
+from tests.upstreams import Upstream, serving, upstream_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

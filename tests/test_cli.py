@@ -28,18 +28,11 @@ from gateway.embedded import EmbeddedPostgres
 from gateway.outcome import Answered
 from gateway.record import EffectRecord, StoredResponse
 from gateway.store import opened
+from tests.database import backdate_bodies, claim_effect, effect, effect_rows, runtime_url
 from tests.factories import new_effect
-from tests.support import (
-    PORT_ZERO,
-    ROOT,
-    Upstream,
-    backdate_bodies,
-    claim_effect,
-    effect,
-    effect_rows,
-    runtime_url,
-    start_gateway_process,
-)
+from tests.gateways import start_gateway_process
+from tests.support import PORT_ZERO, ROOT
+from tests.upstreams import Upstream
 
 # Where `make serve` listens (examples/gateway.toml, and serve's defaults): for agents and for operators.
 # Tests that listen where a developer's gateway may be running must ask for port 0.

@@ -20,7 +20,10 @@ import aiohttp
 import pytest
 
 from agent_example.upstreams import mail, payments, shop
-from tests.support import ROOT, Gateway, effect_rows, gateway_server, serving
+from tests.database import effect_rows
+from tests.gateways import Gateway, gateway_server
+from tests.support import ROOT
+from tests.upstreams import serving
 
 EXAMPLES = ROOT / "examples" / "clients"
 # What each example does, and to which of the example configuration's upstreams.

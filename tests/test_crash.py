@@ -15,7 +15,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.support import CRASH_MATRIX, PORT_ZERO, Upstream, effect_rows, runtime_url, start_gateway_process
+from tests.database import effect_rows, runtime_url
+from tests.gateways import start_gateway_process
+from tests.support import CRASH_MATRIX, PORT_ZERO
+from tests.upstreams import Upstream
 
 pytestmark = pytest.mark.crash
 

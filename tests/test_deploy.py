@@ -33,7 +33,8 @@ import yaml
 from gateway import cli
 from gateway.policy import upstream_policies
 from gateway.settings import Settings, load_settings, parse_duration
-from tests.support import ROOT, other_database
+from tests.database import other_database
+from tests.support import ROOT
 
 DEPLOY = ROOT / "deploy"
 KUBERNETES = sorted((DEPLOY / "kubernetes").glob("*.yaml"))

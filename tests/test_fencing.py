@@ -16,8 +16,11 @@ from gateway.decision import settle, take_over
 from gateway.outcome import Answered
 from gateway.record import StoredResponse
 from gateway.store import opened
+from tests.database import effect_rows, runtime_url
 from tests.factories import new_effect
-from tests.support import PORT_ZERO, Upstream, effect_rows, runtime_url, start_gateway_process
+from tests.gateways import start_gateway_process
+from tests.support import PORT_ZERO
+from tests.upstreams import Upstream
 
 NEW = new_effect(derived_key="eg_1")
 

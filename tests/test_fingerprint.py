@@ -14,6 +14,7 @@ from multidict import CIMultiDict
 from gateway import urlencoded
 from gateway.body import RequestBody, read_body
 from gateway.fingerprint import BodyFields, canonical_query, fingerprint
+from tests.gateways import gateway_server
 from tests.strategies import (
     DIFFERENT_NUMBERS,
     FORM_BYTES,
@@ -25,7 +26,7 @@ from tests.strategies import (
     twin_trees,
     whatwg_pairs,
 )
-from tests.support import Upstream, gateway_server
+from tests.upstreams import Upstream
 
 JSON = {"Content-Type": "application/json"}
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}

@@ -16,7 +16,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.support import Handler, Upstream, effect_rows, gateway_server, raw_upstream
+from tests.database import effect_rows
+from tests.gateways import gateway_server
+from tests.upstreams import Handler, Upstream, raw_upstream
 
 TENANTS = {"a": {"token": "token-a"}, "b": {"token": "token-b"}}
 

@@ -12,7 +12,8 @@ import respx
 from journal import Journal, StepContext, keyed_client
 from journal.http import KeyedSyncTransport
 from journal.journal import _current
-from tests.support import Upstream, gateway_server
+from tests.gateways import gateway_server
+from tests.upstreams import Upstream
 
 
 @pytest.fixture

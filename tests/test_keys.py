@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from gateway.errors import KeySyntaxError
 from gateway.keys import MAX_KEY_LENGTH, LogHash, ScopedKey, looks_made_up, parse_key
 from journal import StepContext
-from tests.support import Upstream, effect_rows, gateway_server
+from tests.database import effect_rows
+from tests.gateways import gateway_server
+from tests.upstreams import Upstream
 
 visible = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=255)
 

@@ -16,7 +16,10 @@ import aiohttp
 import pytest
 
 from gateway.logs import Text, resolve_format
-from tests.support import PORT_ZERO, Upstream, runtime_url, start_gateway_process
+from tests.database import runtime_url
+from tests.gateways import start_gateway_process
+from tests.support import PORT_ZERO
+from tests.upstreams import Upstream
 
 # Values the log must never hold: each is distinctive, so a search for it cannot miss.
 SECRETS = {

@@ -19,19 +19,10 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import Metrics, sweep_left_behind
-from tests.support import (
-    ORDER_SEARCH,
-    PORT_ZERO,
-    ROOT,
-    Gateway,
-    Upstream,
-    children,
-    decisions,
-    gateway_server,
-    runtime_url,
-    start_gateway_process,
-    upstream_server,
-)
+from tests.database import runtime_url
+from tests.gateways import Gateway, children, decisions, gateway_server, start_gateway_process
+from tests.support import PORT_ZERO, ROOT
+from tests.upstreams import ORDER_SEARCH, Upstream, upstream_server
 
 SEARCH = ORDER_SEARCH
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -21,8 +21,8 @@ from gateway.record import NewEffect
 from gateway.schema import migrate, migration_files
 from gateway.states import State
 from gateway.store import opened
+from tests.database import effect_rows, other_database
 from tests.factories import new_effect
-from tests.support import effect_rows, other_database
 
 
 @asynccontextmanager

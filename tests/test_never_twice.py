@@ -24,17 +24,9 @@ from gateway.fingerprint import fingerprint
 from gateway.outcome import Answered
 from gateway.record import NewEffect, StoredResponse
 from gateway.store import opened
-from tests.support import (
-    ORDER_SEARCH,
-    RETAINED,
-    Upstream,
-    backdate_bodies,
-    effect_rows,
-    failing_database,
-    gateway_server,
-    purge_as_owner,
-    raw_upstream,
-)
+from tests.database import RETAINED, backdate_bodies, effect_rows, failing_database, purge_as_owner
+from tests.gateways import gateway_server
+from tests.upstreams import ORDER_SEARCH, Upstream, raw_upstream
 
 SEARCH = ORDER_SEARCH
 PROBED_SHOP = {"stamp": {"json_field": "client_reference"}, "probe": SEARCH}

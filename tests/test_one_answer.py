@@ -21,17 +21,11 @@ from agent_example.processes import Service
 from gateway.decision import restore
 from gateway.record import StoredResponse
 from gateway.store import Store, opened
-from tests.support import (
-    PORT_ZERO,
-    Upstream,
-    backdate_bodies,
-    decisions,
-    effect_rows,
-    gateway_server,
-    runtime_url,
-    start_gateway_process,
-)
+from tests.database import backdate_bodies, effect_rows, runtime_url
+from tests.gateways import decisions, gateway_server, start_gateway_process
+from tests.support import PORT_ZERO
 from tests.test_store_contract import RETENTION, completed
+from tests.upstreams import Upstream
 
 BODY = b'{"items":["atta"]}'
 # Agents retrying one key at once, more than the workers, so that both restore it in the same moment.

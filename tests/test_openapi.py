@@ -17,8 +17,8 @@ from gateway.app import READINESS, make_admin_app, make_proxy_app
 from gateway.errors import KeySyntaxError
 from gateway.keys import parse_key
 from gateway.settings import load_settings
+from tests.gateways import gateway_server
 from tests.strategies import KEY_VALUES
-from tests.support import gateway_server
 
 # A value for each path parameter the document names, to ask the router where the path leads.
 SAMPLES = {"id": "1", "upstream": "shop", "path": "orders"}

@@ -20,8 +20,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.support import ROOT, Upstream, effect_rows, gateway_server
+from tests.database import effect_rows
+from tests.gateways import gateway_server
+from tests.support import ROOT
 from tests.test_recovery import flaky_first
+from tests.upstreams import Upstream
 
 BODY = b'{"items":["atta"]}'
 

@@ -22,8 +22,10 @@ from gateway.policy import UpstreamPolicy, upstream_policy
 from gateway.settings import UpstreamSettings
 from gateway.stamp import reserved_use
 from gateway.upstream import build_outbound
+from tests.database import effect_rows
+from tests.gateways import gateway_server
 from tests.strategies import FORM_BYTES, KEY_VALUES, OBJECT, json_text, spelled
-from tests.support import STAMPED, Upstream, effect_rows, gateway_server, one_insertion, raw_exchange
+from tests.upstreams import STAMPED, Upstream, one_insertion, raw_exchange
 
 PROBLEM = "application/problem+json"
 

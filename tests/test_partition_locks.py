@@ -27,8 +27,8 @@ from gateway.outcome import Answered
 from gateway.record import StoredResponse
 from gateway.schema import migrate
 from gateway.store import Conn, Store
+from tests.database import other_database
 from tests.factories import new_effect
-from tests.support import other_database
 
 T = TypeVar("T")
 OK = StoredResponse(201, (("Content-Type", "application/json"),), b'{"id": "o1"}')

@@ -16,16 +16,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.support import (
-    PORT_ZERO,
-    Gateway,
-    Upstream,
-    effect_rows,
-    gateway_server,
-    runtime_url,
-    start_gateway_process,
-    upstream_server,
-)
+from tests.database import effect_rows, runtime_url
+from tests.gateways import Gateway, gateway_server, start_gateway_process
+from tests.support import PORT_ZERO
+from tests.upstreams import Upstream, upstream_server
 
 
 @pytest.fixture

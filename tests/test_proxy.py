@@ -11,15 +11,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.support import (
-    Gateway,
-    Upstream,
-    database_text,
-    effect_rows,
-    failing_database,
-    gateway_server,
-    raw_exchange,
-)
+from tests.database import database_text, effect_rows, failing_database
+from tests.gateways import Gateway, gateway_server
+from tests.upstreams import Upstream, raw_exchange
 
 PROBLEM = "application/problem+json"
 

@@ -14,16 +14,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.support import (
-    ORDER_SEARCH,
-    RETAINED,
-    ROOT,
-    Upstream,
-    backdate_bodies,
-    effect_rows,
-    gateway_server,
-    purge_as_owner,
-)
+from tests.database import RETAINED, backdate_bodies, effect_rows, purge_as_owner
+from tests.gateways import gateway_server
+from tests.support import ROOT
+from tests.upstreams import ORDER_SEARCH, Upstream
 
 SEARCH = ORDER_SEARCH
 

@@ -16,7 +16,9 @@ import asyncpg
 import pytest
 from aiohttp import web
 
-from tests.support import Upstream, effect_rows, gateway_server
+from tests.database import effect_rows
+from tests.gateways import gateway_server
+from tests.upstreams import Upstream
 
 STAMP = {"json_field": "client_reference"}
 # The shop's order search, as examples/gateway.toml's: it finds orders, and names them as its routes. Its

@@ -16,7 +16,8 @@ from gateway import replays
 from gateway.record import StoredResponse
 from gateway.replays import Completed, ReplayCache, Scope
 from gateway.upstream import storable_headers
-from tests.support import Upstream, gateway_server
+from tests.gateways import gateway_server
+from tests.upstreams import Upstream
 
 
 def _entry(i: int, body_bytes: int, headers: int, expires: float = 1e12) -> tuple[Scope, Completed]:

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from gateway import problems
-from tests.support import Gateway, Upstream, effect_rows, gateway_server, raw_exchange
+from tests.database import effect_rows
+from tests.gateways import Gateway, gateway_server
+from tests.upstreams import Upstream, raw_exchange
 
 TENANTS = {"a": {"token": "env:TOKEN_A"}}
 

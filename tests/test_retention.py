@@ -24,7 +24,8 @@ from gateway.outcome import Answered, NotFound
 from gateway.record import EffectRecord, StoredResponse
 from gateway.states import State
 from gateway.store import Store, StoreLimits, opened, session_settings
-from tests.support import backdate_bodies, fill_effects, rows_read
+from tests.database import backdate_bodies
+from tests.plans import fill_effects, rows_read
 from tests.test_store_contract import DONE, LEASE, RETENTION, completed, effect
 
 

@@ -1,6 +1,6 @@
 """Least privilege: serve runs with a role of reads and writes only, and rows never run out of partitions.
 
-The suite's gateways all run as the runtime role (tests/support.py runtime_url), granted exactly what
+The suite's gateways all run as the runtime role (tests/database.py runtime_url), granted exactly what
 docs/operations.md lists; these tests check what that role can and cannot do, what the owner alone
 does, and that an answer is stored whatever became of the partition it goes into.
 """
@@ -27,18 +27,12 @@ from gateway import store as store_module
 from gateway.schema import migrate, migration_files, ready
 from gateway.store import opened
 from tests import test_cli
-from tests.support import (
-    ROOT,
-    Upstream,
-    effect_rows,
-    gateway_server,
-    grant_runtime,
-    runtime_role,
-    runtime_url,
-    start_gateway_process,
-)
+from tests.database import effect_rows, grant_runtime, runtime_role, runtime_url
+from tests.gateways import gateway_server, start_gateway_process
+from tests.support import ROOT
 from tests.test_cli import Done, cli, in_thread, one_line_error
 from tests.test_migrations import own_database as empty_database
+from tests.upstreams import Upstream
 
 BODY = b'{"items":["atta"]}'
 RETENTION = timedelta(days=7)

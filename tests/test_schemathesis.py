@@ -42,16 +42,10 @@ from gateway.errors import KeySyntaxError
 from gateway.headers import GATEWAY_REQUEST_HEADERS, connection_scoped
 from gateway.keys import parse_key
 from gateway.settings import SAFE_METHODS
-from tests.support import (
-    FUZZ_COUNTS,
-    STAMPED,
-    Call,
-    Upstream,
-    empty_effects,
-    gateway_server,
-    one_insertion,
-    upstream_server,
-)
+from tests.database import empty_effects
+from tests.gateways import gateway_server
+from tests.support import FUZZ_COUNTS
+from tests.upstreams import STAMPED, Call, Upstream, one_insertion, upstream_server
 
 T = TypeVar("T")
 

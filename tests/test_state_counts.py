@@ -9,7 +9,7 @@ import pytest
 
 from gateway.audit_query import EXACT_OPEN_COUNT, OPEN_STATES, count_statement
 from gateway.store import Store, opened
-from tests.support import fill_effects, plan_run, rows_read
+from tests.plans import fill_effects, plan_run, rows_read
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from gateway.seams import Database
 from gateway.states import State, Transition
 from gateway.store import Store, opened
 from sim.store import Row, SimDatabase, SimStore
-from tests.support import backdate_bodies, empty_effects
+from tests.database import backdate_bodies, empty_effects
 
 # The requests of the effects below, and what their probe searches.
 ORDERS = (Route.parse("POST /orders"),)
@@ -71,7 +71,7 @@ def effect(
 @dataclass
 class Subject:
     store: Database
-    # Moves every stored body ``days`` back in time, as tests/support.py's backdate_bodies does.
+    # Moves every stored body ``days`` back in time, as tests/database.py's backdate_bodies does.
     backdate: Callable[[int], Awaitable[None]]
     # The database's own clock, read apart from any statement of the store.
     clock: Callable[[], Awaitable[datetime]]

@@ -18,7 +18,8 @@ from aiohttp import web
 
 from gateway.errors import StoreUnavailable
 from gateway.store import Store, StoreLimits
-from tests.support import Upstream, gateway_server
+from tests.gateways import gateway_server
+from tests.upstreams import Upstream
 
 # A pool wait far longer than the statement's: giving up must not wait on it as well.
 LIMITS = StoreLimits(acquire=timedelta(seconds=10), statement=timedelta(seconds=2), lock=timedelta(seconds=1))

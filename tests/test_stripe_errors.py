@@ -22,7 +22,10 @@ from aiohttp import web
 from agent_example.upstreams import payments
 from gateway import problems
 from gateway.stripe_errors import SHAPES
-from tests.support import ROOT, Upstream, effect_rows, failing_database, gateway_server, serving
+from tests.database import effect_rows, failing_database
+from tests.gateways import gateway_server
+from tests.support import ROOT
+from tests.upstreams import Upstream, serving
 
 # The payments upstream exactly as the example configuration has it (Stripe's error shape among it).
 PAYMENTS = tomllib.loads((ROOT / "examples" / "gateway.toml").read_text())["upstreams"]["payments"]

@@ -15,14 +15,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from gateway.tracing import trace_id_of
-from tests.support import (
-    ORDER_SEARCH,
-    PORT_ZERO,
-    Upstream,
-    gateway_server,
-    runtime_url,
-    start_gateway_process,
-)
+from tests.database import runtime_url
+from tests.gateways import gateway_server, start_gateway_process
+from tests.support import PORT_ZERO
+from tests.upstreams import ORDER_SEARCH, Upstream
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"

@@ -13,7 +13,9 @@ import pytest
 from aiohttp import web
 
 from agent_example.upstreams import mail, payments
-from tests.support import PORT_ZERO, effect_rows, runtime_url, start_gateway_process
+from tests.database import effect_rows, runtime_url
+from tests.gateways import start_gateway_process
+from tests.support import PORT_ZERO
 
 
 @pytest.fixture

@@ -14,7 +14,9 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import waiting
-from tests.support import Gateway, Upstream, effect_rows, gateway_server
+from tests.database import effect_rows
+from tests.gateways import Gateway, gateway_server
+from tests.upstreams import Upstream
 
 BODY = b'{"items":["atta"]}'
 # A cap small enough for the test (max_waiters_per_key is 64 by default); the rule is the same.

@@ -19,7 +19,9 @@ from gateway.effects_json import parse_resolution
 from gateway.proxy import response_of
 from gateway.record import StoredResponse
 from gateway.upstream import storable_headers
-from tests.support import Gateway, effect_rows, gateway_server, raw_exchange
+from tests.database import effect_rows
+from tests.gateways import Gateway, gateway_server
+from tests.upstreams import raw_exchange
 
 
 @dataclass

@@ -17,7 +17,10 @@ import aiohttp
 from aiohttp import web
 
 from gateway import cores
-from tests.support import PORT_ZERO, Upstream, children, effect_rows, runtime_url, start_gateway_process
+from tests.database import effect_rows, runtime_url
+from tests.gateways import children, start_gateway_process
+from tests.support import PORT_ZERO
+from tests.upstreams import Upstream
 
 
 def _config(tmp_path: Path, dsn: str, upstream: Upstream, **extra: str) -> Path:
