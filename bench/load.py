@@ -50,6 +50,8 @@ class LoadSpec:
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
     rate: float | None = None  # requests per second in all, or as fast as answers come
+    # Requests in all, after which the load ends (the duration still bounds it); Python's load only.
+    requests: int | None = None
     # Per run, in turn: a path (with its query) on the url's host, and headers of its own.
     targets: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
 
@@ -154,6 +156,10 @@ class Load:
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-load-")
         self._procs: list[tuple[subprocess.Popen[bytes], Path]] = []
         if generator() == "wrk":
+            if spec.requests is not None:
+                raise ValueError(
+                    "wrk sends for a duration, not a number of requests: set BENCH_LOADGEN=python"
+                )
             script = Path(self._tmp.name, "load.lua")
             script.write_text(_wrk_script(spec))
             argv = [
@@ -191,6 +197,8 @@ class Load:
                 argv[argv.index("--tag") + 1] = spec.tag  # the keys made beforehand, shared by all
             if spec.rate:
                 argv += ["--rate", str(spec.rate * share / spec.concurrency)]
+            if spec.requests is not None:
+                argv += ["--requests", str(spec.requests * share // spec.concurrency)]
             for name, value in spec.headers.items():
                 argv += ["--header", f"{name}:{value}"]
             for path, extra in spec.targets:

@@ -66,11 +66,14 @@ class Client:
         ]
         return ("\r\n".join(lines) + "\r\n\r\n").encode() + self.body
 
-    async def connection(self, stop: asyncio.Event, interval: float | None) -> None:
+    async def connection(self, stop: asyncio.Event, interval: float | None, count: int | None) -> None:
+        """Send on one connection until the run ends, or ``count`` requests (None: no count)."""
         reader, writer = await asyncio.open_connection(self.host, self.port)
         next_send = time.perf_counter()
+        sent = 0
         try:
-            while not stop.is_set():
+            while not stop.is_set() and (count is None or sent < count):
+                sent += 1
                 if interval is not None:
                     next_send += interval
                     await asyncio.sleep(max(0.0, next_send - time.perf_counter()))
@@ -127,6 +130,14 @@ async def _response(reader: asyncio.StreamReader) -> int:
     return status
 
 
+def _shares(args: argparse.Namespace) -> list[int | None]:
+    """Return each connection's share of --requests (None each: no count, the duration ends the run)."""
+    if args.requests is None:
+        return [None] * args.concurrency
+    whole, rest = divmod(args.requests, args.concurrency)
+    return [whole + (1 if i < rest else 0) for i in range(args.concurrency)]
+
+
 async def main_async(args: argparse.Namespace, body: bytes) -> None:
     client = Client(args, body)
     stop = asyncio.Event()
@@ -135,7 +146,13 @@ async def main_async(args: argparse.Namespace, body: bytes) -> None:
     loop.call_later(args.duration, stop.set)
     interval = args.concurrency / args.rate if args.rate else None
     start = time.perf_counter()
-    await asyncio.gather(*(client.connection(stop, interval) for _ in range(args.concurrency)))
+    counts = [None] * args.concurrency
+    if args.requests is not None:
+        counts = [
+            args.requests // args.concurrency + (i < args.requests % args.concurrency)
+            for i in range(args.concurrency)
+        ]
+    await asyncio.gather(*(client.connection(stop, interval, count) for count in counts))
     seconds = time.perf_counter() - start
     samples = sorted(client.samples)
     doc = {
@@ -163,6 +180,11 @@ def main() -> None:
         "--target", action="append", default=[], help="path|Name:value|... per run, in turn (repeatable)"
     )
     parser.add_argument("--rate", type=float, help="requests per second from this process in all")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        help="stop once this process has sent this many (the duration still bounds it)",
+    )
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
     asyncio.run(main_async(args, Path(args.body_file).read_bytes() if args.body_file else b""))
