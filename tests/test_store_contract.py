@@ -26,6 +26,7 @@ from gateway.states import State, Transition
 from gateway.store import Store, opened
 from sim.store import Row, SimDatabase, SimStore
 from tests.database import backdate_bodies, empty_effects
+from tests.factories import new_effect
 
 # The requests of the effects below, and what their probe searches.
 ORDERS = (Route.parse("POST /orders"),)
@@ -51,19 +52,15 @@ SIM_CLOCK_BEHIND = timedelta(hours=5)
 def effect(
     key: str = "k", tenant: str = "default", upstream: str = "shop", run_id: str | None = None
 ) -> NewEffect:
-    return NewEffect(
+    """Return the effect both stores claim: a JSON basket to upstream ``upstream``, with a query."""
+    return new_effect(
+        key,
         tenant=tenant,
         upstream=upstream,
-        key=key,
-        derived_key=f"eg_{key}",
-        method="POST",
-        path="/orders",
         query="a=1",
-        fingerprint="fp",
         request_headers={"Content-Type": "application/json"},
         request_body=BASKET,
         run_id=run_id,
-        step=None,
         key_carriers=CARRIED,
     )
 
