@@ -27,7 +27,8 @@ typecheck: $(STAMP)
 # cores: 250 s with two workers, 168 s with four, 177 s with six). A file's tests stay together, in
 # order, on one worker: the blocks of a documentation page build on the ones before them.
 # PYTEST_WORKERS=0 runs them in this process, one after another.
-PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(2 * (os.cpu_count() or 1))')
+# The CPUs this process may use (a container's limit, not the host's cores), where the system says.
+PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(2 * len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2 * (os.cpu_count() or 1))')
 pytest: $(STAMP) chromium
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
 

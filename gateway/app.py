@@ -1,4 +1,5 @@
-"""aiohttp wiring, kept thin: HTTP in, :class:`gateway.inbound.Inbound` to the service, HTTP out."""
+"""The aiohttp wiring, kept thin: the two applications (the agents' listener and the operators'), their
+middlewares, and the parts they share. The proxy's handler is :mod:`gateway.proxy`."""
 
 from __future__ import annotations
 
@@ -213,9 +214,9 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
         return _render(request, problems.BadRequest("the request was cut short"))
     except GatewayError as exc:
         told = replies.problem_of_error(exc)
-        # The gateway's own failures are logged as errors; an operator's mistake (a 4xx) is not one.
-        level = logging.ERROR if told.status >= 500 else logging.INFO
-        log.log(level, "%s %s: %s", request.method, request.path, exc)
+        if told.status >= 500:
+            # The gateway's own failures; a request it refuses (a 4xx) is in the request's log line.
+            log.error("%s %s: %s", request.method, request.path, exc)
         return _render(request, told)
     except web.HTTPException:
         raise

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Literal
 
 from gateway import replies, trail
 from gateway.decision import (
@@ -31,7 +31,7 @@ from gateway.faults import fault
 from gateway.inbound import Inbound, as_first_sent
 from gateway.outcome import NotSent, Outcome
 from gateway.policy import UpstreamPolicy
-from gateway.record import EffectRecord
+from gateway.record import EffectRecord, KeyCarriers, StoredResponse
 from gateway.replays import Replays
 from gateway.replies import Reply
 from gateway.seams import EffectStore, Sender
@@ -45,13 +45,6 @@ log = logging.getLogger("effect_gateway")
 # Times a gateway that fell behind its lease before sending takes the record again; more means it is
 # too overloaded to keep any lease, and the request is settled as never sent.
 RENEWALS = 3
-
-# What a request taken over from this gateway is told, by what it was doing.
-FENCED_AFTER_SENDING = (
-    "this gateway's attempt was taken over by a newer one; retry to get the recorded outcome"
-)
-FENCED_WHILE_LATE = "this gateway's attempt was taken over while it was late to send; retry"
-FENCED_WHILE_PROBING = "a newer attempt took over while probing; retry"
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +70,20 @@ class Attempts:
         self._telemetry = telemetry
 
     async def take_over(
-        self, record: EffectRecord, policy: UpstreamPolicy, why: str, **how: Any
+        self,
+        record: EffectRecord,
+        policy: UpstreamPolicy,
+        why: str,
+        *,
+        sends: bool,
+        carriers: KeyCarriers | None = None,
     ) -> Held | EffectRecord:
-        """Take the record over for a new attempt; if another did first, return the record as it is now."""
+        """Take the record over for a new attempt (``sends``: to send, else to probe); if another did
+        first, return the record as it is now."""
         took = clock()
-        claimed = await self._store.reclaim(record, take_over(record), policy.lease, why, **how)
+        claimed = await self._store.reclaim(
+            record, take_over(record), policy.lease, why, sends=sends, carriers=carriers
+        )
         if claimed is None:
             return await self.reread(record)
         self.took(record, claimed)
@@ -131,22 +133,35 @@ class Attempts:
             log.warning(
                 "effect %s: %.1fs late to send; taking it again", held.record.id, waited.total_seconds()
             )
-            took = clock()
-            renewed = await self._store.reclaim(
-                held.record,
-                take_over(held.record),
-                policy.lease,
-                "late to send",
-                sends=True,
-                renew=True,
-                carriers=held.record.key_carriers,  # its own request, as the take-over it renews recorded
-            )
-            if renewed is None:
-                seen = f"not sent: {waited.total_seconds():.1f}s late, and another attempt took over"
-                return await self.fenced(held.record, seen, FENCED_WHILE_LATE)
-            trail.saw(renewed)
-            held = Held(renewed, took)
+            # Its own request, with what carried the key as the take-over it renews recorded.
+            carriers = held.record.key_carriers
+            seen = f"not sent: {waited.total_seconds():.1f}s late, and another attempt took over"
+            renewed = await self.renew(held.record, policy, "late to send", carriers, "late to send", seen)
+            if isinstance(renewed, Fenced):
+                return renewed
+            held = renewed
         return held, Refuse("not sent: the gateway kept falling behind its lease before sending")
+
+    async def renew(
+        self,
+        record: EffectRecord,
+        policy: UpstreamPolicy,
+        why: str,
+        carriers: KeyCarriers | None,
+        during: Literal["late to send", "probing"],
+        seen: str,
+    ) -> Held | Fenced:
+        """Take the record this gateway holds again, for a fresh lease before its request leaves; fenced
+        (``seen`` noted in its history) when a newer attempt took it over meanwhile. No attempt of this
+        one reached the upstream, so the renewal adds no doubt."""
+        took = clock()
+        renewed = await self._store.reclaim(
+            record, take_over(record), policy.lease, why, sends=True, renew=True, carriers=carriers
+        )
+        if renewed is None:
+            return await self.fenced(record, seen, during)
+        trail.saw(renewed)
+        return Held(renewed, took)
 
     async def _record(
         self, record: EffectRecord, policy: UpstreamPolicy, outcome: Outcome, reason: SendReason | None
@@ -164,7 +179,7 @@ class Attempts:
         except StoreRejected as exc:
             return await self._unrecorded(record, settled, outcome, exc)
         if saved is None:
-            return await self.fenced(record, seen, FENCED_AFTER_SENDING)
+            return await self.fenced(record, seen, "recording")
         fault("after-record", policy.name)
         if completed and recovered_by is not None:
             trail.recovered(recovered_by)
@@ -191,35 +206,45 @@ class Attempts:
                 await self._store.note_fenced(record, seen)
             return replies.reply(outcome, record.id)  # nothing reached the upstream: say what stopped it
         if saved is None:
-            # A newer attempt holds the record: a resolve command naming this one would be refused.
-            told = (
-                f"the upstream {replies.describe(outcome)} but the answer could not be recorded, and a newer"
-            )
-            return await self.fenced(
-                record, seen, f"{told} attempt has taken this key over; retry to get its outcome"
-            )
-        told = f"the upstream {replies.describe(outcome)} but the gateway could not record the answer ({exc})"
-        return AwaitsOperator(record.id, record.attempt, told)
+            return await self.fenced(record, seen, "recording", answer=replies.describe(outcome))
+        return AwaitsOperator(record.id, record.attempt, replies.describe(outcome), str(exc))
 
     async def settle(
-        self, record: EffectRecord, settlement: Settlement, response: Any, **what: Any
+        self,
+        record: EffectRecord,
+        settlement: Settlement,
+        response: StoredResponse | None,
+        *,
+        recovered_by: str | None,
+        note: str,
     ) -> EffectRecord | None:
         """Write the settlement under the attempt ``record`` holds, then wake the requests waiting for it
         here, whatever came of the write."""
         try:
-            saved = await self._store.settle(record, settlement, response=response, **what)
+            saved = await self._store.settle(
+                record, settlement, response=response, recovered_by=recovered_by, note=note
+            )
         finally:
             self._room.wake(record.id)
         if saved is not None:
             trail.saw(saved)
         return saved
 
-    async def fenced(self, record: EffectRecord, seen: str, detail: str) -> Fenced:
-        """Note in the history what this gateway saw after a newer attempt took the record over from it."""
+    async def fenced(
+        self,
+        record: EffectRecord,
+        seen: str,
+        during: Literal["recording", "late to send", "probing"],
+        *,
+        answer: str | None = None,
+    ) -> Fenced:
+        """Note in the history what this gateway saw after a newer attempt took the record over from it,
+        and end the request fenced."""
         await self._store.note_fenced(record, seen)
-        return Fenced(record.id, detail)
+        return Fenced(record.id, during, answer)
 
     async def reread(self, record: EffectRecord) -> EffectRecord:
+        """Read the record again, as it is now."""
         fresh = await self._store.reread(record)
         trail.saw(fresh)
         return fresh

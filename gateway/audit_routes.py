@@ -24,7 +24,7 @@ from gateway import audit_page, effect_page, operators, problems, urlencoded
 from gateway.admin import find_page, verdict_given
 from gateway.audit_page import BASE, Chrome, Listing
 from gateway.auth import is_admin, tenant_of
-from gateway.decision import awaits_operator
+from gateway.decision import verdict_refused
 from gateway.effect_page import ResolveForm, Verdict
 from gateway.effects_json import MAX_ID, next_query, parse_filter, parse_resolution, whole_number
 from gateway.errors import BadName, FormRefused, NoSuchEffect, NotAwaitingOperator
@@ -358,7 +358,7 @@ async def _load(request: web.Request, tenant: str | None) -> EffectRecord:
 
 def _verdict(record: EffectRecord, viewer: Viewer, form: ResolveForm | None = None) -> Verdict:
     """Whether the record waits for an operator: the decision's own rule, asked, not repeated here."""
-    refused = awaits_operator(record)
+    refused = verdict_refused(record)
     blocked = None if refused is None else refused.reason
     return Verdict(viewer.may_resolve, blocked, viewer.csrf, form or ResolveForm())
 

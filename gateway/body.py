@@ -1,6 +1,6 @@
 """A request's body as the gateway reads it: parsed once, for the fingerprint and for the stamp.
 
-The parse happens at the edge (gateway.app), before anything is claimed, so a body the gateway cannot
+The parse happens at the edge (gateway.proxy), before anything is claimed, so a body the gateway cannot
 read unambiguously is refused with nothing recorded or sent.
 """
 
@@ -25,7 +25,7 @@ class RequestBody:
     json: JsonDocument | None = None
     form: tuple[urlencoded.Pair, ...] = ()
     # What of the body the fingerprint covers, in its canonical form, when it was built where the body
-    # was read (see gateway.app): off the event loop for a large body, where building it for a
+    # was read (see gateway.proxy): off the event loop for a large body, where building it for a
     # megabyte of small arrays takes a tenth of a second. With the fields it covers (a
     # gateway.fingerprint.BodyFields, or None for the whole body): the fingerprint uses it for those only.
     covered: tuple[object, bytes] | None = None
@@ -50,8 +50,8 @@ def media_type(content_type: str) -> str:
 def read_body(raw: bytes, content_type: str, json_path: Sequence[str] = ()) -> RequestBody:
     """Parse ``raw`` as its Content-Type says; ``json_path`` (a JSON stamp's) makes it JSON regardless.
 
-    Raises :class:`gateway.JsonRefused` for a body that should be JSON and is not one
-    unambiguous document, :class:`gateway.FormRefused` for a form of too many fields. An
+    Raises :class:`gateway.errors.JsonRefused` for a body that should be JSON and is not one
+    unambiguous document, :class:`gateway.errors.FormRefused` for a form of too many fields. An
     empty body is no document at all, of any kind.
     """
     media = media_type(content_type)

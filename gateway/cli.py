@@ -45,7 +45,7 @@ from gateway.policy import PythonProbe, upstream_policies, upstream_policy
 from gateway.probes import Prober, load_python_probe
 from gateway.record import EffectRecord, StoredResponse
 from gateway.schema import grant_to, migrate, ready
-from gateway.seams import AuditReads, Verdicts
+from gateway.seams import AuditReads
 from gateway.settings import Settings, load_settings
 from gateway.store import Store, opened
 from gateway.upstream import UpstreamClient
@@ -240,7 +240,7 @@ def effect_id(value: int) -> int:
     return value
 
 
-async def _read_effect(store: Verdicts, effect_id: int) -> EffectRecord:
+async def _read_effect(store: AuditReads, effect_id: int) -> EffectRecord:
     record = await store.get(effect_id)
     if record is None:
         raise UsageError(f"no effect {effect_id}")

@@ -289,7 +289,8 @@ class Late:
 
 @dataclass(frozen=True, slots=True)
 class Refuse:
-    """The request must not leave under this attempt; it is settled as never sent."""
+    """Not done, and ``reason`` says why: before sending, the request must not leave under this attempt
+    (it is settled as never sent); for an operator's verdict, the record is not waiting for one."""
 
     reason: str
 
@@ -500,11 +501,12 @@ def resolution(record: EffectRecord, now: datetime, *, happened: bool) -> Resolv
     return Resolve(Transition(record.state, State.COMPLETED if happened else State.RETRYABLE))
 
 
-def awaits_operator(record: EffectRecord) -> Refuse | None:
-    """Say why an operator may not give a verdict on ``record`` as read (None: they may)."""
+def verdict_refused(record: EffectRecord) -> Refuse | None:
+    """Say why an operator may not give a verdict on ``record`` as read; None when they may."""
     judged = resolution(record, record.as_of, happened=False)
     return judged if isinstance(judged, Refuse) else None
 
 
-# Every answer of the functions above: what the driver, the operators' commands and the tests match on.
+# Every answer of the judging functions above (decide, before_sending, settle, after_probe, resolution).
+# take_over, review and restore build the transition a write carries out; they judge nothing.
 Action = Decision | Send | Late | Refuse | Settlement | TooSoon | TakeOver | Resolve

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal
 
 from gateway.outcome import NoAnswer, NotSent
 
@@ -30,29 +31,37 @@ class KeyMissing:
 
 @dataclass(frozen=True, slots=True)
 class InFlight:
-    """Another request with the same key holds it; ``then`` says why this one stopped waiting."""
+    """Another request with the same key holds it, and this one stopped waiting: its wait was over, its
+    client left, or the key had as many waiters here as it may (``waiting`` of them)."""
 
     effect_id: int
     retry_after: timedelta
-    then: str
+    why: Literal["wait over", "client left", "no seat"]
+    waiting: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Fenced:
-    """A newer attempt took the key over from this one; ``detail`` says what this one was doing."""
+    """A newer attempt took the key over from this one, while this one was recording what the upstream
+    answered (``answer``, when Postgres refused it), late to send, or probing."""
 
     effect_id: int
-    detail: str
+    during: Literal["recording", "late to send", "probing"]
+    answer: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class AwaitsOperator:
-    """The effect may have happened and nothing can tell: an operator must judge ``attempt``."""
+    """The effect may have happened and nothing can tell: an operator must judge ``attempt``.
+
+    ``answer`` and ``error``: what the upstream answered and why Postgres refused to record it, when
+    that is why (else None: nothing can tell whether it happened).
+    """
 
     effect_id: int
     attempt: int
-    # What the gateway saw, when more than "nothing can tell" (an answer it could not record).
-    seen: str | None = None
+    answer: str | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,9 @@
-"""The gateway's own exceptions; third-party ones are mapped to these at the store and upstream seams."""
+"""The gateway's own exceptions; third-party ones are mapped to these at the store and upstream seams.
+
+Every one derives from :class:`GatewayError`; :func:`gateway.replies.problem_of_error` is the one table
+that says which problem an agent or operator gets for each. Those about a request's own bytes are
+ValueErrors too, as the parsers that raise them are.
+"""
 
 
 class GatewayError(Exception):
@@ -75,53 +80,53 @@ class BadName(GatewayError):
     """An operator's name that the history cannot keep as given."""
 
 
-# --- what a request is refused for, before anything is claimed or sent (each a 4xx) ------------------
+# --- what a request is refused for, before anything is claimed or sent ---------------------------------
 
 
-class UnsupportedCoding(ValueError):
+class UnsupportedCoding(GatewayError, ValueError):
     """A content coding the gateway does not decode."""
 
 
-class BadCoding(ValueError):
+class BadCoding(GatewayError, ValueError):
     """The body is not valid data of its declared coding."""
 
 
-class DecodedTooLarge(ValueError):
+class DecodedTooLarge(GatewayError, ValueError):
     """Decoded, the body would pass the limit."""
 
 
-class NotAsFirstSent(ValueError):
+class NotAsFirstSent(GatewayError, ValueError):
     """The request the effect was claimed with cannot be sent again (not on record, or not readable)."""
 
 
-class JsonRefused(ValueError):
+class JsonRefused(GatewayError, ValueError):
     """The body is not one unambiguous JSON document."""
 
 
-class KeySyntaxError(ValueError):
+class KeySyntaxError(GatewayError, ValueError):
     """The header value is not a key."""
 
 
 # --- what an upstream, an agent or a command line did that the gateway cannot go on with -------------
 
 
-class NotASearchAnswer(ValueError):
+class NotASearchAnswer(GatewayError, ValueError):
     """The answer does not have the shape ``found`` describes: it says nothing about the effect."""
 
 
-class ClientGone(Exception):
+class ClientGone(GatewayError):
     """The agent hung up before its request was whole: nobody is left to answer, and nothing was sent."""
 
 
-class StampError(ValueError):
+class StampError(GatewayError, ValueError):
     """The request has no place for the stamp (e.g. a JSON field on a body that is not an object)."""
 
 
-class FormRefused(ValueError):
+class FormRefused(GatewayError, ValueError):
     """The form body has more fields than the gateway reads."""
 
 
-class HeaderRefused(ValueError):
+class HeaderRefused(GatewayError, ValueError):
     """A header that cannot be written without breaking (or injecting into) the response head."""
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from gateway import browser, problems
+from gateway import browser
 from gateway.body import RequestBody, read_body
 from gateway.errors import FormRefused, JsonRefused, NotAsFirstSent, StampError
 from gateway.fingerprint import NEVER_FINGERPRINTED
@@ -16,7 +16,7 @@ from gateway.upstream import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP, Outbound, buil
 
 @dataclass(frozen=True, slots=True)
 class Inbound:
-    """A request to an upstream as gateway.app read it off the wire, before anything is decided."""
+    """A request to an upstream as gateway.proxy read it off the wire, before anything is decided."""
 
     tenant: str
     upstream: UpstreamPolicy
@@ -48,20 +48,18 @@ def redacted(headers: Mapping[str, str], policy: UpstreamPolicy) -> dict[str, st
 
 
 def to_send(inbound: Inbound, derived_key: str | None) -> Outbound:
-    """The request as it goes upstream: under ``derived_key`` (stamped, or as the upstream's native key),
-    and without a browser's cookies."""
-    try:
-        return build_outbound(
-            inbound.upstream,
-            derived_key,
-            inbound.method,
-            inbound.path,
-            inbound.query,
-            browser.cookieless(inbound.headers),
-            inbound.body,
-        )
-    except StampError as exc:
-        raise problems.CannotStamp(str(exc)) from None
+    """Return the request as it goes upstream: under ``derived_key`` (stamped, or as the upstream's
+    native key), and without a browser's cookies. Raises StampError when it has no place for the stamp.
+    """
+    return build_outbound(
+        inbound.upstream,
+        derived_key,
+        inbound.method,
+        inbound.path,
+        inbound.query,
+        browser.cookieless(inbound.headers),
+        inbound.body,
+    )
 
 
 def as_first_sent(inbound: Inbound, record: EffectRecord) -> Outbound:
@@ -81,7 +79,7 @@ def as_first_sent(inbound: Inbound, record: EffectRecord) -> Outbound:
     try:
         body = read_body(record.request_body, content_type, inbound.upstream.json_stamp_path)
         return to_send(replace(inbound, body=body), record.derived_key)
-    except (JsonRefused, FormRefused, problems.Problem) as exc:
+    except (JsonRefused, FormRefused, StampError) as exc:
         raise NotAsFirstSent(f"{cannot}: {exc}") from None
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.decision import Refuse, awaits_operator, resolution
+from gateway.decision import Refuse, resolution, verdict_refused
 from gateway.errors import BadName, NoSuchEffect, NotAwaitingOperator
 from gateway.legible import flaw
 from gateway.record import EffectRecord, StoredResponse
@@ -12,7 +12,7 @@ from gateway.states import State
 
 def resolvable(record: EffectRecord) -> bool:
     """Whether an operator may give a verdict on the record as read (it waits for one, no lease runs)."""
-    return record.read_at is not None and awaits_operator(record) is None
+    return record.read_at is not None and verdict_refused(record) is None
 
 
 def _resolved_at(record: EffectRecord, attempt: int) -> bool:

@@ -1,11 +1,15 @@
 """What a Postgres failure means to the gateway: try the statement again, an outage, or a refusal.
 
-The store, the schema's migrations and the partitions' upkeep all ask :func:`kind`, so one failure is
-never an outage in one place and a crash in another.
+The store (gateway/store.py) and the migrations (gateway/schema.py) read failures by these lists alone,
+and connect through :func:`connecting`, so one failure is never an outage in one place and a crash in
+another. (The partitions' code handles two failures of its own on the spot: a lock it waited too long
+for, and a deadlock while detaching, each retried there.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import asyncpg
@@ -39,7 +43,7 @@ LOGIN_REFUSED = (
     asyncpg.exceptions.InvalidAuthorizationSpecificationError,
     asyncpg.exceptions.InvalidCatalogNameError,
 )
-# Everything talking to Postgres may raise: what every handler below is given to classify.
+# Everything talking to Postgres may raise: what a handler catches before asking kind().
 FAILURES = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
 
 Kind = Literal["retry", "outage", "refused"]
@@ -63,3 +67,18 @@ def cannot_connect(exc: BaseException) -> StoreUnavailable:
     if isinstance(exc, LOGIN_REFUSED):
         return LoginRefused(f"Postgres refused the connection: {exc} (check database_url)")
     return StoreUnavailable(f"cannot connect to Postgres: {exc}")
+
+
+@contextmanager
+def connecting() -> Iterator[None]:
+    """Turn a connection that could not be made into :func:`cannot_connect`'s error.
+
+    A database_url that asyncpg cannot use (ClientConfigurationError) goes through as it is: the
+    command line names the setting to fix.
+    """
+    try:
+        yield
+    except asyncpg.ClientConfigurationError:
+        raise
+    except FAILURES as exc:
+        raise cannot_connect(exc) from exc

@@ -13,9 +13,9 @@ import logging
 from typing import assert_never
 
 from gateway import trail
-from gateway.attempts import FENCED_WHILE_PROBING, Attempts, Held, clock, first_sent
-from gateway.decision import Send, Settlement, TakeOver, TooSoon, after_probe, carried_by, restore, take_over
-from gateway.endings import AwaitsOperator, Ending, ProbeTooSoon, ProbeUnavailable, ResponseGone
+from gateway.attempts import Attempts, clock, first_sent
+from gateway.decision import Send, Settlement, TakeOver, TooSoon, after_probe, carried_by, restore
+from gateway.endings import AwaitsOperator, Ending, Fenced, ProbeTooSoon, ProbeUnavailable, ResponseGone
 from gateway.errors import ProbeFailed
 from gateway.inbound import Inbound
 from gateway.outcome import Found, NotFound, ProbeError, ProbeResult
@@ -23,7 +23,7 @@ from gateway.policy import UpstreamPolicy
 from gateway.record import EffectRecord
 from gateway.replays import Replays
 from gateway.replies import Reply
-from gateway.seams import EffectStore, Finder
+from gateway.seams import EffectProbe, EffectStore
 from gateway.states import State
 from gateway.telemetry import Telemetry
 
@@ -34,7 +34,12 @@ class Probing:
     """Probe under a take-over, settle what the probe says, and restore purged responses."""
 
     def __init__(
-        self, store: EffectStore, prober: Finder, attempts: Attempts, replays: Replays, telemetry: Telemetry
+        self,
+        store: EffectStore,
+        prober: EffectProbe,
+        attempts: Attempts,
+        replays: Replays,
+        telemetry: Telemetry,
     ) -> None:
         self._store = store
         self._prober = prober
@@ -62,34 +67,25 @@ class Probing:
             # Taken again once the probe has answered: the new attempt's lease covers the send (the
             # probe may have used up most of the old one), and the take-over reads the database's clock
             # after the probe, which is when "not found" must still be within the probe's horizon.
-            took = clock()
             carriers = carried_by(record, policy.decision, None)
-            again = await self._store.reclaim(
-                record,
-                take_over(record),
-                policy.lease,
-                "the probe found nothing",
-                sends=True,
-                renew=True,
-                carriers=carriers,
+            found_nothing = "the probe found nothing"
+            held = await self._attempts.renew(
+                record, policy, found_nothing, carriers, "probing", found_nothing
             )
-            if again is None:
-                return await self._attempts.fenced(record, "the probe found nothing", FENCED_WHILE_PROBING)
-            record = again
-            trail.saw(record)
+            if isinstance(held, Fenced):
+                return held
+            record = held.record
             step = after_probe(record, result, asked_at, policy.decision, retaken_at=record.as_of)
-        match step:
-            case Send():  # only ever after the take-over above, which set `took`
+            if isinstance(step, Send):
                 log.info("probe: effect %s not found upstream, sending", record.id)
-                return await self._attempts.send(
-                    Held(record, took), policy, first_sent(inbound, record), reason=None
-                )
+                return await self._attempts.send(held, policy, first_sent(inbound, record), reason=None)
+        match step:
             case TooSoon():
                 return await self._too_soon(record, step)
             case Settlement():
                 return await self._settle_probe(record, step, result)
-            case TakeOver():
-                raise AssertionError("judged after the take-over")  # pragma: no cover
+            case Send() | TakeOver():
+                raise AssertionError("a probe sends only once taken again, and is taken again once")
             case _:
                 assert_never(step)
 
@@ -107,7 +103,7 @@ class Probing:
             record, verdict, found, recovered_by="probe" if found else None, note=note
         )
         if saved is None:
-            return await self._attempts.fenced(record, note, FENCED_WHILE_PROBING)
+            return await self._attempts.fenced(record, note, "probing")
         match verdict.state:
             case State.COMPLETED:
                 assert found is not None
@@ -128,7 +124,7 @@ class Probing:
         note = "the probe found nothing, but too soon after the latest attempt for its search to list it"
         saved = await self._attempts.settle(record, early.settlement, None, recovered_by=None, note=note)
         if saved is None:
-            return await self._attempts.fenced(record, note, FENCED_WHILE_PROBING)
+            return await self._attempts.fenced(record, note, "probing")
         return ProbeTooSoon(record.id, note, early.retry_after)
 
     async def restore(self, record: EffectRecord, policy: UpstreamPolicy) -> Reply | Ending:

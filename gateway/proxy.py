@@ -16,15 +16,6 @@ from aiohttp import web
 from gateway import browser, codings, legible, problems, replies
 from gateway.auth import tenant_of
 from gateway.body import RequestBody, read_body
-from gateway.errors import (
-    BadCoding,
-    DecodedTooLarge,
-    FormRefused,
-    HeaderRefused,
-    JsonRefused,
-    KeySyntaxError,
-    UnsupportedCoding,
-)
 from gateway.fingerprint import covered
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
 from gateway.inbound import Inbound
@@ -141,10 +132,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     raw_key = request.headers.get("Idempotency-Key")
     key = None
     if raw_key is not None:
-        try:
-            key = parse_key(raw_key)
-        except KeySyntaxError as exc:
-            raise problems.KeyMalformed(str(exc)) from None
+        key = parse_key(raw_key)  # KeySyntaxError: a 400 key-malformed (replies.problem_of_error)
         trail.key_hash = runtime.log_hash.of(tenant, policy.name, key)
         if policy.refuse_random_keys and looks_made_up(key):
             raise problems.KeyRandom(
@@ -213,22 +201,18 @@ async def _not_ours_to_forward(request: web.Request) -> None:
 
 
 async def _body(request: web.Request, settings: Settings, policy: UpstreamPolicy) -> RequestBody:
-    """The body as the gateway reads it: decoded of any Content-Encoding, parsed once."""
+    """Return the body as the gateway reads it: decoded of any Content-Encoding, parsed once.
+
+    A body it cannot read raises one of the gateway's errors (a coding it does not know, one that
+    inflates past the limit, bytes that are not their coding or their content type), each a 4xx
+    through replies.problem_of_error.
+    """
     raw = await read_request_body(request, settings)
     coded = codings.codings_of(request.headers.getall("Content-Encoding", ()))
     content_type = request.headers.get("Content-Type", "")
-    try:
-        if coded or _costly(raw):
-            return await asyncio.to_thread(_read, raw, coded, content_type, settings, policy)
-        return _read(raw, coded, content_type, settings, policy)
-    except UnsupportedCoding as exc:
-        raise problems.EncodingUnsupported(str(exc)) from None
-    except DecodedTooLarge as exc:
-        raise problems.BodyTooLarge(str(exc)) from None
-    except BadCoding as exc:
-        raise problems.BodyMalformed(str(exc)) from None
-    except (JsonRefused, FormRefused) as exc:
-        raise problems.BodyMalformed(f"{exc}; nothing was sent") from None
+    if coded or _costly(raw):
+        return await asyncio.to_thread(_read, raw, coded, content_type, settings, policy)
+    return _read(raw, coded, content_type, settings, policy)
 
 
 def _costly(raw: bytes) -> bool:
@@ -265,7 +249,4 @@ def response_of(stored: StoredResponse, *, replayed: bool) -> web.Response:
     ]
     if replayed:
         headers.append(("Idempotent-Replayed", "true"))
-    try:
-        return RawHeadResponse(stored.status, headers, stored.body)
-    except HeaderRefused as exc:
-        raise problems.Problem(f"the stored answer cannot be written: {exc}") from None
+    return RawHeadResponse(stored.status, headers, stored.body)  # HeaderRefused: a 500

@@ -24,18 +24,26 @@ from gateway.endings import (
     Unrecorded,
 )
 from gateway.errors import (
+    BadCoding,
     BadName,
     BodyUnreadable,
     CursorUnknown,
+    DecodedTooLarge,
+    FormRefused,
     GatewayError,
+    HeaderRefused,
+    JsonRefused,
+    KeySyntaxError,
     NoSuchEffect,
     NotAwaitingOperator,
+    StampError,
     StoreRejected,
     StoreUnavailable,
+    UnsupportedCoding,
 )
 from gateway.outcome import Answered, NoAnswer, NotSent, Outcome
 from gateway.policy import UpstreamPolicy
-from gateway.record import EffectRecord, StoredResponse
+from gateway.record import StoredResponse
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,23 +109,28 @@ def problem(ending: Ending) -> problems.Problem:
                 f"{method} to {upstream} needs an Idempotency-Key header: without one a retry would do the "
                 "effect again"
             )
-        case InFlight(effect_id=effect_id, retry_after=retry_after, then=then):
+        case InFlight(effect_id=effect_id, retry_after=retry_after, why=why, waiting=waiting):
+            then = {
+                "wait over": "retry, or send Prefer: wait=N",
+                "client left": "the client went away while waiting for it",
+                "no seat": f"{waiting} requests wait for it already",
+            }[why]
             return problems.InFlight(
                 f"another request with this key is in flight; {then}",
                 headers=_retry_after(retry_after),
                 effect_id=effect_id,
             )
-        case Fenced(effect_id=effect_id, detail=detail):
-            return problems.Fenced(detail, headers={"Retry-After": "1"}, effect_id=effect_id)
-        case AwaitsOperator(effect_id=effect_id, seen=None):
+        case Fenced(effect_id=effect_id, during=during, answer=answer):
+            return problems.Fenced(_fenced(during, answer), headers={"Retry-After": "1"}, effect_id=effect_id)
+        case AwaitsOperator(effect_id=effect_id, answer=None):
             return problems.OutcomeUnknown(
                 f"the effect may have happened and nothing can tell; {how_to_resolve(ending)}",
                 effect_id=effect_id,
             )
-        case AwaitsOperator(effect_id=effect_id, seen=seen):
+        case AwaitsOperator(effect_id=effect_id, answer=answer, error=error):
             return problems.OutcomeUnknown(
-                f"{seen}; nothing will be sent again for this key until it is resolved: "
-                f"{how_to_resolve(ending)}",
+                f"the upstream {answer} but the gateway could not record the answer ({error}); nothing will "
+                f"be sent again for this key until it is resolved: {how_to_resolve(ending)}",
                 effect_id=effect_id,
             )
         case ResponseGone(effect_id=None, why=why):
@@ -157,6 +170,20 @@ def problem(ending: Ending) -> problems.Problem:
                 location=location,
             )
     assert_never(ending)
+
+
+def _fenced(during: str, answer: str | None) -> str:
+    if answer is not None:
+        # A newer attempt holds the record: a resolve command naming this one would be refused.
+        return (
+            f"the upstream {answer} but the answer could not be recorded, and a newer attempt has taken this "
+            "key over; retry to get its outcome"
+        )
+    if during == "probing":
+        return "a newer attempt took over while probing; retry"
+    if during == "late to send":
+        return "this gateway's attempt was taken over while it was late to send; retry"
+    return "this gateway's attempt was taken over by a newer one; retry to get the recorded outcome"
 
 
 def _unanswered(outcome: NotSent | NoAnswer, effect_id: int | None) -> problems.Problem:
@@ -200,6 +227,20 @@ def problem_of_error(exc: GatewayError) -> problems.Problem:
             return problems.BadRequest(f"Effect-Gateway-Operator: {exc}")
         case CursorUnknown():
             return problems.BadRequest(f"{exc}: page on with the answer's next link")
+        case KeySyntaxError():
+            return problems.KeyMalformed(str(exc))
+        case UnsupportedCoding():
+            return problems.EncodingUnsupported(str(exc))
+        case DecodedTooLarge():
+            return problems.BodyTooLarge(str(exc))
+        case BadCoding():
+            return problems.BodyMalformed(str(exc))
+        case JsonRefused() | FormRefused():
+            return problems.BodyMalformed(f"{exc}; nothing was sent")
+        case StampError():
+            return problems.CannotStamp(str(exc))
+        case HeaderRefused():
+            return problems.Problem(f"the stored answer cannot be written: {exc}")
     return problems.Problem(f"the gateway failed: {exc}")
 
 
@@ -215,16 +256,16 @@ def _retry_after(wait: timedelta) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(wait.total_seconds())))}
 
 
-def how_to_resolve(record: EffectRecord | AwaitsOperator) -> str:
+def how_to_resolve(waiting: AwaitsOperator) -> str:
     """Return the commands an operator runs to resolve the effect, naming the attempt to judge.
 
     The one for "it did not happen" runs as written; the one for "it happened" needs the response to
     replay filled in, which only the operator knows.
     """
-    effect_id = record.id if isinstance(record, EffectRecord) else record.effect_id
-    command = f"effect-gateway resolve {effect_id} --attempt {record.attempt}"
+    effect_id, attempt = waiting.effect_id, waiting.attempt
+    command = f"effect-gateway resolve {effect_id} --attempt {attempt}"
     return (
         f"an operator who finds it did not happen runs `{command} --did-not-happen`, one who finds it did "
         f"runs `{command} --happened --status STATUS --body BODY` with the response to replay (or POST "
-        f'/_gateway/effects/{effect_id}/resolve with "attempt": {record.attempt})'
+        f'/_gateway/effects/{effect_id}/resolve with "attempt": {attempt})'
     )

@@ -23,7 +23,7 @@ from gateway.errors import (
     StoreRejected,
     StoreUnavailable,
 )
-from gateway.pg_failures import FAILURES, OUTAGE, RETRY, cannot_connect
+from gateway.pg_failures import OUTAGE, RETRY, connecting
 
 log = logging.getLogger("effect_gateway")
 
@@ -54,12 +54,8 @@ def _quiet(_: str) -> None:
 @asynccontextmanager
 async def _connected(dsn: str) -> AsyncIterator[asyncpg.Connection]:
     """A connection of its own, closed after; an outage, on connecting or later, is StoreUnavailable."""
-    try:
+    with connecting():
         conn = await asyncpg.connect(dsn)
-    except FAILURES as exc:
-        if isinstance(exc, asyncpg.ClientConfigurationError):
-            raise  # a database_url asyncpg cannot use: the command line says which
-        raise cannot_connect(exc) from exc
     try:
         yield conn
     except OUTAGE as exc:
@@ -173,12 +169,8 @@ async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[st
 
     Then makes the time partitions that today's and the coming days' rows go into.
     """
-    try:
+    with connecting():
         conn = await asyncpg.connect(dsn)
-    except FAILURES as exc:
-        if isinstance(exc, asyncpg.ClientConfigurationError):
-            raise  # a database_url asyncpg cannot use: the command line says which
-        raise cannot_connect(exc) from exc
     try:
         # Waits its turn behind another replica's migrations for as long as they take (whatever
         # lock_timeout or statement_timeout the role or the database sets, which apply again to the

@@ -69,6 +69,16 @@ class EffectStore(Protocol):
     async def add_replays(self, counts: Mapping[tuple[int, datetime], int]) -> None: ...
 
 
+class AuditReads(Protocol):
+    """Read the audit: one effect, a page of them, and how many are in each state."""
+
+    async def get(self, effect_id: int, tenant: str | None = None) -> EffectRecord | None: ...
+
+    async def find(self, where: EffectFilter) -> list[EffectRecord]: ...
+
+    async def state_counts(self, tenant: str | None = None) -> dict[str, int]: ...
+
+
 class Verdicts(Protocol):
     """Read one effect and write an operator's verdict on it (the CLI, the API, the audit page)."""
 
@@ -79,15 +89,7 @@ class Verdicts(Protocol):
     ) -> EffectRecord | None: ...
 
 
-class AuditReads(Verdicts, Protocol):
-    """Read the audit: one effect, a page of them, and how many are in each state."""
-
-    async def find(self, where: EffectFilter) -> list[EffectRecord]: ...
-
-    async def state_counts(self, tenant: str | None = None) -> dict[str, int]: ...
-
-
-class Database(EffectStore, AuditReads, Protocol):
+class Database(EffectStore, AuditReads, Verdicts, Protocol):
     """Everything the gateway asks of its database: :class:`gateway.store.Store` against Postgres, and
     the simulator's store in memory. tests/test_store_contract.py holds both to one suite through this
     type, so the two cannot drift apart without mypy saying so."""
@@ -111,9 +113,7 @@ class Sender(Protocol):
     async def send(self, request: Outbound, timeout: float, leave_within: float | None = None) -> Outcome: ...
 
 
-class Finder(Protocol):
+class EffectProbe(Protocol):
     """Ask an upstream whether an effect exists, by the key the gateway gave it (the probe)."""
-
-    def check(self, policy: UpstreamPolicy) -> None: ...
 
     async def probe(self, policy: UpstreamPolicy, derived_key: str) -> StoredResponse | None: ...

@@ -1,10 +1,12 @@
 """The driver: carries out what :mod:`gateway.decision` says, against the store and the upstream.
 
-This is the only module that sequences I/O for an effect: claim, send, settle, probe, wait. Each
-action of the decision has one handler here, which returns the agent's reply, how the request ended
-without one (:mod:`gateway.endings`), or the record to decide on next. It knows nothing of HTTP:
-:mod:`gateway.app` turns a request into an :class:`~gateway.inbound.Inbound`, and
-:mod:`gateway.replies` turns what comes back into a response or a problem.
+It claims a request's key and follows the record to its end. Each action of the decision has one
+handler here, which returns the agent's reply, how the request ended without one
+(:mod:`gateway.endings`), or the record to decide on next; sending and settling an attempt are
+:mod:`gateway.attempts`', probing :mod:`gateway.probing`'s, waiting for another request with the same
+key :mod:`gateway.waiting`'s. None of them knows HTTP: :mod:`gateway.proxy` turns a request into an
+:class:`~gateway.inbound.Inbound`, and :mod:`gateway.replies` turns what comes back into a response or
+a problem.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from gateway.probing import Probing
 from gateway.record import EffectRecord
 from gateway.replays import Completed, Replays
 from gateway.replies import Reply
-from gateway.seams import EffectStore, Finder, Sender
+from gateway.seams import EffectProbe, EffectStore, Sender
 from gateway.settings import SAFE_METHODS
 from gateway.states import State
 from gateway.telemetry import Telemetry
@@ -74,7 +76,7 @@ class EffectService:
         self,
         store: EffectStore,
         client: Sender,
-        prober: Finder,
+        prober: EffectProbe,
         key_secret: bytes,
         *,
         retention: timedelta,
@@ -146,7 +148,7 @@ class EffectService:
         trail.saw(record, created=created)
         if created:
             return await self._attempts.send(Held(record, took), policy, outbound, reason=None)
-        wait = Wait(asyncio.get_running_loop().time() + inbound.wait, inbound.client_left)
+        wait = Wait(clock() + inbound.wait, inbound.client_left)
         try:
             return await self._follow(record, request, inbound, wait)
         finally:
@@ -232,13 +234,13 @@ class EffectService:
         """
         # A request in flight ends within a second or so; a lease to wait out is told as is.
         told = timedelta(seconds=1) if record.state is State.PENDING else retry_after
-        remaining = wait.deadline - asyncio.get_running_loop().time()
+        remaining = wait.deadline - clock()
         if remaining <= 0:
-            return InFlight(record.id, told, "retry, or send Prefer: wait=N")
+            return InFlight(record.id, told, "wait over")
         if wait.client_left():
-            return InFlight(record.id, told, "the client went away while waiting for it")
+            return InFlight(record.id, told, "client left")
         if (waiting := self._room.seat(record.id, wait)) is not None:
-            return InFlight(record.id, told, f"{waiting} requests wait for it already")
+            return InFlight(record.id, told, "no seat", waiting)
         await self._room.nap(record.id, wait, min(remaining, retry_after.total_seconds()))
         return await self._attempts.reread(record)
 
@@ -246,18 +248,18 @@ class EffectService:
         """Take the record over and send the request it was first sent with."""
         policy = inbound.upstream
         carriers = carried_by(record, policy.decision, reason)
-        held = await self._attempts.take_over(record, policy, reason, sends=True, carriers=carriers)
-        if isinstance(held, EffectRecord):
-            return held
-        return await self._attempts.send(held, policy, first_sent(inbound, held.record), reason)
+        taken = await self._attempts.take_over(record, policy, reason, sends=True, carriers=carriers)
+        if isinstance(taken, EffectRecord):
+            return taken  # another took it first: decide on it as it is now
+        return await self._attempts.send(taken, policy, first_sent(inbound, taken.record), reason)
 
     async def _probe(self, record: EffectRecord, inbound: Inbound) -> Step:
         """Take the record over and ask the upstream whether the effect exists; then send, complete, or
         leave it for later."""
-        held = await self._attempts.take_over(record, inbound.upstream, "probe", sends=False)
-        if isinstance(held, EffectRecord):
-            return held
-        return await self._probing.probe_under(held.record, inbound)
+        taken = await self._attempts.take_over(record, inbound.upstream, "probe", sends=False)
+        if isinstance(taken, EffectRecord):
+            return taken  # another took it first: decide on it as it is now
+        return await self._probing.probe_under(taken.record, inbound)
 
     async def _review(self, record: EffectRecord, policy: Policy) -> Step:
         """Give the record to an operator: nothing can tell whether the effect happened."""
@@ -274,8 +276,6 @@ class EffectService:
         self._attempts.took(record, reviewed)
         log.warning("effect %s needs review (%s %s)", record.id, record.upstream, record.path)
         return AwaitsOperator(reviewed.id, reviewed.attempt)
-
-    # --- holding, sending and settling an attempt -----------------------------------------------------
 
 
 def _unprobed(record: EffectRecord, policy: Policy) -> ResponseGone:

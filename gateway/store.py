@@ -37,7 +37,7 @@ from gateway.audit_query import (
 )
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, PrivilegesMissing, StoreRejected, StoreUnavailable
-from gateway.pg_failures import FAILURES, OUTAGE, RETRY, cannot_connect, kind
+from gateway.pg_failures import FAILURES, OUTAGE, RETRY, connecting, kind
 from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
 from gateway.rows import (
     HISTORY,
@@ -154,7 +154,7 @@ class Store:
         telemetry: Telemetry | None = None,
     ) -> Self:
         limits = limits or StoreLimits()
-        try:
+        with connecting():
             pool = await asyncpg.create_pool(
                 dsn,
                 min_size=min_size,
@@ -169,10 +169,6 @@ class Store:
                 server_settings=session_settings(limits),
                 command_timeout=limits.answer,
             )
-        except FAILURES as exc:
-            if isinstance(exc, asyncpg.ClientConfigurationError):
-                raise  # a database_url asyncpg cannot use: the command line says which
-            raise cannot_connect(exc) from exc
         return cls(pool, limits, dsn, telemetry)
 
     async def close(self) -> None:
@@ -500,12 +496,8 @@ class Store:
         On a connection of its own without the pool's timeouts: detaching waits for transactions that
         may still read the partition (it blocks none of them).
         """
-        try:
+        with connecting():
             conn = await asyncpg.connect(self._dsn)
-        except FAILURES as exc:
-            if isinstance(exc, asyncpg.ClientConfigurationError):
-                raise  # a database_url asyncpg cannot use: the command line says which
-            raise cannot_connect(exc) from exc
         try:
             await conn.execute("set statement_timeout = 0; set lock_timeout = '5s'")
             if not await roles.runs_retention(conn):

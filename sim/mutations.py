@@ -1,7 +1,9 @@
 """Proof that the simulator finds bugs: mutations of the real code, applied in memory for a run.
 
-Each mutation patches one function (or property, or table entry) of gateway/ or of the simulated
-store's fence, for the duration of a ``with`` block, and never edits a file. The runner then explores
+Each mutation patches the pure core (a function of gateway/decision.py, the state table,
+``Policy.margin``, the table in gateway/replies.py) or a seam the driver talks through (the simulated
+store's fence, the simulated prober), never a private method of the driver, for the duration of a
+``with`` block; it never edits a file. The runner then explores
 seeds from 0 until a run breaks an invariant on a seed that the real code passes, and shrinks that
 run. Three of them put back code that the simulator found broken in main (horizon-at-take-over,
 unrecorded-outage-escapes, operator-unfenced): tests/test_simulation.py replays each recorded failure
@@ -291,7 +293,7 @@ def _operator_during_lease(store_too: bool) -> Callable[[], contextlib.AbstractC
             return real(replace(record, lease_expires_at=None), now, happened=happened)
 
         # The pure core's rule, whoever asks it: the operators' commands, and whether a record is shown
-        # as waiting for a verdict (operators.resolvable, through decision.awaits_operator).
+        # as waiting for a verdict (operators.resolvable, through decision.verdict_refused).
         changes: list[tuple[Any, str, Any]] = [
             (decision, "resolution", resolution),
             (operators, "resolution", resolution),

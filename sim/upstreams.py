@@ -1,4 +1,5 @@
-"""Simulated upstreams, and the twins of the gateway's two upstream seams that reach them.
+"""Simulated upstreams, and the simulated sender and prober that reach them (gateway.seams' Sender and
+EffectProbe).
 
 An upstream is one of the kinds an operator configures: a native key that it forgets after a TTL,
 a stamp that its search (the probe) finds for a while, from a lag after the effect on (an index that
@@ -6,7 +7,7 @@ refreshes), both (like Stripe), neither, or harmless duplicates. Every effect it
 :attr:`SimUpstream.ledger`: the truth that the invariants and the operators read.
 :class:`SimClient` and :class:`SimProber` have the methods of
 :class:`gateway.upstream.UpstreamClient` (``send``) and :class:`gateway.probes.Prober` (``probe``)
-that :class:`gateway.service.EffectService` calls; what the upstream does with a request is drawn
+that the driver calls; what the upstream does with a request is drawn
 from the run's choices.
 
 The one thing an upstream promises (the lease's premise, DESIGN.md): it finishes or abandons a
@@ -301,9 +302,6 @@ class SimProber:
         self.stage = stage
         self._upstreams = upstreams
         self._who = who
-
-    def check(self, policy: UpstreamPolicy) -> None:
-        pass
 
     async def probe(self, policy: UpstreamPolicy, derived_key: str) -> StoredResponse | None:
         loop = asyncio.get_running_loop()

@@ -33,6 +33,7 @@ from gateway.inbound import Inbound
 from gateway.policy import UpstreamPolicy, upstream_policy
 from gateway.record import StoredResponse
 from gateway.replies import Reply
+from gateway.seams import Database
 from gateway.service import EffectService
 from gateway.settings import NativeKeySettings, ProbeSettings, StampSettings, UpstreamSettings
 from gateway.states import State
@@ -309,7 +310,8 @@ class World:
         windows = [p.lease.total_seconds() - p.timeout.total_seconds() for _, p in self.setup.upstreams]
         self.shortest_window, self.longest_window = min(windows), max(windows)
         self.gateways = [Gateway(self, f"g{i}") for i in range(1, self.setup.gateways + 1)]
-        self.operator_store = SimStore(self.db, self, who="operator")
+        # Typed as the gateway's whole database (seams.Database): mypy holds the simulated store to it.
+        self.operator_store: Database = SimStore(self.db, self, who="operator")
         self.checks = Checks(self)
         self.db.observers.append(self.checks.write)
         loop.after_step = self.checks.step

@@ -126,7 +126,7 @@ def test_a_probe_answered_after_a_stall_past_the_lease_is_not_trusted() -> None:
     Seed 1013: the record is in doubt (the first attempt acted, its answer was lost); at 58.2s, 1.8s
     short of the probe's 60s horizon (less a 1.5s lease: still trusted), g1 takes the record over to
     probe and pauses for 2.2s; the search, now past its horizon, no longer lists the effect. The old
-    settle_probe judged "not found" at the take-over's clock, and the effect was sent a second time;
+    code judged "not found" at the take-over's clock, and the effect was sent a second time;
     now the record is taken again after the probe answers, and judged at that clock.
     """
     old = _breaks_only_the_old_code(
@@ -163,7 +163,8 @@ def test_a_request_that_was_sent_is_never_answered_nothing_was_sent() -> None:
 
     Seed 95: the old code let StoreUnavailable escape the service after the request had left, and the
     app answered it "...; nothing was sent". It is now the service's own 503 saying the outcome could
-    not be recorded.
+    not be recorded. (The driver now returns how a request ended as a value, so the mutation puts the
+    old answer back where it is worded, in replies.problem.)
     """
     old = _breaks_only_the_old_code(
         "unrecorded-outage-escapes", 95, "faults/21:15=894,19=993;levels/9:3=2,5=2"
