@@ -146,13 +146,7 @@ async def main_async(args: argparse.Namespace, body: bytes) -> None:
     loop.call_later(args.duration, stop.set)
     interval = args.concurrency / args.rate if args.rate else None
     start = time.perf_counter()
-    counts = [None] * args.concurrency
-    if args.requests is not None:
-        counts = [
-            args.requests // args.concurrency + (i < args.requests % args.concurrency)
-            for i in range(args.concurrency)
-        ]
-    await asyncio.gather(*(client.connection(stop, interval, count) for count in counts))
+    await asyncio.gather(*(client.connection(stop, interval, count) for count in _shares(args)))
     seconds = time.perf_counter() - start
     samples = sorted(client.samples)
     doc = {

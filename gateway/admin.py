@@ -10,13 +10,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway import jsonbody, operators, problems, process
-from gateway.audit_query import EffectFilter
 from gateway.auth import is_admin, tenant_of
 from gateway.effects_json import MAX_ID, effect_json, next_query, parse_filter, parse_resolution, whole_number
 from gateway.errors import JsonRefused, StoreUnavailable
 from gateway.metrics import states_exposition
 from gateway.record import EffectRecord
-from gateway.runtime import RUNTIME, Runtime, read_request_body
+from gateway.runtime import RUNTIME, Runtime, read_request_body, verdict_given
 from gateway.states import State
 
 log = logging.getLogger("effect_gateway")
@@ -103,15 +102,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=runtime.telemetry.metrics.exposition(counts, ahead), headers=EXPOSITION)
 
 
-async def find_page(runtime: Runtime, where: EffectFilter) -> list[EffectRecord]:
-    """A page of the audit; a ``before`` that names no effect of a span read by time is a bad request."""
-    return await runtime.store.find(where)  # CursorUnknown: a 400 (gateway.replies.problem_of_error)
-
-
 async def list_effects(request: web.Request) -> web.Response:
     runtime = _runtime(request)
     where = parse_filter(dict(request.query), _viewer(request, runtime))
-    records = await find_page(runtime, where)
+    records = await runtime.store.find(where)  # CursorUnknown: a 400 (replies.problem_of_error)
     page: dict[str, Any] = {"effects": [effect_json(r, full=False) for r in records], "next": None}
     if len(records) == where.limit:
         nxt = request.rel_url.update_query(next_query(where, records[-1]))
@@ -164,14 +158,3 @@ async def resolve_effect(request: web.Request) -> web.Response:
     )
     verdict_given(runtime, resolved, happened, by)
     return _json(effect_json(resolved, full=True))
-
-
-def verdict_given(runtime: Runtime, record: EffectRecord, happened: bool, by: str | None) -> None:
-    """An operator's verdict through the gateway: counted, and a line in the log."""
-    runtime.telemetry.verdict(record.upstream, happened)
-    log.info(
-        "effect %s resolved by an operator (%s): %s",
-        record.id,
-        by,
-        "happened" if happened else "did not happen",
-    )

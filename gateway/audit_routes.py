@@ -21,15 +21,14 @@ from aiohttp import web
 from multidict import MultiDict
 
 from gateway import audit_page, effect_page, operators, problems, urlencoded
-from gateway.admin import find_page, verdict_given
 from gateway.audit_page import BASE, Chrome, Listing
 from gateway.auth import is_admin, tenant_of
 from gateway.decision import verdict_refused
 from gateway.effect_page import ResolveForm, Verdict
 from gateway.effects_json import MAX_ID, next_query, parse_filter, parse_resolution, whole_number
-from gateway.errors import BadName, FormRefused, NoSuchEffect, NotAwaitingOperator
+from gateway.errors import BadName, CursorUnknown, FormRefused, NoSuchEffect, NotAwaitingOperator
 from gateway.record import EffectRecord, StoredResponse
-from gateway.runtime import RUNTIME, Runtime, read_request_body
+from gateway.runtime import RUNTIME, Runtime, read_request_body, verdict_given
 from gateway.sessions import (
     ADMIN,
     COOKIE,
@@ -327,10 +326,12 @@ async def list_effects(request: web.Request) -> web.StreamResponse:
     error = None
     try:
         where = parse_filter(query, viewer.tenant)
-        records = await find_page(runtime, where)
+        records = await runtime.store.find(where)
         older = next_query(where, records[-1]) if len(records) == where.limit else None
     except problems.BadRequest as exc:
         error, records, older = exc.detail, [], None
+    except CursorUnknown as exc:
+        error, records, older = f"{exc}: page on with the answer's next link", [], None
     page = Listing(
         records=records,
         # Read now, not from the metrics' cache: an operator who has just resolved an effect comes back

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import re
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from gateway.errors import ClientGone
 from gateway.keys import LogHash
 from gateway.metrics import CachedCounts
 from gateway.policy import UpstreamPolicy
+from gateway.record import EffectRecord
 from gateway.service import EffectService
 from gateway.settings import Settings, is_loopback
 from gateway.store import Store
@@ -33,6 +35,19 @@ class Runtime:
 
 
 RUNTIME = web.AppKey("runtime", Runtime)
+log = logging.getLogger("effect_gateway")
+
+
+def verdict_given(runtime: Runtime, record: EffectRecord, happened: bool, by: str | None) -> None:
+    """Count an operator's verdict given through the gateway (the API or the audit page), and log it."""
+    runtime.telemetry.verdict(record.upstream, happened)
+    log.info(
+        "effect %s resolved by an operator (%s): %s",
+        record.id,
+        by,
+        "happened" if happened else "did not happen",
+    )
+
 
 # Headers read as one value: a second copy would let the gateway act on one and the upstream (or a
 # log) on the other. Content-Type decides how the body is parsed for the fingerprint and the stamp.
