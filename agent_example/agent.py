@@ -116,7 +116,8 @@ async def run_agent(design: str, run_id: str, dsn: str, at: Endpoints, crash: st
             http = with_keys if keyed else without_keys
             shop_url = f"{at.gateway}/shop" if design == "journal+gateway" else at.shop
             mail_url = f"{at.gateway}/mail" if design == "journal+gateway" else at.mail
-            # Through the gateway, a retry whose twin is still settling waits for it instead of a 409.
+            # Through the gateway, a retry waits for an earlier request with the same key that is still
+            # settling, instead of a 409.
             wait = {"Prefer": "wait=30"} if design == "journal+gateway" else {}
 
             async def order(ctx: StepContext) -> dict[str, Any]:

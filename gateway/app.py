@@ -94,7 +94,7 @@ async def runners(
     tracer_provider: Any = None,
     shutdown_timeout: float = 60.0,
 ) -> AsyncIterator[Runners]:
-    """The gateway running and its two applications set up; on the way out both stop, then its parts.
+    """Start the gateway's parts and set up its two applications; on the way out stop both, then the parts.
 
     ``shutdown_timeout``: how long aiohttp lets a client take its answer at shutdown (see gateway.serve).
     """

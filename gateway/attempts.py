@@ -250,7 +250,8 @@ class Attempts:
         return fresh
 
     def took(self, record: EffectRecord, taken: EffectRecord) -> None:
-        """``record`` as read was taken (again, for review): a lease that ran out is counted as taken over."""
+        """Note that ``record`` as read was taken (again, or for review); count a lease that ran out as
+        taken over."""
         trail.saw(taken)
         if record.state is State.PENDING:
             self._telemetry.taken_over(record.upstream)

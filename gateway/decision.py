@@ -135,7 +135,7 @@ Decision = Replay | Mismatch | Busy | Resend | Probe | Review | Unknown | Restor
 
 
 def decide(record: EffectRecord, request: Request, now: datetime, policy: Policy) -> Decision:
-    """What to do with a request whose key already has a record."""
+    """Say what to do with a request whose key already has a record."""
     if not record.response_read:
         raise ValueError("the decision needs the record read with its response")
     if record.replay_refused:
@@ -332,7 +332,7 @@ class Settlement:
 
 
 def settle(outcome: Outcome, *, earlier_doubt: bool, method: str = "POST") -> Settlement:
-    """The state an attempt leaves its pending record in; ``earlier_doubt`` is its may_have_sent.
+    """Judge the state an attempt leaves its pending record in; ``earlier_doubt`` is its may_have_sent.
 
     ``method`` is the request's: a 301 or 302 to a POST is an answer, to a PUT it asks for the PUT again.
     """
@@ -358,7 +358,8 @@ def settle(outcome: Outcome, *, earlier_doubt: bool, method: str = "POST") -> Se
 
 
 def unrecorded(settlement: Settlement) -> Settlement:
-    """The attempt's outcome could not be written: what the record becomes instead of staying pending.
+    """Say what the record becomes, instead of staying pending, when its attempt's outcome could not be
+    written.
 
     A pending record would be taken over when its lease runs out and, having no answer, sent again
     (over and over, if the answer can never be stored). Whatever may have reached the upstream goes to
@@ -462,17 +463,17 @@ def after_probe(
 
 
 def take_over(record: EffectRecord) -> Transition:
-    """A new attempt on the record (to send or to probe); raises for a record that completed."""
+    """Build the move of a new attempt on the record (to send or to probe); raises for one that completed."""
     return Transition(record.state, State.PENDING)
 
 
 def review(record: EffectRecord) -> Transition:
-    """Give up on recovery: an operator must say whether the effect happened."""
+    """Build the move that gives up on recovery: an operator must say whether the effect happened."""
     return Transition(record.state, State.NEEDS_REVIEW)
 
 
 def restore(record: EffectRecord) -> Transition:
-    """A probe supplies the response of a completed record whose response was purged."""
+    """Build the move by which a probe supplies the purged response of a completed record."""
     return Transition(record.state, State.COMPLETED)
 
 

@@ -21,11 +21,7 @@ from gateway.wire import header_line
 
 # A page of the audit: enough to scan by eye, small enough to render at once.
 DEFAULT_PAGE = 50
-
-
 MAX_PAGE = 500
-
-
 # Effect ids are Postgres bigints.
 MAX_ID = 2**63 - 1
 
@@ -90,7 +86,7 @@ def effect_json(record: EffectRecord, *, full: bool) -> dict[str, Any]:
 
 
 def parse_moment(value: str, name: str) -> datetime:
-    """An ISO time (UTC when it names no zone) or a duration back from now, such as ``1h``."""
+    """Read an ISO time (UTC when it names no zone) or a duration back from now, such as ``1h``."""
     try:
         when = datetime.fromisoformat(value)
     except ValueError:
@@ -111,7 +107,7 @@ def parse_moment(value: str, name: str) -> datetime:
 
 
 def whole_number(value: str, low: int, high: int) -> int | None:
-    """``value`` as an int from ``low`` to ``high``, or None when it is anything else."""
+    """Read ``value`` as an int from ``low`` to ``high``; None when it is anything else."""
     if not _WHOLE_NUMBER.fullmatch(value) or not low <= int(value) <= high:
         return None
     return int(value)

@@ -296,10 +296,10 @@ async def _drop(conn: AnyConn, part: Partition, progress: Progress) -> None:
     # The record is changed only while it is still open and still points at that very answer: a settle
     # that completes it meanwhile wrote an answer of its own, which must stand.
     #
-    # The open effects with bodies in the day are found by a statement of their own: inside the carry,
-    # Postgres misjudged how many there are and merged the day with the whole audit in id order, which
-    # grew with the audit and with each day dropped (bench.growth). The carry then looks each one up
-    # (see _carry); one that has completed since is left where it is.
+    # The open effects with bodies in the day are found by a statement of their own: inside the statement that
+    # carries the bodies forward, Postgres misjudged how many there are and merged the day with the whole
+    # audit in id order, which grew with the audit and with each day dropped (bench.growth). The bodies are
+    # then carried forward effect by effect (see _carry); one that has completed since is left where it is.
     found = await conn.fetchrow(
         f"""
         select array_agg(o.id), array_agg(o.created_at) from open_effects o

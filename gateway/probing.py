@@ -3,8 +3,8 @@
 A probe runs under a take-over of the record, as a send does: its answer is written fenced on that
 attempt. "Found" completes the record with the probe's answer; "not found" sends the effect once the
 probe can be trusted to have looked (:func:`gateway.decision.after_probe`), else leaves it in doubt or
-to an operator; a failed probe changes nothing. A completed effect whose response was purged is only
-ever restored from a probe, never sent again.
+to an operator; a failed probe leaves it in doubt, to be probed again. A completed effect whose
+response was purged is only ever restored from a probe, never sent again.
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ class Probing:
 
     async def restore(self, record: EffectRecord, policy: UpstreamPolicy) -> Reply | Ending:
         """Ask the probe for the response of a completed effect whose response was purged; never send."""
-        match await self.look(policy, record):
+        looked = await self.look(policy, record)
+        match looked:
             case Found(response=response):
                 # A probe's answer may differ from one search to the next: only the first stored is
                 # given, to this request and every other, from Postgres or any worker's memory.
@@ -149,4 +150,5 @@ class Probing:
                     f"probe failed: {reason}; the effect happened and nothing will be sent again, retry "
                     "later for its response",
                 )
-        raise AssertionError("unreachable")  # pragma: no cover
+            case _:
+                assert_never(looked)

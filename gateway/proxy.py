@@ -69,7 +69,7 @@ _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\d+)", re.IGNORECASE)
 
 
 def split_target(raw_path: str) -> tuple[str, str, str]:
-    """(upstream, path, query) from the raw request target; refuses anything that could escape."""
+    """Split the raw request target into (upstream, path, query); refuse anything that could escape."""
     if not _TARGET.fullmatch(raw_path):
         raise problems.PathRefused("the request target must be printable ASCII; percent-encode other bytes")
     if "#" in raw_path:
@@ -110,6 +110,7 @@ def _wait(request: web.Request, settings: Settings) -> float:
 
 
 async def proxy(request: web.Request) -> web.StreamResponse:
+    """Check the agent's request, hand it to the driver, and answer with what comes back."""
     runtime = request.app[RUNTIME]
     trail = CURRENT.get()
     assert trail is not None, "observe_middleware starts one for every request routed here"
@@ -238,11 +239,13 @@ def _read(
 
 
 def to_response(reply: Reply) -> web.Response:
+    """Write the reply as the upstream's answer, marked Idempotent-Replayed when it is a replay."""
     return response_of(reply.response, replayed=reply.replayed)
 
 
 def response_of(stored: StoredResponse, *, replayed: bool) -> web.Response:
-    """The stored answer with exactly the upstream's header bytes, on the first relay and every replay."""
+    """Write the stored answer with exactly the upstream's header bytes, on the first relay and every
+    replay. A stored header that cannot be written raises HeaderRefused (a 500)."""
     # Lengths are aiohttp's to write; stored rows from before this rule, or an operator's, may hold one.
     headers = [
         (name, value) for name, value in stored.headers if name.lower() not in UNSTORED_RESPONSE_HEADERS

@@ -49,7 +49,7 @@ from gateway.record import StoredResponse
 @dataclass(frozen=True, slots=True)
 class Reply:
     """The answer for the agent: the upstream's (``replayed`` when it is the stored one of an earlier
-    request); every other ending is a :class:`gateway.problems.Problem` raised instead."""
+    request). A request that ends without one ends with an :data:`gateway.endings.Ending` instead."""
 
     response: StoredResponse
     replayed: bool
@@ -81,12 +81,14 @@ def redirected(
 
 
 def stored(outcome: Outcome) -> StoredResponse | None:
+    """Return the upstream's answer as the audit stores it; None when nothing answered."""
     if isinstance(outcome, Answered):
         return StoredResponse(outcome.status, outcome.headers, outcome.body)
     return None
 
 
 def describe(outcome: Outcome) -> str:
+    """Say in a few words what came of a send ("answered 201", or why nothing answered), for the history."""
     match outcome:
         case Answered(status=status):
             return f"answered {status}"

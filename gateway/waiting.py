@@ -13,6 +13,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+# The first poll of the row, in seconds: most upstream calls end in tens of milliseconds. Each poll
+# after waits twice as long, up to MAX_POLL, so that many waiters do not crowd Postgres.
 FIRST_POLL = 0.01
 MAX_POLL = 0.2
 

@@ -1,7 +1,8 @@
 """Effects for tests to claim, and records for the decision's tables: one place to build them.
 
-Each takes keyword arguments for what a test cares about; the rest is a plain POST /orders of tenant
-"default" to the upstream "shop", sent with nothing out of the ordinary.
+Each takes keyword arguments for what a test cares about; the rest is a plain POST /orders to the
+upstream "shop" (of tenant "default" for a new effect, "t" for a record), sent with nothing out of
+the ordinary.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from gateway.decision import Request
 from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
 from gateway.states import State
 
@@ -17,6 +19,8 @@ from gateway.states import State
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=35)
 OK = StoredResponse(201, (("Content-Type", "application/json"),), b'{"id": 1}')
+# A request the records below were made by (the same fingerprint).
+SAME = Request(fingerprint="fp")
 # What carries the key unless a test says otherwise: the native header and a stamp in the JSON body.
 CARRIED = KeyCarriers("Idempotency-Key", ("json_field", "client_reference"))
 

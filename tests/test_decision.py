@@ -42,7 +42,7 @@ from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeE
 from gateway.record import EffectRecord, KeyCarriers
 from gateway.routes import Route
 from gateway.states import TRANSITIONS, IllegalTransition, State, Transition, check_transition
-from tests.factories import CARRIED, LEASE, NOW, OK, record
+from tests.factories import CARRIED, LEASE, NOW, OK, SAME, record
 
 # The probe's routes: the records below are POST /orders unless a row says otherwise.
 ORDERS = (Route.parse("POST /orders"),)
@@ -56,7 +56,6 @@ HARMLESS = Policy(lease=LEASE, repeat_harmless=True, key_carriers=CARRIED)
 HORIZON = replace(PROBED, probe_horizon=timedelta(days=30))
 
 
-SAME = Request(fingerprint="fp")
 OLD = NOW - timedelta(days=40)
 
 

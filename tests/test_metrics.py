@@ -170,7 +170,8 @@ async def test_each_request_is_counted_by_what_came_of_it(
 async def test_a_twin_in_flight_a_lease_taken_over_and_a_verdict_are_counted(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession
 ) -> None:
-    """A twin answered 409, a dead gateway's lease taken over, a review and the operator's verdict."""
+    """A second request with the same key answered 409, a dead gateway's lease taken over, a review and
+    the operator's verdict."""
     arrived, release = asyncio.Event(), asyncio.Event()
 
     async def held(request: web.Request) -> web.Response:
@@ -187,9 +188,9 @@ async def test_a_twin_in_flight_a_lease_taken_over_and_a_verdict_are_counted(
     }
     # No replays from memory: the record the dead gateway left must be read from Postgres.
     async with gateway_server(dsn, upstreams=upstreams, lease_grace="500ms", replay_cache_bytes=0) as gw:
-        first = asyncio.create_task(post(http, f"{gw.url}/shop/held", "twin"))
+        first = asyncio.create_task(post(http, f"{gw.url}/shop/held", "same-key"))
         await arrived.wait()
-        assert await post(http, f"{gw.url}/shop/held", "twin") == 409
+        assert await post(http, f"{gw.url}/shop/held", "same-key") == 409
         release.set()
         assert await first == 201
         # A gateway that died after sending leaves its record pending until the lease runs out.

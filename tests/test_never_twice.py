@@ -25,6 +25,7 @@ from gateway.outcome import Answered
 from gateway.record import NewEffect, StoredResponse
 from gateway.store import opened
 from tests.database import RETAINED, backdate_bodies, effect_rows, failing_database, purge_as_owner
+from tests.factories import new_effect
 from tests.gateways import gateway_server
 from tests.upstreams import ORDER_SEARCH, Upstream, raw_upstream
 
@@ -354,10 +355,11 @@ async def test_a_keyless_method_can_be_refused(
 
 
 async def test_a_take_over_from_a_stale_read_is_fenced_by_state(dsn: str) -> None:
-    """A late holder completes the record at its own attempt; a twin that read it pending cannot take over.
+    """A late holder completes the record at its own attempt; another request that read it pending cannot
+    take over.
 
-    The twin saw the lease run out and decided to re-send; the holder's answer arrived just after. Fenced
-    by the attempt alone, the take-over won and the effect was sent a second time.
+    The other request saw the lease run out and decided to re-send; the holder's answer arrived just
+    after. Fenced by the attempt alone, the take-over won and the effect was sent a second time.
     """
     async with opened(dsn) as store:
         record, _ = await store.claim(_effect("late"), timedelta(0))
@@ -375,28 +377,11 @@ async def test_a_take_over_from_a_stale_read_is_fenced_by_state(dsn: str) -> Non
 
 
 def _effect(key: str) -> NewEffect:
-    return NewEffect(
-        tenant="default",
-        upstream="shop",
-        key=key,
-        derived_key="eg_test",
-        method="POST",
-        path="/orders",
-        query="",
-        # what the gateway computes for call()'s request, so that a retry is the same request
-        fingerprint=fingerprint(
-            "POST",
-            "/orders",
-            "",
-            read_body(BODY, "application/json"),
-            {"Content-Type": "application/json"},
-            ["content-type"],
-        ),
-        request_headers={},
-        request_body=BODY,
-        run_id=None,
-        step=None,
-    )
+    """Return the effect call() claims under ``key``, as the gateway records it."""
+    # What the gateway computes for call()'s request, so that a retry is the same request.
+    body = read_body(BODY, "application/json")
+    fp = fingerprint("POST", "/orders", "", body, {"Content-Type": "application/json"}, ["content-type"])
+    return new_effect(key, derived_key="eg_test", fingerprint=fp, request_body=BODY)
 
 
 async def _json(doc: Any, status: int = 200) -> web.Response:

@@ -176,7 +176,7 @@ async def test_fifty_concurrent_requests_with_one_key_make_one_upstream_call(
 async def test_a_twin_in_flight_gets_409_with_retry_after(
     gateway: Gateway, upstream: Upstream, http: aiohttp.ClientSession
 ) -> None:
-    """Without Prefer: wait, a request whose twin is under way is told to retry, not sent."""
+    """Without Prefer: wait, a request whose key another request holds is told to retry, not sent."""
     release = asyncio.Event()
 
     async def held(_: web.Request) -> web.Response:
@@ -184,9 +184,9 @@ async def test_a_twin_in_flight_gets_409_with_retry_after(
         return web.json_response({"ok": True}, status=201)
 
     upstream.routes["/orders"] = held
-    first = asyncio.create_task(post(http, f"{gateway.url}/shop/orders", key="twin"))
+    first = asyncio.create_task(post(http, f"{gateway.url}/shop/orders", key="held"))
     await upstream.received.wait()
-    status, headers, body = await post(http, f"{gateway.url}/shop/orders", key="twin")
+    status, headers, body = await post(http, f"{gateway.url}/shop/orders", key="held")
     assert status == 409
     assert problem_type(body) == "in-flight"
     assert int(headers["Retry-After"]) >= 1

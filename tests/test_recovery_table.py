@@ -22,7 +22,7 @@ from gateway.report import protection
 from gateway.settings import load_settings
 from gateway.states import State
 from tests.doc_blocks import ROOT
-from tests.test_decision import NOW, SAME, record
+from tests.factories import NOW, SAME, record
 
 PAGE = ROOT / "docs" / "recovery.md"
 HEADER = (

@@ -224,7 +224,8 @@ async def answered_days_ago(dsn: str, store: Store, status: int, body: bytes) ->
 async def test_a_retry_that_completes_while_the_retention_runs_keeps_its_own_answer(
     dsn: str, store: Store
 ) -> None:
-    """The retention's carry never rewrites a record a retry completed after the carry read it.
+    """Carrying an open effect's bodies forward never rewrites a record a retry completed after it was
+    read.
 
     The order is forced with a row lock: the retry's settle waits on it first, the retention (which has
     read the effect as still open) second; the settle goes first and completes the effect.
@@ -265,15 +266,16 @@ async def test_a_retry_taken_over_while_the_retention_runs_gets_no_earlier_answe
 
 
 async def test_carrying_a_days_bodies_looks_up_only_the_open_effects_with_bodies_in_it(dsn: str) -> None:
-    """The carry out of a day holding the bodies of 5 of 20,000 open effects, beside 100,000 completed
-    ones, carries their 5 bodies and reads about their 5 rows of the audit; an effect that completed
-    after it was found is left where it is.
+    """Carrying bodies forward out of a day holding the bodies of 5 of 20,000 open effects, beside
+    100,000 completed ones, carries their 5 bodies and reads about their 5 rows of the audit; an effect
+    that completed after it was found is left where it is.
 
-    Found by the carry itself, Postgres misjudged how many open effects the day holds and merged the
-    day with the audit in id order: at 1M effects over 60 days the 20th day dropped took 0.15 s, and at
-    10M the retention took 7.6 s a day (bench.growth). Here, with one month of effects, Postgres chose
-    the lookups either way, so this cannot show the misjudged plan (that needs months of audit, which
-    bench.growth fills): it holds the carry's result and what it reads, not the plan it is kept from.
+    When the statement that carries them also found them, Postgres misjudged how many open effects the
+    day holds and merged the day with the audit in id order: at 1M effects over 60 days the 20th day
+    dropped took 0.15 s, and at 10M the retention took 7.6 s a day (bench.growth). Here, with one month
+    of effects, Postgres chose the lookups either way, so this cannot show the misjudged plan (that
+    needs months of audit, which bench.growth fills): it holds that statement's result and what it
+    reads, not the plan it is kept from.
     """
     await fill_effects(dsn, "t", 1, 100_000)
     await fill_effects(dsn, "t", 1_000_000, 20_000, "pending")
@@ -297,7 +299,7 @@ async def test_carrying_a_days_bodies_looks_up_only_the_open_effects_with_bodies
         )
         await conn.execute(f'analyze "{name}"')
         carry = partitions.carry_statement(name)
-        undone = conn.transaction()  # EXPLAIN ANALYZE carries too: undone, so that the carry below can
+        undone = conn.transaction()  # EXPLAIN ANALYZE carries too: undone, so that the statement below can
         await undone.start()
         doc = await conn.fetchval(f"explain (analyze, format json) {carry}", ids, created)
         await undone.rollback()

@@ -246,7 +246,8 @@ async def test_only_the_current_attempt_may_settle(subject: Subject) -> None:
 
 
 async def test_a_take_over_from_a_stale_read_is_fenced_by_state(subject: Subject) -> None:
-    """A late holder completes at its own attempt; a twin that read the record pending cannot take over."""
+    """A late holder completes at its own attempt; another request that read the record pending cannot
+    take over."""
     store = subject.store
     record = await claimed(store, lease=EXPIRED)
     done = await store.settle(record, DONE, response=OK, recovered_by=None)
@@ -1009,7 +1010,7 @@ async def test_the_key_secret_is_stable_and_ping_answers(subject: Subject) -> No
 
 
 def test_the_simulated_store_has_the_same_surface() -> None:
-    """Every public method of Store has a twin in SimStore with the same signature (and no more)."""
+    """Every public method of Store has a counterpart in SimStore with the same signature (and no more)."""
 
     def surface(cls: type) -> dict[str, str]:
         return {

@@ -46,6 +46,7 @@ class CountingClient(stripe.HTTPXClient):
         self.backoff = backoff
 
     def _sleep_time_seconds(self, num_retries: int, *args: Any) -> float:
+        # stripe-python's own hook for its backoff (private; its own tests use it), where to turn it off.
         return super()._sleep_time_seconds(num_retries, *args) if self.backoff else 0.0
 
     async def request_async(

@@ -71,7 +71,8 @@ async def rereads(http: aiohttp.ClientSession, gw: Gateway) -> float:
 async def test_a_waiter_whose_client_hangs_up_stops_polling(
     dsn: str, upstream: Upstream, held: asyncio.Event
 ) -> None:
-    """An agent that hangs up while waiting for a twin costs Postgres nothing more; the twin still ends."""
+    """An agent that hangs up while waiting for another request with its key costs Postgres nothing more;
+    that request still ends."""
     async with (
         gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw,
         aiohttp.ClientSession() as http,
