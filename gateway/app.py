@@ -194,8 +194,7 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
     try:
         return await handler(request)
     except problems.Problem as problem:
-        instance = request.path_qs if request.path_qs.isascii() else None
-        return problems.render(problem, instance, _error_format(request))
+        return _render(request, problem)
     except web.HTTPRequestEntityTooLarge as exc:
         return _render(request, problems.BodyTooLarge(exc.text or "the request body is too large"))
     except web.HTTPMethodNotAllowed as exc:
@@ -226,7 +225,9 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
 
 
 def _render(request: web.Request, problem: problems.Problem) -> web.Response:
-    return problems.render(problem, error_format=_error_format(request))
+    # Named by the request it answers (RFC 9457 instance), when its target is ASCII as it should be.
+    instance = request.path_qs if request.path_qs.isascii() else None
+    return problems.render(problem, instance, _error_format(request))
 
 
 def _error_format(request: web.Request) -> ErrorFormat:

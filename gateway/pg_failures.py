@@ -1,8 +1,8 @@
 """What a Postgres failure means to the gateway: try the statement again, an outage, or a refusal.
 
-The store (gateway/store.py) and the migrations (gateway/schema.py) read failures by these lists alone,
-and connect through :func:`connecting`, so one failure is never an outage in one place and a crash in
-another. (The partitions' code handles two failures of its own on the spot: a lock it waited too long
+The store (gateway/store.py) and the migrations (gateway/schema.py) ask :func:`kind` of every
+failure, and connect through :func:`connecting`, so one failure is never an outage in one place and a
+crash in another. (The partitions' code handles two failures of its own on the spot: a lock it waited too long
 for, and a deadlock while detaching, each retried there.)
 """
 
@@ -22,7 +22,7 @@ RETRY = (asyncpg.exceptions.SerializationError, asyncpg.exceptions.DeadlockDetec
 # The server went away under a statement: lost connection, or shut down or restarted by an operator
 # (57P); or a statement ran past statement_timeout or lock_timeout, which the gateway treats alike: try
 # later. asyncpg's InterfaceError is its side of a session that broke (a closed connection, one left
-# mid-exchange by a cancelled statement), except a database_url it cannot use (ClientConfigurationError).
+# mid-exchange by a cancelled statement); but see REFUSED.
 OUTAGE = (
     OSError,
     TimeoutError,
@@ -35,6 +35,9 @@ OUTAGE = (
     # what asyncpg raises when the server cuts a session in the middle of a message exchange
     asyncpg.exceptions.InternalClientError,
 )
+# asyncpg's own refusals, though they are InterfaceErrors: a value it cannot send as the statement's
+# argument (DataError), a database_url it cannot use. The same again would be refused again.
+REFUSED = (asyncpg.DataError, asyncpg.ClientConfigurationError)
 # What a server that is up answers to a login it will refuse however long one waits: a wrong password
 # (28P01, a kind of 28000), a role it does not know, that may not log in or that pg_hba.conf turns away
 # (28000), a database that does not exist (3D000). Whatever else stops a connection (the server down or
@@ -54,7 +57,7 @@ def kind(exc: BaseException) -> Kind:
     (Postgres is up and will refuse the same again: data it cannot hold, a setting to fix)."""
     if isinstance(exc, RETRY):
         return "retry"
-    if isinstance(exc, asyncpg.ClientConfigurationError):
+    if isinstance(exc, REFUSED):
         return "refused"
     if isinstance(exc, OUTAGE):
         return "outage"

@@ -23,7 +23,7 @@ from gateway.errors import (
     StoreRejected,
     StoreUnavailable,
 )
-from gateway.pg_failures import OUTAGE, RETRY, connecting
+from gateway.pg_failures import FAILURES, connecting, kind
 
 log = logging.getLogger("effect_gateway")
 
@@ -58,7 +58,9 @@ async def _connected(dsn: str) -> AsyncIterator[asyncpg.Connection]:
         conn = await asyncpg.connect(dsn)
     try:
         yield conn
-    except OUTAGE as exc:
+    except FAILURES as exc:
+        if kind(exc) != "outage":
+            raise
         raise StoreUnavailable(f"Postgres went away: {type(exc).__name__}: {exc}") from exc
     finally:
         await conn.close()
@@ -190,7 +192,9 @@ async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[st
             "or its schema that another session holds (see pg_stat_activity); nothing was applied: run it "
             "again"
         ) from exc
-    except OUTAGE as exc:
+    except FAILURES as exc:
+        if kind(exc) != "outage":
+            raise
         raise StoreUnavailable(f"Postgres went away while migrating: {type(exc).__name__}: {exc}") from exc
     finally:
         await conn.close()
@@ -251,7 +255,13 @@ async def _apply(conn: asyncpg.Connection, version: int, name: str, sql: str) ->
             "session holds (a long transaction on the table: see pg_stat_activity), so that the "
             "statements queued behind it could go on; nothing of it was applied: run it again"
         ) from exc
-    except (*OUTAGE, *RETRY) as exc:
+    except FAILURES as exc:
+        if kind(exc) == "refused":
+            # The usual cause is a schema changed by hand, or a migrations table emptied over existing
+            # tables: an operator must look before it can be tried again.
+            raise StoreRejected(
+                f"migration {name} failed, and nothing of it was applied: {type(exc).__name__}: {exc}"
+            ) from exc
         # Postgres went away, or a lock or a deadlock with another session got in the way: the same
         # command may work later. (Once the connection is gone, ending the transaction fails too: say
         # why it went.)
@@ -259,10 +269,4 @@ async def _apply(conn: asyncpg.Connection, version: int, name: str, sql: str) ->
         why = f"{type(cause).__name__}: {cause}"
         raise StoreUnavailable(
             f"migration {name} was interrupted, and nothing of it was applied: {why}"
-        ) from exc
-    except asyncpg.PostgresError as exc:
-        # The usual cause is a schema changed by hand, or a migrations table emptied over existing
-        # tables: an operator must look before it can be tried again.
-        raise StoreRejected(
-            f"migration {name} failed, and nothing of it was applied: {type(exc).__name__}: {exc}"
         ) from exc

@@ -37,7 +37,7 @@ from gateway.audit_query import (
 )
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, PrivilegesMissing, StoreRejected, StoreUnavailable
-from gateway.pg_failures import FAILURES, OUTAGE, RETRY, connecting, kind
+from gateway.pg_failures import FAILURES, connecting, kind
 from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
 from gateway.rows import (
     HISTORY,
@@ -190,12 +190,6 @@ class Store:
             behind = False
             try:
                 return await op(conn)
-            except RETRY as exc:
-                if attempt == 2:
-                    # Each try was rolled back whole: nothing of it is stored, and a later one may pass.
-                    raise StoreUnavailable(
-                        f"Postgres aborted the statement {attempt + 1} times: {type(exc).__name__}: {exc}"
-                    ) from exc
             except asyncpg.exceptions.CheckViolationError as exc:
                 if "no partition" not in str(exc):
                     raise StoreRejected(f"Postgres refused the write: {exc}") from exc
@@ -208,16 +202,24 @@ class Store:
                 if attempt == 2:
                     raise StoreUnavailable(f"no partition for the row after making them: {exc}") from exc
                 behind = True
-            except OUTAGE as exc:
-                if isinstance(exc, TimeoutError):
-                    # Past the client-side bound: a server that does not answer will not confirm the
-                    # cancellation either, and the release would wait for it as long again.
-                    conn.terminate()
-                raise StoreUnavailable(f"Postgres is unavailable: {type(exc).__name__}: {exc}") from exc
-            except asyncpg.PostgresError as exc:
-                # Postgres is there but refused this statement (data it cannot hold, a check that
-                # failed): retrying the same statement cannot help.
-                raise StoreRejected(f"Postgres refused the write: {type(exc).__name__}: {exc}") from exc
+            except FAILURES as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                match kind(exc):
+                    case "retry" if attempt == 2:
+                        # Each try was rolled back whole: nothing of it is stored, and a later may pass.
+                        raise StoreUnavailable(f"Postgres aborted the statement 3 times: {why}") from exc
+                    case "retry":
+                        pass
+                    case "outage":
+                        if isinstance(exc, TimeoutError):
+                            # Past the client-side bound: a server that does not answer will not confirm
+                            # the cancellation either, and the release would wait for it as long again.
+                            conn.terminate()
+                        raise StoreUnavailable(f"Postgres is unavailable: {why}") from exc
+                    case "refused":
+                        # Postgres is there but refused this statement (data it cannot hold, a check
+                        # that failed): retrying the same statement cannot help.
+                        raise StoreRejected(f"Postgres refused the write: {why}") from exc
             finally:
                 await self._release(conn)
             if behind:
@@ -527,7 +529,9 @@ class Store:
                 log.info("the partitions ahead could not be made now; the retention waits for the next round")
                 return []
             return await partitions.drop_expired_bodies(conn, retention, progress)
-        except OUTAGE as exc:
+        except FAILURES as exc:
+            if kind(exc) != "outage":
+                raise
             raise StoreUnavailable(f"Postgres is unavailable: {type(exc).__name__}: {exc}") from exc
         except asyncio.CancelledError:
             # A shutdown: this connection has no bound on its statements (a detach may wait long), so
@@ -544,9 +548,9 @@ class Store:
         try:
             made = await partitions.make_ahead(conn)
         except FAILURES as exc:
-            if kind(exc) != "refused":
+            if kind(exc) == "outage":
                 raise
-            # EXECUTE revoked, the function dropped, a table in the way
+            # EXECUTE revoked, the function dropped, a table in the way; or a deadlock: the next round
             log.warning("the partitions ahead could not be made: %s: %s", type(exc).__name__, exc)
             made = False
         warning = (await partitions.ahead(conn)).warning()

@@ -206,3 +206,24 @@ async def test_a_next_link_of_a_span_from_now_still_pages_once_the_span_moved_on
         assert resp.status == 400
         assert resp.content_type == "application/problem+json"
         assert "before=999999" in (await resp.json())["detail"]
+
+
+async def test_every_problem_names_the_request_it_answers(
+    gateway: Gateway, http: aiohttp.ClientSession
+) -> None:
+    """A problem carries the request's path and query as its instance, whichever part of the gateway
+    refused it: a malformed key, a verdict on an effect that waits for none, a cursor of no effect, a
+    path nothing serves."""
+    await _order(http, gateway, "i1")
+    agent = {"Idempotency-Key": "a b", "Effect-Gateway-Token": "tok-a"}
+    cases = [
+        ("POST", gateway.url, "/shop/orders?x=1", agent, {}),
+        ("POST", gateway.admin_url, "/_gateway/effects/1/resolve", ADMIN, {"happened": False, "attempt": 1}),
+        ("GET", gateway.admin_url, "/_gateway/effects?since=1h&before=999999", ADMIN, None),
+        ("GET", gateway.admin_url, "/_gateway/nothing?y=2", ADMIN, None),
+    ]
+    for method, base, target, headers, body in cases:
+        async with http.request(method, base + target, headers=headers, json=body) as resp:
+            doc = await resp.json(content_type=None)
+        assert resp.status in (400, 404, 409), (target, doc)
+        assert doc["instance"] == target, doc

@@ -415,3 +415,21 @@ async def test_two_workers_adding_replay_counts_for_the_same_effects_never_deadl
     assert after == before
     assert (await store.reread(first)).replays == 2
     assert (await store.reread(second)).replays == 2
+
+
+@pytest.mark.parametrize(
+    "abort", [asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.SerializationError]
+)
+async def test_a_deadlock_while_making_the_partitions_ahead_waits_for_the_next_round(
+    dsn: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, abort: type[Exception]
+) -> None:
+    """A deadlock or a serialization failure while the retention makes the partitions ahead is a warning,
+    and the round drops nothing; the next round tries again. (It escaped, and `purge` exited 1.)"""
+
+    async def aborted(conn: object) -> bool:
+        raise abort("deadlock detected")
+
+    monkeypatch.setattr(partitions, "make_ahead", aborted)
+    async with opened(dsn) as store:
+        assert await store.maintain(timedelta(days=7)) == []
+    assert any("could not be made" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
