@@ -46,8 +46,9 @@ LOGIN_REFUSED = (
     asyncpg.exceptions.InvalidAuthorizationSpecificationError,
     asyncpg.exceptions.InvalidCatalogNameError,
 )
-# Everything talking to Postgres may raise: what a handler catches before asking kind().
-FAILURES = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+# Everything talking to Postgres may raise: what a handler catches before asking kind(). (asyncpg's
+# InternalClientError is neither a PostgresError nor an InterfaceError: it is among the outages.)
+FAILURES = (*OUTAGE, asyncpg.PostgresError)
 
 Kind = Literal["retry", "outage", "refused"]
 

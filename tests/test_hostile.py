@@ -71,10 +71,11 @@ async def test_a_search_that_ignores_the_key_cannot_hand_a_tenant_another_tenant
         return web.json_response({"items": orders})  # the filter it does not know is ignored
 
     cfg = probed_shop(upstream, create, search, "/orders/search?reference={key}", timeout="300ms")
-    async with gateway_server(dsn, upstreams=cfg, tenants=TENANTS, lease_grace="100ms") as gw:
+    # A grace with room for a busy machine: the request must leave, not be late to send.
+    async with gateway_server(dsn, upstreams=cfg, tenants=TENANTS, lease_grace="500ms") as gw:
         assert (await order(http, gw.url, ["b's secret"], "b"))[0] == 201
         assert (await order(http, gw.url, ["slow"], "a"))[0] == 504
-        await asyncio.sleep(0.5)  # a's lease runs out
+        await asyncio.sleep(0.9)  # a's lease (300 ms + 500 ms) runs out
         status, body = await order(http, gw.url, ["slow"], "a")
     assert (status, body["type"].rsplit("/", 1)[1]) == (503, "probe-failed")
     assert "b's secret" not in json.dumps(body)

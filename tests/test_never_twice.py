@@ -196,9 +196,10 @@ async def test_an_answer_postgres_refuses_goes_to_review_and_is_never_re_sent(
             """,
         )
         cfg = {"shop": {"base_url": upstream.url, "timeout": "200ms"}}
-        async with gateway_server(db.dsn, upstreams=cfg, lease_grace="100ms") as gw:
+        # A grace with room for a busy machine: the request must leave, not be late to send.
+        async with gateway_server(db.dsn, upstreams=cfg, lease_grace="500ms") as gw:
             first = await call(http, gw.url)
-            await asyncio.sleep(0.5)  # well past the lease a record left pending would have had
+            await asyncio.sleep(1.0)  # well past the lease a record left pending would have had (700 ms)
             again = await call(http, gw.url)
         (row,) = await effect_rows(db.dsn)
     assert (first[0], first[2]["type"].rsplit("/", 1)[1]) == (409, "outcome-unknown")

@@ -219,7 +219,7 @@ async def test_a_probe_answer_past_the_response_limit_is_a_failed_probe(
         }
     }
     limit = 10_000 if oversized == "answer" else 4_000
-    async with gateway_server(dsn, upstreams=cfg, lease_grace="100ms", max_response_bytes=limit) as gw:
+    async with gateway_server(dsn, upstreams=cfg, lease_grace="500ms", max_response_bytes=limit) as gw:
         assert (await _post(http, gw, "shop", "p"))[0] == 500
         status, body = await _post(http, gw, "shop", "p")
     assert (status, body["type"].rsplit("/", 1)[1]) == (503, "probe-failed")

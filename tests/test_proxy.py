@@ -432,12 +432,13 @@ async def test_a_call_that_may_have_happened_is_never_resent_blindly(
 
     upstream.routes["/orders"] = fail
     cfg = {"shop": {"base_url": upstream.url, "timeout": "300ms"}}
-    async with gateway_server(dsn, upstreams=cfg, lease_grace="100ms") as gw:
+    # A grace with room for a busy machine: the request must leave, not be late to send.
+    async with gateway_server(dsn, upstreams=cfg, lease_grace="500ms") as gw:
         first = await post(http, f"{gw.url}/shop/orders", key="doubt")
         expected_first = {"timeout": 504, "500": 500, "reset": 502}[failure]
         assert first[0] == expected_first
         assert (await effect_rows(dsn))[0]["state"] == "in_doubt"
-        await asyncio.sleep(0.5)  # past the lease: the first attempt can no longer be under way
+        await asyncio.sleep(0.9)  # past the lease (800 ms): the first attempt can no longer be under way
         for _ in range(3):
             status, _, body = await post(http, f"{gw.url}/shop/orders", key="doubt")
             assert status == 409
@@ -596,11 +597,11 @@ async def test_a_response_too_large_to_record_is_in_doubt_not_lost(
 
     upstream.routes["/orders"] = huge
     cfg = shop(upstream, timeout="300ms")
-    async with gateway_server(dsn, upstreams=cfg, max_response_bytes=1000, lease_grace="100ms") as gw:
+    async with gateway_server(dsn, upstreams=cfg, max_response_bytes=1000, lease_grace="500ms") as gw:
         status, _, body = await post(http, f"{gw.url}/shop/orders", key="huge")
         assert status == 502
         assert problem_type(body) == "response-too-large"
-        await asyncio.sleep(0.5)  # past the lease: the first attempt can no longer be under way
+        await asyncio.sleep(0.9)  # past the lease (800 ms): the first attempt can no longer be under way
         status, _, body = await post(http, f"{gw.url}/shop/orders", key="huge")
     assert status == 409
     assert problem_type(body) == "outcome-unknown"

@@ -228,7 +228,7 @@ async def test_a_failed_probe_is_503_and_leaves_the_record_as_it_was(
             "probe": SEARCH,
         }
     }
-    async with gateway_server(dsn, upstreams=cfg, lease_grace="100ms") as gw:
+    async with gateway_server(dsn, upstreams=cfg, lease_grace="500ms") as gw:
         assert (await order(http, gw.url))[0] == 500
         (before,) = await effect_rows(dsn)
         status, headers, body = await order(http, gw.url)
