@@ -114,17 +114,20 @@ def write_config(
     database_url: str | None,
     workers: int | None,
     extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> None:
     lines = [
         'listen = "127.0.0.1:0"',
-        'admin_listen = "127.0.0.1:0"',
+        # Older gateways (another checkout's) refuse a setting they do not know: before there was an
+        # admin listener, or workers (one process always), it is left out.
+        *(['admin_listen = "127.0.0.1:0"'] if _knows_setting(env, "admin_listen") else []),
         f'data_dir = "{data_dir}"',
         # Longer than any run: the gateway's own hourly purge must find nothing to do.
         'retention = "400d"',
     ]
     if database_url:
         lines.append(f'database_url = "{database_url}"')
-    if workers is not None:
+    if workers is not None and _knows_setting(env, "workers"):
         lines.append(f"workers = {workers}")
     lines += [
         *extra,
@@ -139,6 +142,13 @@ def write_config(
         'stamp = { json_field = "client_reference" }',
     ]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _knows_setting(env: dict[str, str] | None, name: str) -> bool:
+    """Whether the gateway that runs in ``env`` (its PYTHONPATH: another checkout's) has the setting."""
+    tree = Path((env or {}).get("PYTHONPATH") or Path(__file__).resolve().parent.parent)
+    settings = tree / "gateway" / "settings.py"
+    return not settings.exists() or f"{name}:" in settings.read_text()
 
 
 def post(url: str, key: str | None, timeout: float = 30.0) -> int:
@@ -170,7 +180,7 @@ def start_gateway(
     name = name or f"gateway-w{workers}"
     data_dir = work / name
     config = work / f"{name}.toml"
-    write_config(config, upstream, data_dir, database_url, workers if mode == "setting" else None, extra)
+    write_config(config, upstream, data_dir, database_url, workers if mode == "setting" else None, extra, env)
     argv = [*gateway_command(), "serve", "--config", str(config)]
     if mode == "flag":
         argv += ["--workers", str(workers)]
@@ -191,8 +201,9 @@ def prepare(gw: Gateway) -> None:
     gw.twin.start()
     # Only once the held request's record is there may a twin be sent: sooner, the twin would claim it.
     deadline = time.monotonic() + 30
-    assert gw.server.admin_url is not None, "a gateway announces its admin listener"
-    while not _pending(gw.server.admin_url, f"{gw.tag}-held"):
+    # An older gateway (another checkout's) served the effects API on its one listener.
+    admin = gw.server.admin_url or gw.server.url
+    while not _pending(admin, f"{gw.tag}-held"):
         if time.monotonic() > deadline:
             raise RuntimeError("the held request left no pending record within 30 s")
         time.sleep(0.05)
