@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+import uuid
 from dataclasses import dataclass
 
 from gateway.errors import KeySyntaxError
@@ -18,6 +19,16 @@ MAX_KEY_LENGTH = 255
 _UUID_AT_END = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z", re.IGNORECASE)
 # The audit's run and step labels: as long as a key, so any journal's ids fit.
 MAX_LABEL = MAX_KEY_LENGTH
+
+
+def key_digest(key: str) -> uuid.UUID:
+    """Return the digest that effect_keys finds ``key`` by: the first 16 bytes of SHA-256 of its UTF-8.
+
+    The same as Postgres's effect_key_digest() (migration 005), computed here: that SQL function calls
+    convert_to(), which Postgres does not let it inline, so each claim ran the SQL-function executor
+    for it (0.05 to 0.085 ms of Postgres CPU per new effect).
+    """
+    return uuid.UUID(bytes=hashlib.sha256(key.encode("utf-8")).digest()[:16])
 
 
 def parse_key(value: str) -> str:

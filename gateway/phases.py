@@ -20,6 +20,7 @@ from gateway import packing, partitions
 from gateway.audit_query import RECORD_COLUMNS
 from gateway.decision import Settlement
 from gateway.errors import StoreRejected
+from gateway.keys import key_digest
 from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
 from gateway.rows import Conn, head_bytes, read_with_response, record_of, reread
 from gateway.states import State, Transition
@@ -77,7 +78,7 @@ async def claim(conn: Conn, new: NewEffect, lease: timedelta) -> tuple[EffectRec
         f"""
         with k as (
             insert into effect_keys (digest, tenant, upstream, effect_id, created_at)
-            values (effect_key_digest($3), $1, $2, nextval('effect_ids'), now())
+            values ($17::uuid, $1, $2, nextval('effect_ids'), now())
             on conflict do nothing
             returning effect_id, created_at
         ), e as (
@@ -114,17 +115,18 @@ async def claim(conn: Conn, new: NewEffect, lease: timedelta) -> tuple[EffectRec
         new.keyless,
         request_coding,
         new.key_carriers.as_json(),
+        key_digest(new.key),
     )
     if row is not None:
         return record_of(row, response=True), True
     known = await conn.fetchrow(
         """
         select effect_id, created_at from effect_keys
-        where digest = effect_key_digest($3) and tenant = $1 and upstream = $2
+        where digest = $3::uuid and tenant = $1 and upstream = $2
         """,
         new.tenant,
         new.upstream,
-        new.key,
+        key_digest(new.key),
     )
     if known is None:
         # The insert found the key taken, and keys are never deleted.

@@ -16,6 +16,7 @@ from gateway.audit_query import EffectFilter
 from gateway.cli import FIX, main
 from gateway.decision import settle
 from gateway.errors import SchemaNewer, StoreUnavailable
+from gateway.keys import key_digest
 from gateway.outcome import Answered
 from gateway.record import NewEffect
 from gateway.schema import migrate, migration_files
@@ -519,3 +520,26 @@ async def test_013_builds_the_index_again_when_one_built_beforehand_was_left_unf
             assert await conn.fetchval(valid) is True
         finally:
             await conn.close()
+
+
+async def test_the_key_digest_a_claim_computes_is_the_one_stored_rows_were_found_by(dsn: str) -> None:
+    """A claim computes its key's digest itself; it is byte for byte what effect_key_digest() gave every
+    row stored before (migration 005) and still gives the audit's search by key: a key claimed then is
+    found now, not made a second effect."""
+    keys = ["k", "run-1:4", "keyless:" + "f" * 32, "x" * 255, "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"]
+    conn = await asyncpg.connect(dsn)
+    try:
+        for key in keys:
+            assert await conn.fetchval("select effect_key_digest($1)", key) == key_digest(key), key
+        async with opened(dsn) as store:
+            first, created = await store.claim(new_effect("run-1:4"), timedelta(seconds=30))
+            again, created_again = await store.claim(new_effect("run-1:4"), timedelta(seconds=30))
+        found = await conn.fetchval(
+            "select effect_id from effect_keys where digest = effect_key_digest($1)", "run-1:4"
+        )
+    finally:
+        await conn.close()
+    assert (created, created_again) == (True, False)
+    assert first is not None
+    assert again is not None
+    assert found == first.id == again.id
