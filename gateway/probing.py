@@ -13,7 +13,7 @@ import logging
 from typing import assert_never
 
 from gateway import trail
-from gateway.attempts import Attempts, clock, first_sent
+from gateway.attempts import Attempts, first_sent
 from gateway.decision import Send, Settlement, TakeOver, TooSoon, after_probe, carried_by, restore
 from gateway.endings import AwaitsOperator, Ending, Fenced, ProbeTooSoon, ProbeUnavailable, ResponseGone
 from gateway.errors import ProbeFailed
@@ -108,7 +108,7 @@ class Probing:
             case State.COMPLETED:
                 assert found is not None
                 trail.recovered("probe")
-                self._replays.remember(saved, found, clock())
+                self._replays.remember(saved, found, self._attempts.clock())
                 return Reply(found, replayed=True, effect_id=record.id)
             case State.NEEDS_REVIEW:
                 log.warning("effect %s needs review: %s", record.id, note)
@@ -140,7 +140,7 @@ class Probing:
                     return ResponseGone(record.id, "the answer restored for it was dropped again")
                 if restored:
                     trail.recovered("probe")
-                self._replays.remember(stored, stored.response, clock())
+                self._replays.remember(stored, stored.response, self._attempts.clock())
                 return Reply(stored.response, replayed=True, effect_id=record.id)
             case NotFound():
                 return ResponseGone(record.id, "the probe no longer finds it")

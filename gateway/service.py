@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Any, TypeVar, assert_never
 
 from gateway import replies, trail
-from gateway.attempts import Attempts, Held, clock, first_sent
+from gateway.attempts import Attempts, Held, first_sent
 from gateway.decision import (
     Busy,
     Mismatch,
@@ -131,14 +131,14 @@ class EffectService:
             )
         )
         scope = (inbound.tenant, policy.name, inbound.key)
-        known = self._replays.known(scope, clock())
+        known = self._replays.known(scope, self._attempts.clock())
         self._telemetry.replay_cache(hit=known is not None)
         if known is not None:
             return self._replay_known(known, request)
         derived = ScopedKey(*scope).derived(self._key_secret)
         # Built before the claim: a request that cannot be sent must leave no record behind.
         outbound = to_send(inbound, derived)
-        took = clock()
+        took = self._attempts.clock()
         new = to_record(inbound, inbound.key, derived, request.fingerprint)
         record, created = await self._store.claim(new, policy.lease)
         if record is None:
@@ -148,7 +148,7 @@ class EffectService:
         trail.saw(record, created=created)
         if created:
             return await self._attempts.send(Held(record, took), policy, outbound, reason=None)
-        wait = Wait(clock() + inbound.wait, inbound.client_left)
+        wait = Wait(self._attempts.clock() + inbound.wait, inbound.client_left)
         try:
             return await self._follow(record, request, inbound, wait)
         finally:
@@ -175,7 +175,7 @@ class EffectService:
                 redirect = replies.redirected(outcome, policy, None, inbound.method)
             return redirect or replies.reply(outcome, None)
         # "audit": one row for the audit, under a made-up key that no request can ever present again.
-        took = clock()
+        took = self._attempts.clock()
         new = to_record(inbound, f"keyless:{uuid.uuid4().hex}", "", "", keyless=True)
         record, created = await self._store.claim(new, policy.lease)
         assert record is not None, "a made-up key of 128 random bits is new"
@@ -222,7 +222,7 @@ class EffectService:
 
     def _replay(self, record: EffectRecord) -> Reply:
         assert record.response is not None, "decide replays only a response on record"
-        self._replays.remember(record, record.response, clock())
+        self._replays.remember(record, record.response, self._attempts.clock())
         self._replays.count(record.id, record.created_at)
         return Reply(record.response, replayed=True, effect_id=record.id)
 
@@ -234,7 +234,7 @@ class EffectService:
         """
         # A request in flight ends within a second or so; a lease to wait out is told as is.
         told = timedelta(seconds=1) if record.state is State.PENDING else retry_after
-        remaining = wait.deadline - clock()
+        remaining = wait.deadline - self._attempts.clock()
         if remaining <= 0:
             return InFlight(record.id, told, "wait over")
         if wait.client_left():
