@@ -354,12 +354,17 @@ def sweep_left_behind(parent: str | None = None) -> list[str]:
     return removed
 
 
-@contextlib.contextmanager
-def shared_by_workers() -> Iterator[str]:
-    """A directory for the workers' metric files, named in the environment they inherit; removed after."""
+def sweep() -> None:
+    """Remove the metric directories that killed gateways left behind (see sweep_left_behind), and say so."""
     gone = sweep_left_behind()
     if gone:
         log.info("removed %d metrics directories of gateways that were killed", len(gone))
+
+
+@contextlib.contextmanager
+def shared_by_workers() -> Iterator[str]:
+    """A directory for the workers' metric files, named in the environment they inherit; removed after."""
+    sweep()
     # Made under a name no sweep looks at, and given its name once locked: a sweep never sees it unlocked.
     making = tempfile.mkdtemp(prefix=f".{DIR_PREFIX}")
     # Held until this process and the workers it forks have all exited: while held, no sweep removes it.

@@ -100,7 +100,7 @@ async def _worker(
     settings: Settings,
     dsn: str,
     sockets: Sockets,
-    metrics_dir: str,
+    metrics_dir: str | None,
     ready: Callable[[], None] | None = None,
 ) -> None:
     from gateway.app import runners
@@ -142,15 +142,17 @@ def run_loop(settings: Settings, work: Coroutine[Any, Any, None]) -> None:
 def run(settings: Settings, dsn: str, sockets: Sockets) -> int:
     """Serve on ``sockets`` (see :func:`bind`) until SIGTERM or SIGINT; returns the exit status."""
     workers = cores.to_start(settings.workers)
+    if workers.count == 1:
+        # One process: its metrics live in its memory. The files that let a scrape of any worker read
+        # them all cost a new effect 3% of the gateway's CPU (py-spy), and buy nothing without others.
+        metrics.sweep()
+        run_loop(
+            settings, _worker(settings, dsn, sockets, None, lambda: announce(sockets, settings, workers))
+        )
+        return 0
     # Made before any worker starts, so that every worker counts into it and a scrape of any one of
     # them reads them all (gateway.metrics); removed when the gateway stops.
     with metrics.shared_by_workers() as shared:
-        if workers.count == 1:
-            run_loop(
-                settings,
-                _worker(settings, dsn, sockets, shared, lambda: announce(sockets, settings, workers)),
-            )
-            return 0
         asyncio.run(schema.ready(dsn))  # once, before any worker starts
         supervisor = Supervisor(
             lambda: run_loop(settings, _worker(settings, dsn, sockets, shared)),
