@@ -228,7 +228,10 @@ class Store:
 
     async def _acquire(self) -> Conn:
         try:
-            conn: Conn = await self._pool.acquire(timeout=self._limits.acquire.total_seconds())
+            # Bounded by asyncio.timeout, in this task: asyncpg's own timeout goes through wait_for,
+            # which on Python 3.11 runs the acquire in a task of its own, twice per new effect.
+            async with asyncio.timeout(self._limits.acquire.total_seconds()):
+                conn: Conn = await self._pool.acquire()
         except TimeoutError:
             raise StoreUnavailable(
                 f"no Postgres connection free within {self._limits.acquire.total_seconds():g}s"
