@@ -60,9 +60,12 @@ class RawHeadResponse(web.Response):
         super().__init__(status=status, body=body)
         # Given headers replace aiohttp's defaults (Content-Type, Date, Server) so a replay is identical.
         self.headers.clear()
+        # Each given header's line, checked now and kept to write the head with: built once, not again
+        # when aiohttp has added its own (Content-Length, Date) and the head goes out.
+        self._lines: dict[tuple[str, str], bytes] = {}
         for name, value in headers:
             self.headers.add(name, value)
-        head_bytes("HTTP/1.1 200 OK", self.headers.items())
+            self._lines[name, value] = header_line(name, value)
         self._not_invented = {name for name in _NOT_INVENTED if name not in self.headers}
 
     async def _write_headers(self) -> None:
@@ -74,8 +77,14 @@ class RawHeadResponse(web.Response):
         assert writer is not None
         version = request.version
         status_line = f"HTTP/{version.major}.{version.minor} {self.status} {self.reason}"
-        headers = [(name, value) for name, value in self.headers.items() if name not in self._not_invented]
-        put_head(writer, head_bytes(status_line, headers))
+        lines = self._lines
+        head = [status_line.encode("ascii"), b"\r\n"]
+        for name, value in self.headers.items():
+            if name not in self._not_invented:
+                line = lines.get((name, value))
+                head.append(line if line is not None else header_line(name, value))
+        head.append(b"\r\n")
+        put_head(writer, b"".join(head))
 
 
 def put_head(writer: AbstractStreamWriter, head: bytes) -> None:
