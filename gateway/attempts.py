@@ -25,7 +25,7 @@ from gateway.decision import (
     take_over,
     unrecorded,
 )
-from gateway.endings import AwaitsOperator, Ending, Fenced, Unrecorded
+from gateway.endings import AwaitsOperator, Ending, Fenced, FencedDuring, Unrecorded
 from gateway.errors import NotAsFirstSent, StoreRejected, StoreUnavailable
 from gateway.faults import fault
 from gateway.inbound import Inbound, as_first_sent
@@ -208,7 +208,8 @@ class Attempts:
         A pending record would be taken over when its lease runs out and, lacking an answer, sent again
         (possibly forever). It goes to review instead, with what the gateway saw in its history.
         """
-        seen = f"{replies.describe(outcome)}, but the answer could not be recorded: {exc}"
+        answered = replies.describe(outcome)
+        seen = f"{answered}, but the answer could not be recorded: {exc}"
         log.error("effect %s: %s", record.id, seen)
         instead = unrecorded(settled)
         saved = await self.settle(record, instead, None, recovered_by=None, note=seen)
@@ -217,8 +218,8 @@ class Attempts:
                 await self._store.note_fenced(record, seen)
             return replies.reply(outcome, record.id)  # nothing reached the upstream: say what stopped it
         if saved is None:
-            return await self.fenced(record, seen, "recording", answer=replies.describe(outcome))
-        return AwaitsOperator(record.id, record.attempt, replies.describe(outcome), str(exc))
+            return await self.fenced(record, seen, "recording", answer=answered)
+        return AwaitsOperator(record.id, record.attempt, answered, str(exc))
 
     async def settle(
         self,
@@ -245,7 +246,7 @@ class Attempts:
         self,
         record: EffectRecord,
         seen: str,
-        during: Literal["recording", "late to send", "probing"],
+        during: FencedDuring,
         *,
         answer: str | None = None,
     ) -> Fenced:

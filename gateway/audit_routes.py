@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from aiohttp import web
 from multidict import MultiDict
 
-from gateway import audit_page, effect_page, operators, problems, urlencoded
+from gateway import audit_page, effect_page, operators, problems, replies, urlencoded
 from gateway.audit_page import BASE, Chrome, Listing
 from gateway.auth import is_admin, tenant_of
 from gateway.decision import verdict_refused
@@ -331,7 +331,8 @@ async def list_effects(request: web.Request) -> web.StreamResponse:
     except problems.BadRequest as exc:
         error, records, older = exc.detail, [], None
     except CursorUnknown as exc:
-        error, records, older = f"{exc}: page on with the answer's next link", [], None
+        # Worded as the effects API words it; shown on this page rather than answered in JSON.
+        error, records, older = replies.problem_of_error(exc).detail, [], None
     page = Listing(
         records=records,
         # Read now, not from the metrics' cache: an operator who has just resolved an effect comes back

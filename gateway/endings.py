@@ -40,13 +40,17 @@ class InFlight:
     waiting: int = 0
 
 
+# What a fenced attempt was doing when a newer one took the key over.
+FencedDuring = Literal["recording", "late to send", "probing"]
+
+
 @dataclass(frozen=True, slots=True)
 class Fenced:
     """A newer attempt took the key over from this one, while this one was recording what the upstream
     answered (``answer``, when Postgres refused it), late to send, or probing."""
 
     effect_id: int
-    during: Literal["recording", "late to send", "probing"]
+    during: FencedDuring
     answer: str | None = None
 
 

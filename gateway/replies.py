@@ -13,6 +13,7 @@ from gateway.endings import (
     AwaitsOperator,
     Ending,
     Fenced,
+    FencedDuring,
     InFlight,
     KeyMissing,
     KeyReused,
@@ -174,7 +175,7 @@ def problem(ending: Ending) -> problems.Problem:
     assert_never(ending)
 
 
-def _fenced(during: str, answer: str | None) -> str:
+def _fenced(during: FencedDuring, answer: str | None) -> str:
     if answer is not None:
         # A newer attempt holds the record: a resolve command naming this one would be refused.
         return (
