@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest fuzz spin model-check chromium simulate serve demo bench bench-load bench-growth bench-memory bench-input clean
+.PHONY: test lint typecheck pytest fuzz spin model-check chromium simulate serve demo bench bench-against bench-load bench-growth bench-memory bench-input clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -90,6 +90,12 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.gateway_overhead
 	$(BIN)/python -m bench.journal_step
 
+# This tree's gateway beside another commit's (REF), each with its own venv, in turns: CPU, WAL and
+# flushes per new effect and per replay, the p50 a new effect adds, new effects a second at 16 and 64.
+bench-against: $(STAMP)
+	@test -n "$(REF)" || { echo "usage: make bench-against REF=<commit>"; exit 2; }
+	$(BIN)/python -m bench.against $(REF)
+
 # The gateway under load from outside its process (wrk, else bench.loadgen), beside a direct upstream
 # and a pass-through proxy: `make bench-load WORKERS=1,N DURATION=10 REPEAT=3`. About 8 minutes per
 # workers setting. PROFILE=dir adds py-spy profiles of the gateway at c=64 (needs py-spy in .venv).
@@ -119,4 +125,4 @@ bench-input: $(STAMP)
 	$(BIN)/python -m bench.input_cost --repeat $(INPUT_REPEAT)
 
 clean:
-	rm -rf $(VENV) .effect-gateway examples/.effect-gateway .journal .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .bench .effect-gateway examples/.effect-gateway .journal .pytest_cache .mypy_cache .ruff_cache

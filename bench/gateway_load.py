@@ -181,7 +181,7 @@ def start_gateway(
     data_dir = work / name
     config = work / f"{name}.toml"
     write_config(config, upstream, data_dir, database_url, workers if mode == "setting" else None, extra, env)
-    argv = [*gateway_command(), "serve", "--config", str(config)]
+    argv = [*gateway_command(env), "serve", "--config", str(config)]
     if mode == "flag":
         argv += ["--workers", str(workers)]
     server = start_server(f"gateway (workers {workers})", argv, work / f"{name}.log", env=env)

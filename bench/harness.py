@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,10 +117,12 @@ def _remove(work: Path, given: str | None, keep: bool) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def gateway_command() -> list[str]:
-    """``effect-gateway`` as installed beside this Python (the venv), the way users run it."""
-    script = Path(sys.executable).parent / "effect-gateway"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "gateway"]
+def gateway_command(env: Mapping[str, str] | None = None) -> list[str]:
+    """``effect-gateway`` as installed beside this Python (the venv), the way users run it; or beside
+    the interpreter ``env`` names in BENCH_GATEWAY_PYTHON (another checkout's venv)."""
+    python = (env or {}).get("BENCH_GATEWAY_PYTHON") or sys.executable
+    script = Path(python).parent / "effect-gateway"
+    return [str(script)] if script.exists() else [python, "-m", "gateway"]
 
 
 # --- CPU --------------------------------------------------------------------------------------------
