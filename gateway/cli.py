@@ -489,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     need_secrets = args.command not in DATABASE_ONLY or getattr(args, "from_upstream", False)
     try:
         settings = load_settings(args.config, need_secrets=need_secrets)
-        logs.configure(settings.log_format, debug=args.verbose)
+        logs.configure(settings.log_format, debug=args.verbose, routine_decisions=settings.routine_decisions)
         status = COMMANDS[args.command](settings, args)
         sys.stdout.flush()  # inside the try: a reader that went away is seen here, not at exit
         return status

@@ -12,9 +12,12 @@ its paths (some webhook URLs do) should have that part in the upstream's ``base_
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
 import sys
+import weakref
 from datetime import UTC, datetime
 from typing import Any, Literal, TextIO
 
@@ -23,10 +26,16 @@ from gateway.legible import printable
 from gateway.trail import CURRENT, Trail
 
 LogFormat = Literal["auto", "json", "text"]
+RoutineLevel = Literal["info", "debug"]
 DECISIONS = logging.getLogger("effect_gateway.decision")
 # The handler this module installs, found again by name when the CLI configures logging once more.
 _HANDLER = "effect_gateway"
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# What came of a request that went as it should: sent and answered, or its answer replayed. Their lines
+# are logged at the level the routine_decisions setting chooses (debug leaves them out of the log);
+# every other outcome's at INFO.
+ROUTINE = frozenset({"sent", "replayed"})
+_routine_level = logging.INFO
 # Made once: json.dumps with any option builds a new encoder on every call.
 _ENCODE = json.JSONEncoder(default=str).encode
 
@@ -34,9 +43,22 @@ _ENCODE = json.JSONEncoder(default=str).encode
 class JsonLines(logging.Formatter):
     """A JSON object per line: time (UTC), level, logger, message, pid, trace id, a decision's fields."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._second = -1
+        self._stamp = ""  # the time of self._second, up to its seconds ("2026-12-07T16:22:53")
+
+    def _time(self, created: float) -> str:
+        # The date and time are spelled once a second; each line adds only its milliseconds.
+        second = int(created)
+        if second != self._second:
+            self._second = second
+            self._stamp = datetime.fromtimestamp(second, UTC).isoformat(timespec="seconds")[:19]
+        return f"{self._stamp}.{int((created - second) * 1000):03d}+00:00"
+
     def format(self, record: logging.LogRecord) -> str:
         doc: dict[str, Any] = {
-            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "time": self._time(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -84,6 +106,65 @@ class Text(logging.Formatter):
         return line
 
 
+class Lines(logging.StreamHandler):  # type: ignore[type-arg]
+    """Lines to a stream, written together once per turn of the event loop that logged them.
+
+    A request logs its line at its end; under load a turn of the loop ends dozens, and writing (and
+    flushing) each line alone was a system call per request. Lines logged in a running loop wait in
+    memory until the loop's current callbacks have run, no longer; anywhere else (another thread, no
+    loop, the command line) a line is written at once, after any still waiting. A process killed
+    (SIGKILL) loses at most the lines of the turn it was in; the audit in Postgres is the record.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        self._waiting: list[str] = []
+        _HANDLERS.add(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + self.terminator
+        except Exception:
+            self.handleError(record)
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None:
+            self._waiting.append(line)
+            self.flush()
+            return
+        if not self._waiting:
+            loop.call_soon(self.flush)
+        self._waiting.append(line)
+
+    def flush(self) -> None:
+        self.acquire()
+        try:
+            if self._waiting:
+                lines, self._waiting = self._waiting, []
+                self.stream.write("".join(lines))
+            self.stream.flush()
+        except Exception:  # a closed or broken stream: as StreamHandler, never raise into the caller
+            self._waiting = []
+        finally:
+            self.release()
+
+
+# Every Lines handler: each writes out what waits before the process forks, or a worker would write its
+# parent's lines again.
+_HANDLERS: weakref.WeakSet[Lines] = weakref.WeakSet()
+
+
+def _flush_before_fork() -> None:
+    for handler in list(_HANDLERS):
+        handler.flush()
+
+
+os.register_at_fork(before=_flush_before_fork)
+
+
 def _each_line_printable(text: str) -> str:
     return "\n".join(printable(line) for line in text.split("\n"))
 
@@ -94,12 +175,21 @@ def resolve_format(log_format: LogFormat, stream: TextIO) -> Literal["json", "te
     return "text" if stream.isatty() else "json"
 
 
-def configure(log_format: LogFormat, *, debug: bool = False, stream: TextIO | None = None) -> None:
+def configure(
+    log_format: LogFormat,
+    *,
+    debug: bool = False,
+    stream: TextIO | None = None,
+    routine_decisions: RoutineLevel = "info",
+) -> None:
     """Log to stderr in ``log_format``, at INFO (DEBUG with ``debug``); warnings become log lines too.
 
+    ``routine_decisions``: the level of the line for a request that went as it should (see ROUTINE).
     Like logging.basicConfig, leaves alone a process whose logging someone else has set up (a program
     embedding the gateway, a test runner); its own earlier set-up is replaced.
     """
+    global _routine_level
+    _routine_level = logging.DEBUG if routine_decisions == "debug" else logging.INFO
     root = logging.getLogger()
     ours = [handler for handler in root.handlers if handler.get_name() == _HANDLER]
     if len(ours) != len(root.handlers):
@@ -107,7 +197,7 @@ def configure(log_format: LogFormat, *, debug: bool = False, stream: TextIO | No
     for handler in ours:
         root.removeHandler(handler)
     stream = stream or sys.stderr
-    handler = logging.StreamHandler(stream)
+    handler = Lines(stream)
     handler.set_name(_HANDLER)
     handler.setFormatter(JsonLines() if resolve_format(log_format, stream) == "json" else Text())
     root.addHandler(handler)
@@ -122,7 +212,8 @@ def configure(log_format: LogFormat, *, debug: bool = False, stream: TextIO | No
 
 def decision(trail: Trail, outcome: str, seconds: float) -> None:
     """The line for one request to an upstream: what the gateway decided and what came of it."""
-    if not DECISIONS.isEnabledFor(logging.INFO):
+    level = _routine_level if outcome in ROUTINE else logging.INFO
+    if not DECISIONS.isEnabledFor(level):
         return
     found = trail.found.value if trail.found else None
     left = trail.left.value if trail.left else None
@@ -158,7 +249,5 @@ def decision(trail: Trail, outcome: str, seconds: float) -> None:
         text += f"; key #{trail.key_hash}"
     # Made here rather than by DECISIONS.info(), which would walk the stack for a caller nobody reads
     # (and with no file name, which the record would take apart for a module name nobody reads either).
-    record = DECISIONS.makeRecord(
-        DECISIONS.name, logging.INFO, "", 0, text, (), None, extra={"decision": fields}
-    )
+    record = DECISIONS.makeRecord(DECISIONS.name, level, "", 0, text, (), None, extra={"decision": fields})
     DECISIONS.handle(record)

@@ -417,6 +417,10 @@ class Settings(BaseSettings):
     # "json", "text", or "auto": text when stderr is a terminal (a person reads it), JSON lines
     # otherwise (a supervisor hands them to a log pipeline, which parses JSON).
     log_format: Literal["auto", "json", "text"] = "auto"
+    # The level of the line per decision for a request that went as it should (sent and answered, or
+    # replayed): "debug" leaves those lines out unless the log is verbose, so the log holds what needs
+    # a look (recoveries, refusals, failures, effects in doubt); the audit keeps every effect either way.
+    routine_decisions: Literal["info", "debug"] = "info"
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
     admin: AdminSettings = Field(default_factory=AdminSettings)
     upstreams: dict[str, UpstreamSettings] = Field(default_factory=dict)

@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.logs import Text, resolve_format
+from gateway.logs import JsonLines, Lines, Text, resolve_format
 from tests.database import runtime_url
 from tests.gateways import start_gateway_process
 from tests.support import PORT_ZERO
@@ -117,6 +117,31 @@ async def test_a_real_gateway_logs_a_json_line_per_decision_and_no_secret(
     assert (failed["state_after"], failed["effect_id"]) == ("retryable", 2)
 
 
+async def test_routine_decisions_at_debug_leave_only_the_unusual_ones_in_the_log(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """With routine_decisions = "debug", a request sent and one replayed log nothing; a refusal and a
+    failure still log their lines."""
+    config = _config(tmp_path, dsn, upstream)
+    config.write_text('routine_decisions = "debug"\n' + config.read_text())
+    gateway = start_gateway_process(config, SECRETS)
+    assert gateway.stderr is not None
+    log = gateway.stderr
+    token = SECRETS["GROCER_TOKEN"]
+    try:
+        shop = f"{gateway.url}/shop/orders"
+        assert await _order(http, shop, token) == 201
+        assert await _order(http, shop, token) == 201  # its replay
+        assert await _order(http, shop, AGENT_SECRETS[2]) == 401
+        assert await _order(http, f"{gateway.url}/down/x", token) == 502
+    finally:
+        gateway.stop()
+    docs = [json.loads(line) for line in log.whole()]
+    decisions = [doc for doc in docs if doc["logger"] == "effect_gateway.decision"]
+    assert [(d["outcome"], d["status"]) for d in decisions] == [("refused", 401), ("failed", 502)]
+    assert len(upstream.calls) == 1  # the first was sent, all the same
+
+
 def test_auto_writes_text_to_a_terminal_and_json_otherwise() -> None:
     """log_format = "auto": text for a person at a terminal, JSON lines into a pipe or a file."""
     leader, follower = pty.openpty()
@@ -202,3 +227,45 @@ def test_a_text_lines_message_is_one_line_and_its_traceback_keeps_its_lines() ->
     assert traceback[0] == "Traceback (most recent call last):"
     assert traceback[-1] == "RuntimeError: the shop said: \\x1b[2J\\rcleared"
     assert not any(char in text for char in OBEYED)
+
+
+class _Counted(io.StringIO):
+    """A stream that counts its writes: each is a system call on a real stderr."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        return super().write(text)
+
+
+async def test_lines_logged_in_one_turn_of_the_loop_are_written_together_and_none_is_lost() -> None:
+    """A busy loop's lines go out in one write per turn; a line outside the loop goes out at once."""
+    stream = _Counted()
+    handler = Lines(stream)
+    handler.setFormatter(JsonLines())
+    log = logging.getLogger("effect_gateway.test_lines")
+    log.propagate = False
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+
+        async def request(n: int) -> None:
+            log.info("decision %d", n)
+
+        await asyncio.gather(*(request(n) for n in range(50)))
+        await asyncio.sleep(0)  # the turn after: what the last one logged is written by now
+        lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+        assert [line["message"] for line in lines] == [f"decision {n}" for n in range(50)]
+        assert stream.writes <= 2
+        assert lines[0]["time"].endswith("+00:00")
+        assert len(lines[0]["time"]) == len("2026-12-07T16:22:53.123+00:00")
+
+        written = stream.writes
+        await asyncio.to_thread(log.info, "from a thread")
+        assert json.loads(stream.getvalue().splitlines()[-1])["message"] == "from a thread"
+        assert stream.writes == written + 1
+    finally:
+        log.removeHandler(handler)
