@@ -11,8 +11,8 @@ month of the audit that holds the row: a statement that may touch every month lo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -66,39 +66,65 @@ def _open_moved(source: str, target: str) -> str:
         )"""
 
 
-async def claim(conn: Conn, new: NewEffect, lease: timedelta) -> tuple[EffectRecord | None, bool]:
-    """The statement of :meth:`gateway.store.Store.claim`."""
-    request_coding, request_body = packing.pack(new.request_body)
+# The claims' columns as arrays, one element per new effect, made rows again by unnest.
+_CLAIMS = """
+    select * from unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
+           $8::text[], $9::bytea[], $10::bytea[], $11::interval[], $12::text[], $13::text[],
+           $14::boolean[], $15::text[], $16::jsonb[], $17::uuid[])
+        as c(tenant, upstream, key, derived_key, method, path, query, fingerprint, headers, content,
+             lease, run_id, step, keyless, coding, key_carriers, digest)
+"""
 
-    # A new key: one round trip. A known one is read by statements of their own, which find its
-    # partitions first: a read joined into this statement would lock every partition of the
-    # audit on each claim (see partitions.within). They also run after this statement, so they
-    # see the row of another request with the same key that committed while this one waited for it on the key.
-    row = await conn.fetchrow(
+
+async def claim_many(conn: Conn, claims: Sequence[tuple[NewEffect, timedelta]]) -> list[EffectRecord | None]:
+    """The statement of :meth:`gateway.store.Store.claim`, for many new effects at once.
+
+    Returns each claim's new record, in their order, or None where its key was taken already:
+    :func:`claimed` reads that one. No two claims may share a key (:func:`claimed_scope`).
+    """
+    columns = _as_columns(_claim_row(new, lease) for new, lease in claims)
+    # One round trip for all of them. A key taken already is read by statements of their own, which
+    # find its partitions first: a read joined into this statement would lock every partition of the
+    # audit on each claim (see partitions.within). They also run after this statement, so they see
+    # the row of another request with the same key that committed while this one waited for it.
+    rows = await conn.fetch(
         f"""
-        with k as (
+        with c as ({_CLAIMS}), k as (
             insert into effect_keys (digest, tenant, upstream, effect_id, created_at)
-            values ($17::uuid, $1, $2, nextval('effect_ids'), now())
+            select digest, tenant, upstream, nextval('effect_ids'), now() from c
             on conflict do nothing
-            returning effect_id, created_at
+            returning digest, tenant, upstream, effect_id, created_at
+        ), n as (
+            select * from k join c using (digest, tenant, upstream)
         ), e as (
             insert into effects (id, created_at, tenant, upstream, key, derived_key, method, path,
                 query, fingerprint, state, lease_expires_at, first_sent_at, last_sent_at, run_id,
                 step, keyless, key_carriers, send_lease)
-            select effect_id, created_at, $1, $2, $3, $4, $5, $6, $7, $8, 'pending',
-                now() + $11::interval, now(), now(), $12, $13, $14, $16::jsonb, $11::interval
-            from k
+            select effect_id, created_at, tenant, upstream, key, derived_key, method, path, query,
+                fingerprint, 'pending', now() + lease, now(), now(), run_id, step, keyless,
+                key_carriers, lease
+            from n
             returning *
         ), b as (
             insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
-            select effect_id, created_at, 'request', $9, $15, $10 from k
+            select effect_id, created_at, 'request', headers, coding, content from n
         ), o as (
             insert into open_effects (state, id, created_at, tenant, upstream)
-            select 'pending', effect_id, created_at, $1, $2 from k
+            select 'pending', effect_id, created_at, tenant, upstream from n
         )
         select {RECORD_COLUMNS}, null::bytea as r_headers, null::bytea as r_content, null as r_coding
         from e
         """,
+        *columns,
+    )
+    made = {(r["tenant"], r["upstream"], r["key"]): record_of(r, response=True) for r in rows}
+    return [made.get(claimed_scope(claim)) for claim in claims]
+
+
+def _claim_row(new: NewEffect, lease: timedelta) -> tuple[Any, ...]:
+    """One claim's values, in the order of _CLAIMS's arrays."""
+    request_coding, request_body = packing.pack(new.request_body)
+    return (
         new.tenant,
         new.upstream,
         new.key,
@@ -117,8 +143,22 @@ async def claim(conn: Conn, new: NewEffect, lease: timedelta) -> tuple[EffectRec
         new.key_carriers.as_json(),
         key_digest(new.key),
     )
-    if row is not None:
-        return record_of(row, response=True), True
+
+
+def _as_columns(rows: Iterable[tuple[Any, ...]]) -> list[list[Any]]:
+    """Rows of values as one list per column: the arrays a statement unnests into those rows again."""
+    return [list(column) for column in zip(*rows, strict=True)]
+
+
+def claimed_scope(claim: tuple[NewEffect, timedelta]) -> tuple[str, str, str]:
+    """What two claims of one statement may not share: the key, within its tenant and upstream."""
+    new, _ = claim
+    return new.tenant, new.upstream, new.key
+
+
+async def claimed(conn: Conn, new: NewEffect) -> EffectRecord | None:
+    """The record that holds ``new``'s key, which a claim found taken; None when its month of the
+    audit was archived (detached)."""
     known = await conn.fetchrow(
         """
         select effect_id, created_at from effect_keys
@@ -138,12 +178,12 @@ async def claim(conn: Conn, new: NewEffect, lease: timedelta) -> tuple[EffectRec
         known["created_at"],
     )
     if row is None:
-        return None, False  # its month of the audit was archived (detached)
+        return None
     if row["key"] != new.key:
         # Two keys with one digest: never by chance (see migration 005), so refuse rather than
         # answer for another effect.
         raise StoreRejected(f"the key {new.key!r} shares its digest with the key {row['key']!r}")
-    return await read_with_response(conn, row), False
+    return await read_with_response(conn, row)
 
 
 async def reclaim(
@@ -192,39 +232,37 @@ async def reclaim(
     )
 
 
-async def settle(
-    conn: Conn,
-    record: EffectRecord,
-    settlement: Settlement,
-    *,
-    response: StoredResponse | None,
-    recovered_by: str | None,
-    note: str | None = None,
-) -> EffectRecord | None:
-    """The statement of :meth:`gateway.store.Store.settle`."""
+@dataclass(frozen=True, slots=True)
+class Settling:
+    """One settle's arguments (see :meth:`gateway.store.Store.settle`)."""
+
+    record: EffectRecord
+    settlement: Settlement
+    response: StoredResponse | None
+    recovered_by: str | None
+    note: str | None = None
+
+
+async def settle_many(conn: Conn, settles: Sequence[Settling]) -> list[EffectRecord | None]:
+    """The statement of :meth:`gateway.store.Store.settle`, for many records at once: one per month.
+
+    Returns each record as settled, in their order, or None where a newer attempt fenced it out. The
+    records must be distinct (:func:`settled_row`): two updates of one row in one statement would meet.
+    """
+    months: dict[str, list[int]] = {}
+    for i, one in enumerate(settles):
+        months.setdefault(partitions.in_month(one.record.created_at), []).append(i)
+    settled: dict[int, EffectRecord] = {}
+    for month, indexes in months.items():
+        settled.update(await _settle_in(conn, month, [settles[i] for i in indexes]))
+    return [settled.get(one.record.id) for one in settles]
+
+
+def _settle_row(one: Settling) -> tuple[Any, ...]:
+    """One settle's values, in the order of the arrays _settle_in unnests."""
+    record, settlement, response = one.record, one.settlement, one.response
     coding, body = packing.pack(response.body) if response else (None, None)
-    return await _one(
-        conn,
-        f"""
-        with e as (
-            update effects e set
-                state = $5,
-                may_have_sent = $6,
-                lease_expires_at = case when $7 then least(lease_expires_at, now())
-                                        else lease_expires_at end,
-                response_status = coalesce($8, response_status),
-                response_at = case when $9::bytea is null then response_at else now() end,
-                recovered_by = coalesce($11, recovered_by),
-                completed_at = case when $5 = 'completed' then now() else completed_at end,
-                history = history || {_stamped(12)}
-            {_fenced(record)}
-            returning {RECORD_COLUMNS}
-        ), stored as (
-            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
-            select id, now(), 'response', $9, $13, $10 from e where $9::bytea is not null
-        ), {_open_moved("$4", "$5")}
-        select * from e
-        """,
+    return (
         record.id,
         record.created_at,
         record.attempt,
@@ -235,17 +273,64 @@ async def settle(
         response.status if response else None,
         head_bytes(response.headers) if response else None,
         body,
-        recovered_by,
+        one.recovered_by,
+        # An entry, not an array of one: asyncpg would take a list of lists for a 2-D array.
         _event(
             "settled",
             attempt=record.attempt,
             state=settlement.state.value,
             status=response.status if response else None,
-            recovered_by=recovered_by,
-            note=note,
-        ),
+            recovered_by=one.recovered_by,
+            note=one.note,
+        )[0],
         coding,
     )
+
+
+def settled_row(one: Settling) -> int:
+    """What two settles of one statement may not share: the record."""
+    return one.record.id
+
+
+async def _settle_in(conn: Conn, month: str, settles: list[Settling]) -> dict[int, EffectRecord]:
+    columns = _as_columns(_settle_row(one) for one in settles)
+    rows = await conn.fetch(
+        f"""
+        with s as (
+            select * from unnest($1::bigint[], $2::timestamptz[], $3::integer[], $4::text[], $5::text[],
+                                 $6::boolean[], $7::boolean[], $8::integer[], $9::bytea[], $10::bytea[],
+                                 $11::text[], $12::jsonb[], $13::text[])
+                as s(id, created_at, attempt, source, target, may_have_sent, ends_lease, status, headers,
+                     content, recovered_by, event, coding)
+        ), e as (
+            update effects e set
+                state = s.target,
+                may_have_sent = s.may_have_sent,
+                lease_expires_at = case when s.ends_lease then least(e.lease_expires_at, now())
+                                        else e.lease_expires_at end,
+                response_status = coalesce(s.status, e.response_status),
+                response_at = case when s.headers is null then e.response_at else now() end,
+                recovered_by = coalesce(s.recovered_by, e.recovered_by),
+                completed_at = case when s.target = 'completed' then now() else e.completed_at end,
+                history = e.history || jsonb_build_array(s.event || jsonb_build_object('at', now()))
+            from s
+            -- "any" lets the plan look each row up by its key: joined to s alone, a generic plan may
+            -- hash the whole month's partition instead (it cannot know how many rows s holds).
+            where e.id = any($1::bigint[]) and e.created_at = any($2::timestamptz[])
+              and e.id = s.id and e.created_at = s.created_at
+              and e.attempt = s.attempt and e.state = s.source and {month}
+            returning {RECORD_COLUMNS}, s.source
+        ), stored as (
+            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
+            select s.id, now(), 'response', s.headers, s.coding, s.content
+            from e join s on s.id = e.id
+            where s.headers is not null
+        ), {_open_moved("e.source", "e.state")}
+        select * from e
+        """,
+        *columns,
+    )
+    return {row["id"]: record_of(row) for row in rows}
 
 
 async def note_fenced(conn: Conn, record: EffectRecord, saw: str) -> None:

@@ -2,7 +2,9 @@
 
 Each write is one statement, so one transaction (the writes are in gateway/phases.py; the claim of a
 key already taken reads it with statements of their own), run on a pooled connection and retried only
-when Postgres says so; the reads are here. Times that decide anything come from Postgres's clock so
+when Postgres says so; the reads are here. Claims, and apart from them settles, that arrive while one
+of their kind is being written go together in the next statement (gateway/batches.py): one commit
+for all of them, each fenced on its own row. Times that decide anything come from Postgres's clock so
 that several gateways agree.
 
 The tables (gateway/migrations/003_partitioned.sql and after): ``effect_keys`` keeps each key unique for
@@ -17,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -35,6 +37,7 @@ from gateway.audit_query import (
     count_statement,
     find_statement,
 )
+from gateway.batches import Batches
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, PrivilegesMissing, StoreRejected, StoreUnavailable
 from gateway.pg_failures import FAILURES, connecting, kind
@@ -142,6 +145,8 @@ class Store:
         self._dsn = dsn
         self._telemetry = telemetry or Telemetry()
         self._retention_left = False  # said once: this role leaves the retention to the tables' owner
+        self._claims = Batches(self._claim_many, distinct=phases.claimed_scope)
+        self._settles = Batches(self._settle_many, distinct=phases.settled_row)
 
     @classmethod
     async def connect(
@@ -282,9 +287,13 @@ class Store:
 
         Returns the record and whether this call created it; (None, False) when the key is known but its
         audit row was archived (its partition detached). The insert is committed before it returns: the
-        claim is durable before the request leaves.
+        claim is durable before the request leaves. Claims that arrive together share a statement.
         """
-        return await self._run("claim", lambda conn: phases.claim(conn, new, lease))
+        with self._telemetry.statement("claim"):
+            record = await self._claims.write((new, lease))
+            if record is not None:
+                return record, True
+            return await self._attempts(lambda conn: phases.claimed(conn, new)), False
 
     async def reclaim(
         self,
@@ -325,13 +334,18 @@ class Store:
         recovered_by: str | None,
         note: str | None = None,
     ) -> EffectRecord | None:
-        """Write what the current attempt saw; None when a newer attempt fenced this one out."""
-        return await self._run(
-            "settle",
-            lambda conn: phases.settle(
-                conn, record, settlement, response=response, recovered_by=recovered_by, note=note
-            ),
-        )
+        """Write what the current attempt saw; None when a newer attempt fenced this one out.
+
+        Settles that arrive together share a statement."""
+        with self._telemetry.statement("settle"):
+            settling = phases.Settling(record, settlement, response, recovered_by, note)
+            return await self._settles.write(settling)
+
+    async def _claim_many(self, claims: Sequence[tuple[NewEffect, timedelta]]) -> list[EffectRecord | None]:
+        return await self._attempts(lambda conn: phases.claim_many(conn, claims))
+
+    async def _settle_many(self, settles: Sequence[phases.Settling]) -> list[EffectRecord | None]:
+        return await self._attempts(lambda conn: phases.settle_many(conn, settles))
 
     async def note_fenced(self, record: EffectRecord, saw: str) -> None:
         """A fenced-out holder adds what it saw to the history, and changes nothing else."""

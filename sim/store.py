@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, Protocol, TypeVar, cast
 
 from gateway import partitions
 from gateway.audit_query import EXACT_OPEN_COUNT, EffectFilter, by_time
+from gateway.batches import Batches
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
+from gateway.phases import Settling, claimed_scope, settled_row
 from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
 from gateway.rows import head_bytes, head_pairs
 from gateway.states import State, Transition
@@ -216,13 +218,15 @@ class SimDatabase:
 
     # --- the idempotency phases (gateway.phases's statements) ---------------------------------------
 
-    def claim(self, new: NewEffect, lease: timedelta) -> tuple[EffectRecord | None, bool]:
-        now = self.now()
+    def claim_many(self, claims: Sequence[tuple[NewEffect, timedelta]]) -> list[EffectRecord | None]:
+        """gateway.phases.claim_many: a new record for each claim whose key is free, None for the others."""
+        now = self.now()  # one statement, one instant: Postgres's now() is the transaction's
+        return [self._claim(new, lease, now) for new, lease in claims]
+
+    def _claim(self, new: NewEffect, lease: timedelta, now: datetime) -> EffectRecord | None:
         scope = (new.tenant, new.upstream, new.key)
-        known = self.keys.get(scope)
-        if known is not None:
-            row = self.rows.get(known[0])
-            return (self.record(row, now, response=True) if row is not None else None), False
+        if scope in self.keys:
+            return None
         self._next_id += 1
         row = Row(
             id=self._next_id,
@@ -251,7 +255,13 @@ class SimDatabase:
         self.keys[scope] = (row.id, now)
         self.rows[row.id] = row
         self._wrote("claim", None, row, now)
-        return self.record(row, now, response=True), True
+        return self.record(row, now, response=True)
+
+    def claimed(self, new: NewEffect) -> EffectRecord | None:
+        """gateway.phases.claimed: the record that holds a key a claim found taken."""
+        now = self.now()
+        row = self.rows.get(self.keys[(new.tenant, new.upstream, new.key)][0])
+        return self.record(row, now, response=True) if row is not None else None
 
     def _holds(self, row: Row | None, record: EffectRecord, source: State) -> bool:
         """The fence of every write after a claim: ``where attempt = $3 and state = $4``."""
@@ -302,8 +312,9 @@ class SimDatabase:
         response: StoredResponse | None,
         recovered_by: str | None,
         note: str | None = None,
+        now: datetime | None = None,
     ) -> EffectRecord | None:
-        now = self.now()
+        now = now or self.now()
         row = self._row(record)
         if row is None or not self._settle_holds(row, record, source):
             return None
@@ -333,6 +344,22 @@ class SimDatabase:
         )
         self._wrote("settle", was, row, now, note)
         return self.record(row, now)
+
+    def settle_many(self, settles: Sequence[Settling]) -> list[EffectRecord | None]:
+        """gateway.phases.settle_many: each record as settled, or None where it was fenced out."""
+        now = self.now()
+        return [
+            self.settle(
+                one.record,
+                one.settlement,
+                one.settlement.transition.fenced_on(one.record.state),
+                response=one.response,
+                recovered_by=one.recovered_by,
+                note=one.note,
+                now=now,
+            )
+            for one in settles
+        ]
 
     def note_fenced(self, record: EffectRecord, saw: str) -> None:
         now = self.now()
@@ -551,15 +578,16 @@ class Trip:
 
 
 class Weather(Protocol):
-    def trip(self, statement: str, who: str, refusable: tuple[int, int] | None) -> Trip:
-        """``refusable``: (effect id, attempt) of a write that carries a response Postgres may refuse."""
+    def trip(self, statement: str, who: str, refusable: Sequence[tuple[int, int]]) -> Trip:
+        """``refusable``: (effect id, attempt) of each write in the statement that carries a response
+        Postgres may refuse."""
         ...
 
 
 class Calm:
     """No delay, no fault."""
 
-    def trip(self, statement: str, who: str, refusable: tuple[int, int] | None) -> Trip:
+    def trip(self, statement: str, who: str, refusable: Sequence[tuple[int, int]]) -> Trip:
         return Trip()
 
 
@@ -575,9 +603,12 @@ class SimStore:
         self.db = db
         self._weather: Weather = weather or Calm()
         self._who = who
+        # Claims and settles that arrive together share a statement, as gateway.store.Store's do.
+        self._claims = Batches(self._claim_many, distinct=claimed_scope)
+        self._settles = Batches(self._settle_many, distinct=settled_row)
 
     async def _statement(
-        self, name: str, apply: Callable[[], T], *, refusable: tuple[int, int] | None = None
+        self, name: str, apply: Callable[[], T], *, refusable: Sequence[tuple[int, int]] = ()
     ) -> T:
         loop = asyncio.get_running_loop()
         owner = OWNER.get()
@@ -620,7 +651,13 @@ class SimStore:
         pass
 
     async def claim(self, new: NewEffect, lease: timedelta) -> tuple[EffectRecord | None, bool]:
-        return await self._statement("claim", lambda: self.db.claim(new, lease))
+        record = await self._claims.write((new, lease))
+        if record is not None:
+            return record, True
+        return await self._statement("claimed", lambda: self.db.claimed(new)), False
+
+    async def _claim_many(self, claims: Sequence[tuple[NewEffect, timedelta]]) -> list[EffectRecord | None]:
+        return await self._statement("claim", lambda: self.db.claim_many(claims))
 
     async def reclaim(
         self,
@@ -650,13 +687,13 @@ class SimStore:
         recovered_by: str | None,
         note: str | None = None,
     ) -> EffectRecord | None:
-        source = settlement.transition.fenced_on(record.state)
+        return await self._settles.write(Settling(record, settlement, response, recovered_by, note))
+
+    async def _settle_many(self, settles: Sequence[Settling]) -> list[EffectRecord | None]:
         return await self._statement(
             "settle",
-            lambda: self.db.settle(
-                record, settlement, source, response=response, recovered_by=recovered_by, note=note
-            ),
-            refusable=(record.id, record.attempt) if response is not None else None,
+            lambda: self.db.settle_many(settles),
+            refusable=[(one.record.id, one.record.attempt) for one in settles if one.response is not None],
         )
 
     async def note_fenced(self, record: EffectRecord, saw: str) -> None:
@@ -678,7 +715,7 @@ class SimStore:
         return await self._statement(
             "restore",
             lambda: self.db.restore(record, source, response),
-            refusable=(record.id, record.attempt),
+            refusable=[(record.id, record.attempt)],
         )
 
     async def resolve(

@@ -18,7 +18,7 @@ import asyncio
 import contextvars
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -211,6 +211,8 @@ class Gateway:
         self.owner = Owner(f"{self.name}#{self.incarnation}")
         self.context = contextvars.Context()
         self.context.run(OWNER.set, self.owner)
+        # A new process: the batches of claims and settles that the last one queued died with it.
+        self.store = SimStore(self.world.db, self.world, who=self.name)
         self.service = EffectService(
             self.store,
             self.client,
@@ -397,7 +399,7 @@ class World:
         name = who.partition("#")[0].partition("/")[0]
         return next((g for g in self.gateways if g.name == name), None)
 
-    def trip(self, statement: str, who: str, refusable: tuple[int, int] | None) -> Trip:
+    def trip(self, statement: str, who: str, refusable: Sequence[tuple[int, int]]) -> Trip:
         there, back = self.net.between(*DB_TRIP), self.net.between(*DB_TRIP)
         if self.choices.quiet:
             return Trip(there, back)
@@ -413,9 +415,13 @@ class World:
         if self.faulty("store-lost"):
             self.note("db", f"{who}: the answer to {statement} will be lost")
             return Trip(there, back, "lost")
-        if refusable is not None and self.faulty("store-refused"):
-            self.checks.refused.add(refusable)
-            self.note("db", f"{who}: Postgres refuses {statement} of effect {refusable[0]}")
+        if refusable and self.faulty("store-refused"):
+            if len(refusable) == 1:
+                self.checks.refused.add(refusable[0])
+                self.note("db", f"{who}: Postgres refuses {statement} of effect {refusable[0][0]}")
+            else:
+                # The store writes the batch again a row at a time; each of those may be refused.
+                self.note("db", f"{who}: Postgres refuses {statement} of effects {[r[0] for r in refusable]}")
             return Trip(there, back, "refused")
         return Trip(there, back)
 

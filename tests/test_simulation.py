@@ -26,22 +26,22 @@ SEEDS = 200
 CAUGHT_AT = {
     "doubt-not-sticky": 40,
     "margin-zero": 414,
-    "settle-unfenced": 50,
-    "settle-fenced-by-attempt-only": 50,
+    "settle-unfenced": 31,
+    "settle-fenced-by-attempt-only": 31,
     "purged-resend": 0,
     "purged-resend-decide-only": 0,
     "purged-not-found-resends": 3,
     "failed-probe-doubts": 3,
-    "horizon-ignored": 96,
-    "horizon-at-take-over": 1013,
-    "lag-ignored": 504,
-    "lag-after-probe": 1373,
+    "horizon-ignored": 122,
+    "horizon-at-take-over": 93075,
+    "lag-ignored": 1210,
+    "lag-after-probe": 1419,
     "lag-from-the-claim": 5274,
-    "unrecorded-outage-escapes": 28,
+    "unrecorded-outage-escapes": 8,
     "late-sender": 13,
-    "operator-unfenced": 488,
-    "operator-during-lease": 44,
-    "operator-during-lease-decision-only": 179,
+    "operator-unfenced": 5178,
+    "operator-during-lease": 1,
+    "operator-during-lease-decision-only": 53,
 }
 
 
@@ -132,7 +132,7 @@ def test_a_probe_answered_after_a_stall_past_the_lease_is_not_trusted() -> None:
     old = _breaks_only_the_old_code(
         "horizon-at-take-over",
         1013,
-        "faults/43:8=945,10=645,11=6,24=999,25=160;setup/22:0=1,1=1,2=1,8=2;levels/9:1=1,2=2,6=3;c1/10:5=2,7=800",
+        "faults/48:8=945,10=645,11=6,29=999,30=160;setup/22:0=1,1=1,2=1,8=2;levels/11:1=1,2=2,6=3;c1/10:5=2,7=800",
     )
     assert old.violation is not None
     assert old.violation.invariant == "never-twice"
@@ -141,18 +141,19 @@ def test_a_probe_answered_after_a_stall_past_the_lease_is_not_trusted() -> None:
 def test_an_operators_verdict_is_fenced_on_the_record_they_looked_at() -> None:
     """An operator who judged "did not happen" before a gateway re-sent must not make the record retryable.
 
-    Seed 488: the operator looks at a record left pending by a crash (nothing happened) and thinks for
-    8s; meanwhile a gateway takes it over under the native key and the effect happens (its answer is
-    lost: in doubt). The old operators.resolve fenced the verdict on its own re-read, not on the record
-    judged, so "did not happen" made the record retryable and the next request would send it again.
-    The verdict now names the attempt it judged.
+    Seed 5178: the operator judges an earlier attempt "did not happen" and the record is made
+    retryable; a gateway re-sends it at once (attempt 3), and the upstream acts but never answers, so
+    the record is in doubt again. The operator's first look, taken before that attempt, still stands
+    in their mind. The old operators.resolve fenced the verdict on its own re-read, not on the record
+    judged, so "did not happen" made the record retryable again although the effect had happened, and
+    the next request would send it a second time. The verdict now names the attempt it judged.
     """
     old = _breaks_only_the_old_code(
         "operator-unfenced",
-        488,
-        "faults/58:0=991,1=660,5=19,7=924,14=912,46=468,47=8;setup/30:0=1,1=1,3=2,12=1,17=3,21=1;"
-        "levels/10:0=3,6=3,8=2;c1/11:0=56,3=1;c3/11:0=36;c4/11:0=107,3=1,5=1,6=963;"
-        "operator/24:0=767,6=668,10=939,11=1,12=30",
+        5178,
+        "faults/106:9=455,10=4,52=981,53=262,54=499,55=3,94=745,95=8;setup/24:0=1,1=1,3=1,8=2,15=1,17=1;"
+        "levels/11:1=2,6=3,8=2;c1/5:0=51;c2/15:2=1,5=1,6=290,9=1,10=273;"
+        "operator/42:0=349,4=734,5=1,8=31,9=2,14=21,15=2,18=303,22=882,23=1,24=464",
     )
     assert old.violation is not None
     assert old.violation.invariant == "retryable-means-nothing"

@@ -6,6 +6,7 @@ database that does not exist. Each test states a behaviour of the store that the
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -194,6 +195,52 @@ async def test_a_known_key_reads_the_record_that_holds_it(subject: Subject) -> N
     assert created
     assert other is not None
     assert other.id != first.id
+
+
+async def test_claims_that_arrive_together_each_get_their_own_record_and_a_key_only_one(
+    subject: Subject,
+) -> None:
+    """Claims sent at once share statements; each new key gets its own record, a key claimed twice one."""
+    keys = ["a", "b", "a", "c", "b", "d", "a"]
+    claims = await asyncio.gather(*(subject.store.claim(effect(key), LEASE) for key in keys))
+    records = {key: [] for key in keys}
+    for key, (record, created) in zip(keys, claims, strict=True):
+        assert record is not None
+        assert record.key == key
+        records[key].append((record.id, created))
+    for key, claimed_as in records.items():
+        assert len({effect_id for effect_id, _ in claimed_as}) == 1, key
+        assert [created for _, created in claimed_as].count(True) == 1, key
+    assert len({claimed_as[0][0] for claimed_as in records.values()}) == 4
+    for key in records:
+        again, created = await subject.store.claim(effect(key), LEASE)
+        assert again is not None
+        assert not created
+        assert (again.state, again.attempt, again.request_body) == (State.PENDING, 1, None)
+
+
+async def test_settles_that_arrive_together_are_each_fenced_on_their_own_record(subject: Subject) -> None:
+    """Settles sent at once share statements: each stands or is fenced out by its own record alone."""
+    store = subject.store
+    fresh = [await claimed(store, key) for key in ("a", "b", "c")]
+    stale = await claimed(store, "d", lease=EXPIRED)
+    newer = await store.reclaim(stale, take_over(stale), LEASE, "test", sends=True)
+    assert newer is not None
+    results = await asyncio.gather(
+        *(store.settle(record, DONE, response=OK, recovered_by=None) for record in fresh),
+        store.settle(stale, DONE, response=OK, recovered_by=None),
+        store.settle(newer, DONE, response=LATER, recovered_by=None),
+        store.settle(fresh[0], DONE, response=LATER, recovered_by=None),
+    )
+    assert [r is not None for r in results] == [True, True, True, False, True, False]
+    for record in fresh:
+        final = await store.reread(record)
+        assert (final.state, final.response) == (State.COMPLETED, OK)
+    final = await store.reread(newer)
+    assert (final.state, final.attempt, final.response) == (State.COMPLETED, 2, LATER)
+    state_counts = await store.state_counts()
+    assert state_counts[State.PENDING.value] == 0
+    assert state_counts[State.COMPLETED.value] == 4
 
 
 async def test_every_time_on_record_is_the_databases_clock(subject: Subject) -> None:

@@ -1,0 +1,152 @@
+"""Writes that arrive together share a statement, and each caller still hears only its own row's fate.
+
+gateway.batches is the part of the store that decides which rows go to Postgres together; here its
+statement is a coroutine that records the rows it was given and waits to be let go, so that a test
+decides what arrives while a statement runs. The store's own SQL is tested against Postgres in
+tests/test_store_contract.py (batched claims and settles, duplicates and fences).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+from gateway.batches import MAX_ROWS, Batches
+from gateway.errors import StoreRejected, StoreUnavailable
+
+
+class Statements:
+    """A statement per call: records its rows, waits for ``release``, then answers each row."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.started = asyncio.Event()  # the first statement is running
+        self.release = asyncio.Event()
+        self.refuse_batches_with: str | None = None  # a row Postgres cannot hold refuses its statement
+        self.down = False
+
+    async def many(self, rows: Sequence[str]) -> list[str | Exception]:
+        self.batches.append(list(rows))
+        self.started.set()
+        await self.release.wait()
+        if self.down:
+            raise StoreUnavailable("Postgres is unavailable: ConnectionResetError")
+        if self.refuse_batches_with in rows:
+            raise StoreRejected("Postgres refused the write: DataError")
+        return [
+            StoreRejected(f"{row} is taken") if row.startswith("taken") else f"wrote {row}" for row in rows
+        ]
+
+
+def _batches(statements: Statements) -> Batches[str, str]:
+    return Batches(statements.many, distinct=lambda row: row.split("#")[0])
+
+
+async def test_a_write_alone_goes_at_once_alone() -> None:
+    statements = Statements()
+    statements.release.set()
+    batches = _batches(statements)
+    assert await batches.write("a") == "wrote a"
+    assert await batches.write("b") == "wrote b"
+    assert statements.batches == [["a"], ["b"]]
+
+
+async def test_writes_that_arrive_during_a_statement_go_together_in_the_next() -> None:
+    statements = Statements()
+    batches = _batches(statements)
+    first = asyncio.create_task(batches.write("a"))
+    await statements.started.wait()
+    others = [asyncio.create_task(batches.write(row)) for row in ("b", "c", "d")]
+    await asyncio.sleep(0)
+    assert statements.batches == [["a"]]  # nothing else is sent while the first statement runs
+    statements.release.set()
+    assert await first == "wrote a"
+    assert await asyncio.gather(*others) == ["wrote b", "wrote c", "wrote d"]
+    assert statements.batches == [["a"], ["b", "c", "d"]]
+
+
+async def test_each_caller_hears_only_its_own_rows_error() -> None:
+    statements = Statements()
+    batches = _batches(statements)
+    first = asyncio.create_task(batches.write("a"))
+    await statements.started.wait()
+    fine = asyncio.create_task(batches.write("b"))
+    taken = asyncio.create_task(batches.write("taken-c"))
+    statements.release.set()
+    await first
+    assert await fine == "wrote b"
+    with pytest.raises(StoreRejected, match="taken-c is taken"):
+        await taken
+
+
+async def test_a_refused_batch_is_written_again_row_by_row_and_only_the_bad_row_fails() -> None:
+    statements = Statements()
+    statements.refuse_batches_with = "bad"
+    batches = _batches(statements)
+    first = asyncio.create_task(batches.write("a"))
+    await statements.started.wait()
+    rows = [asyncio.create_task(batches.write(row)) for row in ("b", "bad", "c")]
+    statements.release.set()
+    await first
+    results = await asyncio.gather(*rows, return_exceptions=True)
+    assert results[0] == "wrote b"
+    assert results[2] == "wrote c"
+    assert isinstance(results[1], StoreRejected)
+    assert statements.batches == [["a"], ["b", "bad", "c"], ["b"], ["bad"], ["c"]]
+
+
+async def test_an_outage_fails_the_whole_batch_and_the_next_write_starts_afresh() -> None:
+    statements = Statements()
+    batches = _batches(statements)
+    first = asyncio.create_task(batches.write("a"))
+    await statements.started.wait()
+    rows = [asyncio.create_task(batches.write(row)) for row in ("b", "c")]
+    statements.down = True
+    statements.release.set()
+    for task in (first, *rows):
+        with pytest.raises(StoreUnavailable):
+            await task
+    statements.down = False
+    assert await batches.write("d") == "wrote d"
+    assert statements.batches[-1] == ["d"]
+
+
+async def test_two_writes_of_one_row_never_share_a_statement() -> None:
+    statements = Statements()
+    batches = _batches(statements)
+    first = asyncio.create_task(batches.write("a"))
+    await statements.started.wait()
+    rows = [asyncio.create_task(batches.write(row)) for row in ("b#1", "b#2", "c")]
+    statements.release.set()
+    await first
+    assert await asyncio.gather(*rows) == ["wrote b#1", "wrote b#2", "wrote c"]
+    assert statements.batches == [["a"], ["b#1", "c"], ["b#2"]]
+
+
+async def test_a_caller_that_gives_up_while_queued_leaves_the_batch() -> None:
+    statements = Statements()
+    batches = _batches(statements)
+    first = asyncio.create_task(batches.write("a"))
+    await statements.started.wait()
+    gone = asyncio.create_task(batches.write("gone"))
+    kept = asyncio.create_task(batches.write("kept"))
+    await asyncio.sleep(0)
+    gone.cancel()
+    statements.release.set()
+    await first
+    assert await kept == "wrote kept"
+    assert statements.batches == [["a"], ["kept"]]
+
+
+async def test_a_statement_carries_at_most_max_rows() -> None:
+    statements = Statements()
+    batches = _batches(statements)
+    first = asyncio.create_task(batches.write("a"))
+    await statements.started.wait()
+    rows = [asyncio.create_task(batches.write(f"r{n}")) for n in range(MAX_ROWS + 3)]
+    statements.release.set()
+    await first
+    await asyncio.gather(*rows)
+    assert [len(batch) for batch in statements.batches] == [1, MAX_ROWS, 3]
