@@ -61,7 +61,7 @@ class Sample:
     wal_bytes: float
 
 
-Load_ = tuple[str, int]  # a kind of request and the concurrency it is sent at
+KindAt = tuple[str, int]  # a kind of request and the concurrency it is sent at
 
 
 @dataclass
@@ -70,9 +70,9 @@ class Subject:
 
     label: str
     gw: Gateway
-    loads: dict[Load_, LoadSpec]
-    rates: dict[Load_, float] = field(default_factory=dict)
-    samples: dict[Load_, list[Sample]] = field(default_factory=dict)
+    loads: dict[KindAt, LoadSpec]
+    rates: dict[KindAt, float] = field(default_factory=dict)
+    samples: dict[KindAt, list[Sample]] = field(default_factory=dict)
     added_p50: list[float] = field(default_factory=list)  # ms over the upstream called directly, c=1
     syncs: float | None = None  # WAL flushes per new effect
 
@@ -104,7 +104,7 @@ def duration_for(rate: float, requests: int) -> float:
     return float(max(1, round(requests / rate))) if rate else 2.0
 
 
-def loads(gw: Gateway, concurrencies: list[int]) -> dict[Load_, LoadSpec]:
+def loads(gw: Gateway, concurrencies: list[int]) -> dict[KindAt, LoadSpec]:
     out = {}
     for c in concurrencies:
         common = LoadSpec(f"{gw.server.url}/shop/orders", c, 2.0, body=BODY, headers=HEADERS)

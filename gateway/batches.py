@@ -1,8 +1,9 @@
-"""Writes of one kind that arrive together go to Postgres as one statement and one commit.
+"""Writes of one kind that arrive together go to Postgres together, in one transaction and one commit.
 
-A worker sends its claims (and, apart, its outcomes) one statement at a time. The first write of a
-quiet moment goes at once, alone, in its caller's task; writes that arrive while a statement runs
-queue, and all of them go in the next statement. There is no timer: a batch is whatever queued
+A worker sends its claims (and, apart, its outcomes) one batch at a time: a statement, or for
+outcomes of effects created in different months one statement per month in one transaction. The
+first write of a quiet moment goes at once, alone, in its caller's task; writes that arrive while a
+batch is being written queue, and all of them go in the next. There is no timer: a batch is whatever queued
 meanwhile, so a request alone waits for nothing, and under load a commit (and its flush to disk)
 serves as many writes as arrived during the one before.
 
@@ -16,6 +17,7 @@ the statement runs on without it, as it would for a request whose gateway died.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Generic, TypeVar
@@ -33,6 +35,17 @@ MAX_ROWS = 256
 
 # What one statement returns for each of its rows, in their order: a result or the error of that row.
 Many = Callable[[Sequence[In]], Awaitable[Sequence[Out | Exception]]]
+
+
+def _its_own(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` for one caller, caused by it: raised in many tasks, one exception would collect
+    every task's traceback."""
+    try:
+        copy = type(exc)(*exc.args)
+    except Exception:
+        return exc
+    copy.__cause__ = exc
+    return copy
 
 
 class Batches(Generic[In, Out]):
@@ -74,7 +87,9 @@ class Batches(Generic[In, Out]):
             # This caller's coroutine was closed unrun, its process gone (the simulator's SIGKILL):
             # nothing of that process runs again, this batch included.
             return
-        self._draining = loop.create_task(self._drain())
+        # In a context of its own: the task would otherwise carry the request that started it (its
+        # trace id on every line logged meanwhile, and its trail kept alive for as long as it drains).
+        self._draining = loop.create_task(self._drain(), context=contextvars.Context())
 
     async def _drain(self) -> None:
         try:
@@ -86,8 +101,12 @@ class Batches(Generic[In, Out]):
                     results = await self._written([row for row, _ in batch])
                 except BaseException as exc:  # an outage, or this task cancelled by a shutdown
                     for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
+                        if future.done():
+                            continue
+                        if isinstance(exc, asyncio.CancelledError):
+                            future.cancel()
+                        else:
+                            future.set_exception(_its_own(exc))
                     if not isinstance(exc, Exception):
                         raise
                     continue

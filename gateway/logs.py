@@ -13,10 +13,12 @@ its paths (some webhook URLs do) should have that part in the upstream's ``base_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import sys
+import traceback
 import weakref
 from datetime import UTC, datetime
 from typing import Any, Literal, TextIO
@@ -146,8 +148,13 @@ class Lines(logging.StreamHandler):  # type: ignore[type-arg]
                 lines, self._waiting = self._waiting, []
                 self.stream.write("".join(lines))
             self.stream.flush()
-        except Exception:  # a closed or broken stream: as StreamHandler, never raise into the caller
+        except Exception:
+            # A closed or broken stream: as logging's handlers do, never raise into the caller, and say
+            # so on stderr when logging is told to (logging.raiseExceptions, its default).
             self._waiting = []
+            if logging.raiseExceptions:
+                with contextlib.suppress(Exception):
+                    traceback.print_exc(file=sys.stderr)
         finally:
             self.release()
 

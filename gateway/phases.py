@@ -80,7 +80,7 @@ async def claim_many(conn: Conn, claims: Sequence[tuple[NewEffect, timedelta]]) 
     """The statement of :meth:`gateway.store.Store.claim`, for many new effects at once.
 
     Returns each claim's new record, in their order, or None where its key was taken already:
-    :func:`claimed` reads that one. No two claims may share a key (:func:`claimed_scope`).
+    :func:`holder_of_key` reads that one. No two claims may share a key (:func:`claim_batch_key`).
     """
     columns = _as_columns(_claim_row(new, lease) for new, lease in claims)
     # One round trip for all of them. A key taken already is read by statements of their own, which
@@ -90,8 +90,11 @@ async def claim_many(conn: Conn, claims: Sequence[tuple[NewEffect, timedelta]]) 
     rows = await conn.fetch(
         f"""
         with c as ({_CLAIMS}), k as (
+            -- In the key's order in every worker: two batches that share keys then wait for each
+            -- other in one order, where in the order their requests came they could deadlock.
             insert into effect_keys (digest, tenant, upstream, effect_id, created_at)
             select digest, tenant, upstream, nextval('effect_ids'), now() from c
+            order by digest, tenant, upstream
             on conflict do nothing
             returning digest, tenant, upstream, effect_id, created_at
         ), n as (
@@ -118,7 +121,7 @@ async def claim_many(conn: Conn, claims: Sequence[tuple[NewEffect, timedelta]]) 
         *columns,
     )
     made = {(r["tenant"], r["upstream"], r["key"]): record_of(r, response=True) for r in rows}
-    return [made.get(claimed_scope(claim)) for claim in claims]
+    return [made.get(claim_batch_key(claim)) for claim in claims]
 
 
 def _claim_row(new: NewEffect, lease: timedelta) -> tuple[Any, ...]:
@@ -150,13 +153,13 @@ def _as_columns(rows: Iterable[tuple[Any, ...]]) -> list[list[Any]]:
     return [list(column) for column in zip(*rows, strict=True)]
 
 
-def claimed_scope(claim: tuple[NewEffect, timedelta]) -> tuple[str, str, str]:
+def claim_batch_key(claim: tuple[NewEffect, timedelta]) -> tuple[str, str, str]:
     """What two claims of one statement may not share: the key, within its tenant and upstream."""
     new, _ = claim
     return new.tenant, new.upstream, new.key
 
 
-async def claimed(conn: Conn, new: NewEffect) -> EffectRecord | None:
+async def holder_of_key(conn: Conn, new: NewEffect) -> EffectRecord | None:
     """The record that holds ``new``'s key, which a claim found taken; None when its month of the
     audit was archived (detached)."""
     known = await conn.fetchrow(
@@ -244,17 +247,26 @@ class Settling:
 
 
 async def settle_many(conn: Conn, settles: Sequence[Settling]) -> list[EffectRecord | None]:
-    """The statement of :meth:`gateway.store.Store.settle`, for many records at once: one per month.
+    """What :meth:`gateway.store.Store.settle` writes, for many records at once, in one transaction.
 
-    Returns each record as settled, in their order, or None where a newer attempt fenced it out. The
-    records must be distinct (:func:`settled_row`): two updates of one row in one statement would meet.
+    A statement for each month of the audit the records were created in (nearly always one: each
+    statement names its month's partition, see partitions.within). Returns each record as settled, in
+    their order, or None where a newer attempt fenced it out. The records must be distinct
+    (:func:`settle_batch_key`): two updates of one row in one statement would meet.
     """
     months: dict[str, list[int]] = {}
     for i, one in enumerate(settles):
         months.setdefault(partitions.in_month(one.record.created_at), []).append(i)
     settled: dict[int, EffectRecord] = {}
-    for month, indexes in months.items():
-        settled.update(await _settle_in(conn, month, [settles[i] for i in indexes]))
+    if len(months) == 1:
+        [(month, _)] = months.items()
+        settled = await _settle_in(conn, month, list(settles))
+    else:
+        # One transaction for all of them: a statement tried again, or refused, must find every row
+        # as it was, and not the rows of an earlier month already settled (and so fenced out).
+        async with conn.transaction():
+            for month, indexes in months.items():
+                settled.update(await _settle_in(conn, month, [settles[i] for i in indexes]))
     return [settled.get(one.record.id) for one in settles]
 
 
@@ -287,7 +299,7 @@ def _settle_row(one: Settling) -> tuple[Any, ...]:
     )
 
 
-def settled_row(one: Settling) -> int:
+def settle_batch_key(one: Settling) -> int:
     """What two settles of one statement may not share: the record."""
     return one.record.id
 

@@ -145,8 +145,8 @@ class Store:
         self._dsn = dsn
         self._telemetry = telemetry or Telemetry()
         self._retention_left = False  # said once: this role leaves the retention to the tables' owner
-        self._claims = Batches(self._claim_many, distinct=phases.claimed_scope)
-        self._settles = Batches(self._settle_many, distinct=phases.settled_row)
+        self._claims = Batches(self._claim_many, distinct=phases.claim_batch_key)
+        self._settles = Batches(self._settle_many, distinct=phases.settle_batch_key)
 
     @classmethod
     async def connect(
@@ -293,7 +293,7 @@ class Store:
             record = await self._claims.write((new, lease))
             if record is not None:
                 return record, True
-            return await self._attempts(lambda conn: phases.claimed(conn, new)), False
+            return await self._attempts(lambda conn: phases.holder_of_key(conn, new)), False
 
     async def reclaim(
         self,

@@ -35,7 +35,7 @@ from gateway.audit_query import EXACT_OPEN_COUNT, EffectFilter, by_time
 from gateway.batches import Batches
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
-from gateway.phases import Settling, claimed_scope, settled_row
+from gateway.phases import Settling, claim_batch_key, settle_batch_key
 from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
 from gateway.rows import head_bytes, head_pairs
 from gateway.states import State, Transition
@@ -257,8 +257,8 @@ class SimDatabase:
         self._wrote("claim", None, row, now)
         return self.record(row, now, response=True)
 
-    def claimed(self, new: NewEffect) -> EffectRecord | None:
-        """gateway.phases.claimed: the record that holds a key a claim found taken."""
+    def holder_of_key(self, new: NewEffect) -> EffectRecord | None:
+        """gateway.phases.holder_of_key: the record that holds a key a claim found taken."""
         now = self.now()
         row = self.rows.get(self.keys[(new.tenant, new.upstream, new.key)][0])
         return self.record(row, now, response=True) if row is not None else None
@@ -604,8 +604,8 @@ class SimStore:
         self._weather: Weather = weather or Calm()
         self._who = who
         # Claims and settles that arrive together share a statement, as gateway.store.Store's do.
-        self._claims = Batches(self._claim_many, distinct=claimed_scope)
-        self._settles = Batches(self._settle_many, distinct=settled_row)
+        self._claims = Batches(self._claim_many, distinct=claim_batch_key)
+        self._settles = Batches(self._settle_many, distinct=settle_batch_key)
 
     async def _statement(
         self, name: str, apply: Callable[[], T], *, refusable: Sequence[tuple[int, int]] = ()
@@ -654,7 +654,7 @@ class SimStore:
         record = await self._claims.write((new, lease))
         if record is not None:
             return record, True
-        return await self._statement("claimed", lambda: self.db.claimed(new)), False
+        return await self._statement("holder_of_key", lambda: self.db.holder_of_key(new)), False
 
     async def _claim_many(self, claims: Sequence[tuple[NewEffect, timedelta]]) -> list[EffectRecord | None]:
         return await self._statement("claim", lambda: self.db.claim_many(claims))

@@ -44,7 +44,17 @@ def _batches(statements: Statements) -> Batches[str, str]:
     return Batches(statements.many, distinct=lambda row: row.split("#")[0])
 
 
+async def _while_a_statement_runs() -> tuple[Statements, Batches[str, str], asyncio.Task[str]]:
+    """Batches whose first write, "a", is in a statement that waits to be released."""
+    statements = Statements()
+    batches = _batches(statements)
+    first = asyncio.create_task(batches.write("a"))
+    await statements.started.wait()
+    return statements, batches, first
+
+
 async def test_a_write_alone_goes_at_once_alone() -> None:
+    """With nothing being written, a write goes at once in a statement of its own: it waits for nothing."""
     statements = Statements()
     statements.release.set()
     batches = _batches(statements)
@@ -54,10 +64,8 @@ async def test_a_write_alone_goes_at_once_alone() -> None:
 
 
 async def test_writes_that_arrive_during_a_statement_go_together_in_the_next() -> None:
-    statements = Statements()
-    batches = _batches(statements)
-    first = asyncio.create_task(batches.write("a"))
-    await statements.started.wait()
+    """Writes that arrive while a statement runs wait for it, then all go in one statement."""
+    statements, batches, first = await _while_a_statement_runs()
     others = [asyncio.create_task(batches.write(row)) for row in ("b", "c", "d")]
     await asyncio.sleep(0)
     assert statements.batches == [["a"]]  # nothing else is sent while the first statement runs
@@ -68,10 +76,8 @@ async def test_writes_that_arrive_during_a_statement_go_together_in_the_next() -
 
 
 async def test_each_caller_hears_only_its_own_rows_error() -> None:
-    statements = Statements()
-    batches = _batches(statements)
-    first = asyncio.create_task(batches.write("a"))
-    await statements.started.wait()
+    """A row's own error (its key taken) reaches its caller alone; the others in its batch are written."""
+    statements, batches, first = await _while_a_statement_runs()
     fine = asyncio.create_task(batches.write("b"))
     taken = asyncio.create_task(batches.write("taken-c"))
     statements.release.set()
@@ -82,11 +88,9 @@ async def test_each_caller_hears_only_its_own_rows_error() -> None:
 
 
 async def test_a_refused_batch_is_written_again_row_by_row_and_only_the_bad_row_fails() -> None:
-    statements = Statements()
+    """A statement Postgres refuses whole is tried again a row at a time: only the bad row is refused."""
+    statements, batches, first = await _while_a_statement_runs()
     statements.refuse_batches_with = "bad"
-    batches = _batches(statements)
-    first = asyncio.create_task(batches.write("a"))
-    await statements.started.wait()
     rows = [asyncio.create_task(batches.write(row)) for row in ("b", "bad", "c")]
     statements.release.set()
     await first
@@ -98,10 +102,8 @@ async def test_a_refused_batch_is_written_again_row_by_row_and_only_the_bad_row_
 
 
 async def test_an_outage_fails_the_whole_batch_and_the_next_write_starts_afresh() -> None:
-    statements = Statements()
-    batches = _batches(statements)
-    first = asyncio.create_task(batches.write("a"))
-    await statements.started.wait()
+    """An outage fails every row of its batch; once it is over, a write goes at once again."""
+    statements, batches, first = await _while_a_statement_runs()
     rows = [asyncio.create_task(batches.write(row)) for row in ("b", "c")]
     statements.down = True
     statements.release.set()
@@ -114,10 +116,8 @@ async def test_an_outage_fails_the_whole_batch_and_the_next_write_starts_afresh(
 
 
 async def test_two_writes_of_one_row_never_share_a_statement() -> None:
-    statements = Statements()
-    batches = _batches(statements)
-    first = asyncio.create_task(batches.write("a"))
-    await statements.started.wait()
+    """Two writes of one row (one record settled twice) go in two statements, one after the other."""
+    statements, batches, first = await _while_a_statement_runs()
     rows = [asyncio.create_task(batches.write(row)) for row in ("b#1", "b#2", "c")]
     statements.release.set()
     await first
@@ -126,10 +126,8 @@ async def test_two_writes_of_one_row_never_share_a_statement() -> None:
 
 
 async def test_a_caller_that_gives_up_while_queued_leaves_the_batch() -> None:
-    statements = Statements()
-    batches = _batches(statements)
-    first = asyncio.create_task(batches.write("a"))
-    await statements.started.wait()
+    """A request cancelled while its row waits is not written; the rows beside it are."""
+    statements, batches, first = await _while_a_statement_runs()
     gone = asyncio.create_task(batches.write("gone"))
     kept = asyncio.create_task(batches.write("kept"))
     await asyncio.sleep(0)
@@ -141,12 +139,24 @@ async def test_a_caller_that_gives_up_while_queued_leaves_the_batch() -> None:
 
 
 async def test_a_statement_carries_at_most_max_rows() -> None:
-    statements = Statements()
-    batches = _batches(statements)
-    first = asyncio.create_task(batches.write("a"))
-    await statements.started.wait()
+    """A queue longer than MAX_ROWS goes in several statements, none longer than that."""
+    statements, batches, first = await _while_a_statement_runs()
     rows = [asyncio.create_task(batches.write(f"r{n}")) for n in range(MAX_ROWS + 3)]
     statements.release.set()
     await first
     await asyncio.gather(*rows)
     assert [len(batch) for batch in statements.batches] == [1, MAX_ROWS, 3]
+
+
+async def test_rows_queued_behind_a_caller_that_gave_up_are_still_written() -> None:
+    """The request whose write was running is cancelled: the rows that queued behind it go next all the
+    same, and their callers hear their own results."""
+    statements, batches, first = await _while_a_statement_runs()
+    rows = [asyncio.create_task(batches.write(row)) for row in ("b", "c")]
+    await asyncio.sleep(0)
+    first.cancel()
+    statements.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert await asyncio.gather(*rows) == ["wrote b", "wrote c"]
+    assert statements.batches == [["a"], ["b", "c"]]

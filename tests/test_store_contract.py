@@ -1115,3 +1115,63 @@ async def test_a_row_stores_no_claim_event_and_an_older_rows_stored_one_is_read_
     assert after is not None
     assert [event["event"] for event in before.history] == ["claimed", *(e["event"] for e in stored)]
     assert after.history == before.history
+
+
+async def test_settles_of_two_months_in_one_batch_stand_or_fall_together(dsn: str) -> None:
+    """Postgres only: a batch of settles for effects of two months is one transaction. When Postgres
+    refuses the second month's statement, the first month's is undone too, so that settling the rows
+    one by one finds each as it was: the good one settles, not "fenced out" by its own earlier write."""
+    now = datetime.now(UTC)
+    month = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    last = (month - timedelta(days=1)).replace(day=1)
+    conn = await asyncpg.connect(dsn)
+    try:
+        # Another test of this worker's database may have made that month already; then it stays.
+        made = await conn.fetchval("select to_regclass($1)", f"effects_{last:%Y_%m}") is None
+        await conn.execute(
+            f"create table if not exists effects_{last:%Y_%m} partition of effects "
+            f"for values from ('{last.isoformat()}') to ('{month.isoformat()}')"
+        )
+        old_id = await conn.fetchval(
+            """insert into effects (id, created_at, tenant, upstream, key, derived_key, method, path,
+                                    fingerprint, state, lease_expires_at, first_sent_at, last_sent_at)
+               values (nextval('effect_ids'), $1, 'default', 'shop', 'last-month', 'eg_last', 'POST',
+                       '/orders', 'fp', 'pending', now() + interval '30 s', $1, $1)
+               returning id""",
+            last + timedelta(days=3),
+        )
+    finally:
+        await conn.close()
+    try:
+        await _settle_two_months(dsn, old_id)
+    finally:
+        conn = await asyncpg.connect(dsn)
+        try:
+            if made:  # as the other tests found the audit
+                await conn.execute(f"drop table effects_{last:%Y_%m}")
+            else:
+                await conn.execute("delete from effects where id = $1", old_id)
+        finally:
+            await conn.close()
+
+
+async def _settle_two_months(dsn: str, old_id: int) -> None:
+    async with opened(dsn) as store:
+        old = await store.get(old_id)
+        assert old is not None
+        first, this_month = await claimed(store, "first"), await claimed(store, "this-month")
+        # A status no integer column holds: Postgres refuses the statement it is in.
+        absurd = replace(OK, status=2**40)
+        results = await asyncio.gather(
+            store.settle(first, DONE, response=OK, recovered_by=None),
+            # These two arrive while the first is written, and go together in the next batch.
+            store.settle(old, DONE, response=OK, recovered_by=None),
+            store.settle(this_month, DONE, response=absurd, recovered_by=None),
+            return_exceptions=True,
+        )
+        assert results[0] is not None
+        assert isinstance(results[1], EffectRecord)
+        assert results[1].state is State.COMPLETED
+        assert isinstance(results[2], StoreRejected)
+        assert (await store.reread(old)).response == OK
+        assert (await store.reread(this_month)).state is State.PENDING
