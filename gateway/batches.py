@@ -32,6 +32,10 @@ Out = TypeVar("Out")
 # Rows in one statement at most: enough that a batch never waits for a second statement under any load
 # one worker can carry, few enough that one statement's arrays stay small and its locks short.
 MAX_ROWS = 256
+# Bytes of bodies and headers in one statement at most (a row larger than this goes alone): a hundred
+# answers of 10 MiB that came back together made one statement of a gigabyte, which Postgres cut off
+# (past statement_timeout, or a message too long), failing every row in it.
+MAX_BYTES = 4 * 1024 * 1024
 
 # What one statement returns for each of its rows, in their order: a result or the error of that row.
 Many = Callable[[Sequence[In]], Awaitable[Sequence[Out | Exception]]]
@@ -51,11 +55,15 @@ def _its_own(exc: BaseException) -> BaseException:
 class Batches(Generic[In, Out]):
     """One kind of write, sent a statement at a time, each statement carrying every row that queued."""
 
-    def __init__(self, many: Many[In, Out], distinct: Callable[[In], Hashable]) -> None:
+    def __init__(
+        self, many: Many[In, Out], distinct: Callable[[In], Hashable], size: Callable[[In], int]
+    ) -> None:
         """``distinct``: what no two rows of one statement may share (the row a write changes or makes);
-        a row that shares it with one already taken waits for the statement after."""
+        a row that shares it with one already taken waits for the statement after. ``size``: the bytes
+        a row carries (bodies and headers), which MAX_BYTES bounds per statement."""
         self._many = many
         self._distinct = distinct
+        self._size = size
         self._queue: list[tuple[In, asyncio.Future[Out]]] = []
         self._busy = False
         self._draining: asyncio.Task[None] | None = None  # held so that the loop does not lose it
@@ -130,14 +138,17 @@ class Batches(Generic[In, Out]):
         batch: list[tuple[In, asyncio.Future[Out]]] = []
         later: list[tuple[In, asyncio.Future[Out]]] = []
         seen: set[Hashable] = set()
+        carried = 0
         for row, future in self._queue:
             if future.done():
                 continue  # its caller gave up while it waited
-            what = self._distinct(row)
-            if what in seen or len(batch) == MAX_ROWS:
+            what, size = self._distinct(row), self._size(row)
+            full = len(batch) == MAX_ROWS or (batch and carried + size > MAX_BYTES)
+            if what in seen or full:
                 later.append((row, future))
             else:
                 seen.add(what)
+                carried += size
                 batch.append((row, future))
         self._queue = later
         return batch

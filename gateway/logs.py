@@ -20,6 +20,7 @@ import os
 import sys
 import traceback
 import weakref
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any, Literal, TextIO
 
@@ -33,9 +34,10 @@ DECISIONS = logging.getLogger("effect_gateway.decision")
 # The handler this module installs, found again by name when the CLI configures logging once more.
 _HANDLER = "effect_gateway"
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-# What came of a request that went as it should: sent and answered, or its answer replayed. Their lines
-# are logged at the level the routine_decisions setting chooses (debug leaves them out of the log);
-# every other outcome's at INFO.
+# What came of a request that went as it should: sent and answered, or its answer replayed, below 500
+# (an upstream's 5xx is a failure an operator wants to see, though the gateway only relayed it). Their
+# lines are logged at the level the routine_decisions setting chooses (debug leaves them out of the
+# log); every other outcome's at INFO.
 ROUTINE = frozenset({"sent", "replayed"})
 _routine_level = logging.INFO
 # Made once: json.dumps with any option builds a new encoder on every call.
@@ -144,10 +146,12 @@ class Lines(logging.StreamHandler):  # type: ignore[type-arg]
     def flush(self) -> None:
         self.acquire()
         try:
-            if self._waiting:
-                lines, self._waiting = self._waiting, []
-                self.stream.write("".join(lines))
-            self.stream.flush()
+            lines, self._waiting = self._waiting, []
+            for chunk in _whole_lines(lines):
+                self.stream.write(chunk)
+                self.stream.flush()
+            if not lines:
+                self.stream.flush()
         except Exception:
             # A closed or broken stream: as logging's handlers do, never raise into the caller, and say
             # so on stderr when logging is told to (logging.raiseExceptions, its default).
@@ -157,6 +161,27 @@ class Lines(logging.StreamHandler):  # type: ignore[type-arg]
                     traceback.print_exc(file=sys.stderr)
         finally:
             self.release()
+
+
+# The most a write to a pipe may carry and still never be split by another process's write to it
+# (POSIX's PIPE_BUF, 4096 on Linux): the workers of one gateway share its stderr, and a log shipper
+# reading slowly would otherwise find one worker's line cut in two by another's.
+PIPE_BUF = 4096
+
+
+def _whole_lines(lines: list[str]) -> Iterator[str]:
+    """``lines`` joined into pieces of at most PIPE_BUF bytes that end with a line (a longer line alone)."""
+    chunk: list[str] = []
+    size = 0
+    for line in lines:
+        length = len(line) if line.isascii() else len(line.encode(errors="replace"))
+        if chunk and size + length > PIPE_BUF:
+            yield "".join(chunk)
+            chunk, size = [], 0
+        chunk.append(line)
+        size += length
+    if chunk:
+        yield "".join(chunk)
 
 
 # Every Lines handler: each writes out what waits before the process forks, or a worker would write its
@@ -219,7 +244,8 @@ def configure(
 
 def decision(trail: Trail, outcome: str, seconds: float) -> None:
     """The line for one request to an upstream: what the gateway decided and what came of it."""
-    level = _routine_level if outcome in ROUTINE else logging.INFO
+    routine = outcome in ROUTINE and (trail.status is None or trail.status < 500)
+    level = _routine_level if routine else logging.INFO
     if not DECISIONS.isEnabledFor(level):
         return
     found = trail.found.value if trail.found else None

@@ -153,6 +153,12 @@ def _as_columns(rows: Iterable[tuple[Any, ...]]) -> list[list[Any]]:
     return [list(column) for column in zip(*rows, strict=True)]
 
 
+def claim_size(claim: tuple[NewEffect, timedelta]) -> int:
+    """The bytes a claim carries to Postgres: its request's body and headers."""
+    new, _ = claim
+    return len(new.request_body) + sum(len(name) + len(value) for name, value in new.request_headers.items())
+
+
 def claim_batch_key(claim: tuple[NewEffect, timedelta]) -> tuple[str, str, str]:
     """What two claims of one statement may not share: the key, within its tenant and upstream."""
     new, _ = claim
@@ -297,6 +303,14 @@ def _settle_row(one: Settling) -> tuple[Any, ...]:
         )[0],
         coding,
     )
+
+
+def settle_size(one: Settling) -> int:
+    """The bytes a settle carries to Postgres: the answer's body and headers, if any."""
+    response = one.response
+    if response is None:
+        return 0
+    return len(response.body) + sum(len(name) + len(value) for name, value in response.headers)
 
 
 def settle_batch_key(one: Settling) -> int:

@@ -418,8 +418,9 @@ class Settings(BaseSettings):
     # otherwise (a supervisor hands them to a log pipeline, which parses JSON).
     log_format: Literal["auto", "json", "text"] = "auto"
     # The level of the line per decision for a request that went as it should (sent and answered, or
-    # replayed): "debug" leaves those lines out unless the log is verbose, so the log holds what needs
-    # a look (recoveries, refusals, failures, effects in doubt); the audit keeps every effect either way.
+    # replayed, below 500): "debug" leaves those lines out unless the log is verbose, so the log holds
+    # what needs a look (recoveries, refusals, failures, upstreams' 5xx, effects in doubt); the audit
+    # keeps every effect either way.
     routine_decisions: Literal["info", "debug"] = "info"
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
     admin: AdminSettings = Field(default_factory=AdminSettings)

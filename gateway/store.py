@@ -145,8 +145,8 @@ class Store:
         self._dsn = dsn
         self._telemetry = telemetry or Telemetry()
         self._retention_left = False  # said once: this role leaves the retention to the tables' owner
-        self._claims = Batches(self._claim_many, distinct=phases.claim_batch_key)
-        self._settles = Batches(self._settle_many, distinct=phases.settle_batch_key)
+        self._claims = Batches(self._claim_many, distinct=phases.claim_batch_key, size=phases.claim_size)
+        self._settles = Batches(self._settle_many, distinct=phases.settle_batch_key, size=phases.settle_size)
 
     @classmethod
     async def connect(

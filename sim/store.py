@@ -35,7 +35,7 @@ from gateway.audit_query import EXACT_OPEN_COUNT, EffectFilter, by_time
 from gateway.batches import Batches
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
-from gateway.phases import Settling, claim_batch_key, settle_batch_key
+from gateway.phases import Settling, claim_batch_key, claim_size, settle_batch_key, settle_size
 from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
 from gateway.rows import head_bytes, head_pairs
 from gateway.states import State, Transition
@@ -604,8 +604,8 @@ class SimStore:
         self._weather: Weather = weather or Calm()
         self._who = who
         # Claims and settles that arrive together share a statement, as gateway.store.Store's do.
-        self._claims = Batches(self._claim_many, distinct=claim_batch_key)
-        self._settles = Batches(self._settle_many, distinct=settle_batch_key)
+        self._claims = Batches(self._claim_many, distinct=claim_batch_key, size=claim_size)
+        self._settles = Batches(self._settle_many, distinct=settle_batch_key, size=settle_size)
 
     async def _statement(
         self, name: str, apply: Callable[[], T], *, refusable: Sequence[tuple[int, int]] = ()

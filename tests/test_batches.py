@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from gateway.batches import MAX_ROWS, Batches
+from gateway.batches import MAX_BYTES, MAX_ROWS, Batches
 from gateway.errors import StoreRejected, StoreUnavailable
 
 
@@ -41,7 +41,12 @@ class Statements:
 
 
 def _batches(statements: Statements) -> Batches[str, str]:
-    return Batches(statements.many, distinct=lambda row: row.split("#")[0])
+    # A row "big..." carries MAX_BYTES; any other, one byte.
+    return Batches(
+        statements.many,
+        distinct=lambda row: row.split("#")[0],
+        size=lambda row: MAX_BYTES if row.startswith("big") else 1,
+    )
 
 
 async def _while_a_statement_runs() -> tuple[Statements, Batches[str, str], asyncio.Task[str]]:
@@ -160,3 +165,15 @@ async def test_rows_queued_behind_a_caller_that_gave_up_are_still_written() -> N
         await first
     assert await asyncio.gather(*rows) == ["wrote b", "wrote c"]
     assert statements.batches == [["a"], ["b", "c"]]
+
+
+async def test_a_statement_carries_at_most_max_bytes_and_a_larger_row_goes_alone() -> None:
+    """Large answers that come back together go in statements of their own, and small ones beside them
+    go where they fit: one statement of many 10 MiB answers was cut off by Postgres, failing them all."""
+    statements, batches, first = await _while_a_statement_runs()
+    rows = [asyncio.create_task(batches.write(row)) for row in ("big1", "big2", "c", "d")]
+    await asyncio.sleep(0)
+    statements.release.set()
+    await first
+    assert await asyncio.gather(*rows) == ["wrote big1", "wrote big2", "wrote c", "wrote d"]
+    assert statements.batches == [["a"], ["big1"], ["big2"], ["c", "d"]]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from gateway.logs import JsonLines, Lines, Text, resolve_format
 from tests.database import runtime_url
@@ -117,11 +118,15 @@ async def test_a_real_gateway_logs_a_json_line_per_decision_and_no_secret(
     assert (failed["state_after"], failed["effect_id"]) == ("retryable", 2)
 
 
+async def _busy(request: web.Request) -> web.Response:
+    return web.json_response({"error": "try later"}, status=503)
+
+
 async def test_routine_decisions_at_debug_leave_only_the_unusual_ones_in_the_log(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    """With routine_decisions = "debug", a request sent and one replayed log nothing; a refusal and a
-    failure still log their lines."""
+    """With routine_decisions = "debug", a request sent and one replayed log nothing; a refusal, a
+    failure and an upstream's 5xx still log their lines."""
     config = _config(tmp_path, dsn, upstream)
     config.write_text('routine_decisions = "debug"\n' + config.read_text())
     gateway = start_gateway_process(config, SECRETS)
@@ -134,12 +139,15 @@ async def test_routine_decisions_at_debug_leave_only_the_unusual_ones_in_the_log
         assert await _order(http, shop, token) == 201  # its replay
         assert await _order(http, shop, AGENT_SECRETS[2]) == 401
         assert await _order(http, f"{gateway.url}/down/x", token) == 502
+        upstream.routes["/busy"] = _busy
+        assert await _order(http, f"{gateway.url}/shop/busy", token, key="run-2:1") == 503
     finally:
         gateway.stop()
     docs = [json.loads(line) for line in log.whole()]
     decisions = [doc for doc in docs if doc["logger"] == "effect_gateway.decision"]
-    assert [(d["outcome"], d["status"]) for d in decisions] == [("refused", 401), ("failed", 502)]
-    assert len(upstream.calls) == 1  # the first was sent, all the same
+    outcomes = [(d["outcome"], d["status"]) for d in decisions]
+    assert outcomes == [("refused", 401), ("failed", 502), ("sent", 503)]
+    assert len(upstream.calls) == 2  # the first was sent, all the same
 
 
 def test_auto_writes_text_to_a_terminal_and_json_otherwise() -> None:
@@ -234,10 +242,14 @@ class _Counted(io.StringIO):
 
     def __init__(self) -> None:
         super().__init__()
-        self.writes = 0
+        self.written: list[str] = []
+
+    @property
+    def writes(self) -> int:
+        return len(self.written)
 
     def write(self, text: str) -> int:
-        self.writes += 1
+        self.written.append(text)
         return super().write(text)
 
 
@@ -259,7 +271,9 @@ async def test_lines_logged_in_one_turn_of_the_loop_are_written_together_and_non
         await asyncio.sleep(0)  # the turn after: what the last one logged is written by now
         lines = [json.loads(line) for line in stream.getvalue().splitlines()]
         assert [line["message"] for line in lines] == [f"decision {n}" for n in range(50)]
-        assert stream.writes <= 2
+        assert stream.writes <= 3
+        # Each write small enough that a pipe never splits it (workers share stderr), and whole lines.
+        assert all(len(text) <= 4096 and text.endswith("\n") for text in stream.written)
         assert lines[0]["time"].endswith("+00:00")
         assert len(lines[0]["time"]) == len("2026-12-07T16:22:53.123+00:00")
 
