@@ -1,11 +1,11 @@
 """Writes of one kind that arrive together go to Postgres together, in one transaction and one commit.
 
-A worker sends its claims (and, apart, its outcomes) one batch at a time: a statement, or for
-outcomes of effects created in different months one statement per month in one transaction. The
-first write of a quiet moment goes at once, alone, in its caller's task; writes that arrive while a
-batch is being written queue, and all of them go in the next. There is no timer: a batch is whatever queued
-meanwhile, so a request alone waits for nothing, and under load a commit (and its flush to disk)
-serves as many writes as arrived during the one before.
+A worker sends its claims (and, apart, its outcomes) one batch at a time: a statement, or for outcomes
+of effects created in different months one statement per month in one transaction. The first write of a
+quiet moment goes at once, alone, in its caller's task; writes that arrive while a batch is being
+written queue, and all of them go in the next. There is no timer: a batch is whatever queued meanwhile,
+so a request alone waits for nothing, and under load a commit (and its flush to disk) serves as many
+writes as arrived during the one before.
 
 Each caller still learns its own row's result. A batch that Postgres refuses as a whole (a value one
 row carries that it cannot hold) is written again row by row, so that only that row's caller hears
@@ -53,7 +53,7 @@ def _its_own(exc: BaseException) -> BaseException:
 
 
 class Batches(Generic[In, Out]):
-    """One kind of write, sent a statement at a time, each statement carrying every row that queued."""
+    """One kind of write, sent a batch at a time, each batch carrying the rows that queued meanwhile."""
 
     def __init__(
         self, many: Many[In, Out], distinct: Callable[[In], Hashable], size: Callable[[In], int]
