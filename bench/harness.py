@@ -104,12 +104,43 @@ def work_dir(prefix: str, given: str | None = None, *, keep: bool = False) -> It
     try:
         yield work
     except KeyboardInterrupt:
+        stop_embedded(work)
         _remove(work, given, keep)
         raise
     except BaseException:  # SystemExit too: a benchmark exits so when what it found stops the run
+        stop_embedded(work)
         print(f"the servers' logs and data are kept in {work}", file=sys.stderr)
         raise
+    stop_embedded(work)
     _remove(work, given, keep)
+
+
+def _serves(pid: int, data: Path) -> bool:
+    """Whether process ``pid`` is a Postgres server of the data directory ``data``."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(b"postgres" in part for part in argv[:1]) and str(data).encode() in argv
+
+
+def stop_embedded(work: Path) -> None:
+    """Stop every embedded Postgres whose data is under ``work``, by the pid in its postmaster.pid.
+
+    A gateway stops the server it started when it stops, but not one that failed to start or was
+    killed: that server outlives it, and would run on after the benchmark.
+    """
+    for pid_file in work.glob("*/postgres/postmaster.pid"):
+        pid = postmaster_pid(pid_file.parent.parent)
+        if pid is None or not _serves(pid, pid_file.parent):
+            continue  # left by a server that stopped: the pid may be another process's by now
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGINT)  # Postgres's fast shutdown
+            deadline = time.monotonic() + STOP_TIMEOUT
+            while time.monotonic() < deadline:
+                os.kill(pid, 0)
+                time.sleep(0.05)
+            os.kill(pid, signal.SIGKILL)
 
 
 def _remove(work: Path, given: str | None, keep: bool) -> None:
