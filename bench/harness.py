@@ -131,16 +131,19 @@ def stop_embedded(work: Path) -> None:
     killed: that server outlives it, and would run on after the benchmark.
     """
     for pid_file in work.glob("*/postgres/postmaster.pid"):
-        pid = postmaster_pid(pid_file.parent.parent)
-        if pid is None or not _serves(pid, pid_file.parent):
+        data = pid_file.parent.resolve()  # as the server was started with it
+        pid = postmaster_pid(data.parent)
+        if pid is None or not _serves(pid, data):
             continue  # left by a server that stopped: the pid may be another process's by now
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGINT)  # Postgres's fast shutdown
             deadline = time.monotonic() + STOP_TIMEOUT
-            while time.monotonic() < deadline:
-                os.kill(pid, 0)
+            # Asked again each time: once it has stopped, its pid may be given to another process.
+            while _serves(pid, data):
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    break
                 time.sleep(0.05)
-            os.kill(pid, signal.SIGKILL)
 
 
 def _remove(work: Path, given: str | None, keep: bool) -> None:

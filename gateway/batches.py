@@ -34,7 +34,9 @@ Out = TypeVar("Out")
 MAX_ROWS = 256
 # Bytes of bodies and headers in one statement at most (a row larger than this goes alone): a hundred
 # answers of 10 MiB that came back together made one statement of a gigabyte, which Postgres cut off
-# (past statement_timeout, or a message too long), failing every row in it.
+# (past statement_timeout, or a message too long), failing every row in it. 4 MiB is far more than a
+# full batch of everyday bodies (256 of a few KB), so it splits only batches of large answers, and it
+# takes Postgres milliseconds to receive and write, against a statement_timeout of seconds.
 MAX_BYTES = 4 * 1024 * 1024
 
 # What one statement returns for each of its rows, in their order: a result or the error of that row.
@@ -143,13 +145,16 @@ class Batches(Generic[In, Out]):
             if future.done():
                 continue  # its caller gave up while it waited
             what, size = self._distinct(row), self._size(row)
+            # The first row always goes, however large: alone, it is what a statement of one row was.
             full = len(batch) == MAX_ROWS or (batch and carried + size > MAX_BYTES)
             if what in seen or full:
                 later.append((row, future))
             else:
-                seen.add(what)
                 carried += size
                 batch.append((row, future))
+            # Held back or taken, a row keeps a later write of the same row behind it: writes of one
+            # row go in the order they came (of two claims of a key, the first makes the record).
+            seen.add(what)
         self._queue = later
         return batch
 

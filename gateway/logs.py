@@ -147,7 +147,8 @@ class Lines(logging.StreamHandler):  # type: ignore[type-arg]
         self.acquire()
         try:
             lines, self._waiting = self._waiting, []
-            for chunk in _whole_lines(lines):
+            encoding = getattr(self.stream, "encoding", None) or "utf-8"
+            for chunk in _whole_lines(lines, encoding, getattr(self.stream, "errors", None) or "strict"):
                 self.stream.write(chunk)
                 self.stream.flush()
             if not lines:
@@ -169,12 +170,13 @@ class Lines(logging.StreamHandler):  # type: ignore[type-arg]
 PIPE_BUF = 4096
 
 
-def _whole_lines(lines: list[str]) -> Iterator[str]:
-    """``lines`` joined into pieces of at most PIPE_BUF bytes that end with a line (a longer line alone)."""
+def _whole_lines(lines: list[str], encoding: str, errors: str) -> Iterator[str]:
+    """``lines`` joined into pieces of at most PIPE_BUF bytes, as ``encoding`` writes them, that end
+    with a line (a longer line alone)."""
     chunk: list[str] = []
     size = 0
     for line in lines:
-        length = len(line) if line.isascii() else len(line.encode(errors="replace"))
+        length = len(line) if line.isascii() else len(line.encode(encoding, errors))
         if chunk and size + length > PIPE_BUF:
             yield "".join(chunk)
             chunk, size = [], 0

@@ -41,12 +41,15 @@ class Statements:
 
 
 def _batches(statements: Statements) -> Batches[str, str]:
-    # A row "big..." carries MAX_BYTES; any other, one byte.
-    return Batches(
-        statements.many,
-        distinct=lambda row: row.split("#")[0],
-        size=lambda row: MAX_BYTES if row.startswith("big") else 1,
-    )
+    # A row "...!!" carries more than MAX_BYTES, a row "...!" MAX_BYTES, any other one byte; rows
+    # "y#1" and "y#2" are two writes of the row y.
+    return Batches(statements.many, distinct=lambda row: row.split("#")[0], size=_size)
+
+
+def _size(row: str) -> int:
+    if row.endswith("!!"):
+        return MAX_BYTES + 1
+    return MAX_BYTES if row.endswith("!") else 1
 
 
 async def _while_a_statement_runs() -> tuple[Statements, Batches[str, str], asyncio.Task[str]]:
@@ -169,11 +172,25 @@ async def test_rows_queued_behind_a_caller_that_gave_up_are_still_written() -> N
 
 async def test_a_statement_carries_at_most_max_bytes_and_a_larger_row_goes_alone() -> None:
     """Large answers that come back together go in statements of their own, and small ones beside them
-    go where they fit: one statement of many 10 MiB answers was cut off by Postgres, failing them all."""
+    go where they fit: one statement of many 10 MiB answers was cut off by Postgres, failing them all.
+    A row larger than the bound goes alone rather than never."""
     statements, batches, first = await _while_a_statement_runs()
-    rows = [asyncio.create_task(batches.write(row)) for row in ("big1", "big2", "c", "d")]
+    rows = [asyncio.create_task(batches.write(row)) for row in ("huge!!", "big!", "c", "d")]
     await asyncio.sleep(0)
     statements.release.set()
     await first
-    assert await asyncio.gather(*rows) == ["wrote big1", "wrote big2", "wrote c", "wrote d"]
-    assert statements.batches == [["a"], ["big1"], ["big2"], ["c", "d"]]
+    assert await asyncio.gather(*rows) == ["wrote huge!!", "wrote big!", "wrote c", "wrote d"]
+    assert statements.batches == [["a"], ["huge!!"], ["big!"], ["c", "d"]]
+
+
+async def test_writes_of_one_row_keep_their_order_when_one_is_held_back_for_its_size() -> None:
+    """A write held back because it would make its statement too large keeps the later writes of the
+    same row behind it: of two claims of one key, the first to arrive makes the record."""
+    statements, batches, first = await _while_a_statement_runs()
+    rows = [asyncio.create_task(batches.write(row)) for row in ("x", "y#1!", "y#2", "z")]
+    await asyncio.sleep(0)
+    statements.release.set()
+    await first
+    await asyncio.gather(*rows)
+    # y#2 would fit beside x, but y#1 came first and must go first.
+    assert statements.batches == [["a"], ["x", "z"], ["y#1!"], ["y#2"]]

@@ -283,3 +283,41 @@ async def test_lines_logged_in_one_turn_of_the_loop_are_written_together_and_non
         assert stream.writes == written + 1
     finally:
         log.removeHandler(handler)
+
+
+class _RawWrites(io.BytesIO):
+    """The bytes under a text stream, as the system calls would carry them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        self.sizes.append(len(data))
+        return super().write(data)
+
+
+def test_a_write_stays_within_a_pipes_atomic_size_in_the_streams_own_encoding() -> None:
+    """Lines of accented text on an ASCII stderr (each é written as four bytes) still go out in writes
+    of at most 4 KiB, each ending with a line, so another worker's write never lands inside one."""
+    raw = _RawWrites()
+    stream = io.TextIOWrapper(raw, encoding="ascii", errors="backslashreplace", write_through=True)
+    handler = Lines(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("effect_gateway.test_ascii_lines")
+    log.propagate = False
+    log.addHandler(handler)
+    try:
+
+        async def turn() -> None:
+            for n in range(20):
+                log.warning("%d %s", n, "é" * 300)
+            await asyncio.sleep(0)
+
+        asyncio.run(turn())
+    finally:
+        log.removeHandler(handler)
+    written = raw.getvalue().decode("ascii")
+    assert written.splitlines() == [f"{n} " + "\\xe9" * 300 for n in range(20)]
+    assert max(raw.sizes) <= 4096
+    assert len(raw.sizes) >= 6  # 20 lines of 1.2 KB each, at most three to a write
