@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 import pytest
 from aiohttp import web
@@ -21,42 +18,7 @@ from gateway.record import StoredResponse
 from gateway.upstream import storable_headers
 from tests.database import effect_rows
 from tests.gateways import Gateway, gateway_server
-from tests.upstreams import raw_exchange
-
-
-@dataclass
-class RawUpstream:
-    """A server that answers every request with bytes a test chose, exactly as given."""
-
-    answer: bytes = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
-    url: str = ""
-    requests: list[bytes] = field(default_factory=list)
-
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(
-            (
-                int(line.split(b":")[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length")
-            ),
-            0,
-        )
-        self.requests.append(head + await reader.readexactly(length))
-        writer.write(self.answer)
-        await writer.drain()
-        writer.close()
-
-
-@asynccontextmanager
-async def raw_upstream() -> AsyncIterator[RawUpstream]:
-    upstream = RawUpstream()
-    server = await asyncio.start_server(upstream.serve, "127.0.0.1", 0)
-    upstream.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    try:
-        yield upstream
-    finally:
-        server.close()
+from tests.upstreams import RawUpstream, raw_exchange, raw_upstream
 
 
 async def raw_request(url: str, head: bytes, body: bytes = b"{}") -> tuple[bytes, list[bytes], bytes]:
@@ -85,7 +47,8 @@ def answer(*lines: bytes, status: bytes = b"201 Created") -> bytes:
 
 @pytest.fixture
 async def upstream_raw() -> AsyncIterator[RawUpstream]:
-    async with raw_upstream() as upstream:
+    # Every test sets the answer its case needs; this one is only there until it does.
+    async with raw_upstream(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok") as upstream:
         yield upstream
 
 
