@@ -60,6 +60,33 @@ async def test_a_tenants_list_of_an_open_state_reads_only_its_own_open_effects(d
     assert rows_read(plan, "open_effects") <= 10
 
 
+async def test_an_upstreams_list_of_pending_effects_reads_the_ones_in_flight_not_a_backlog(dsn: str) -> None:
+    """An upstream's list of pending effects reads the pending ones (as many as requests in flight), and
+    its list of a backlog state reads its own: with 300,000 of another upstream's waiting for review.
+
+    The indexes by upstream leave pending effects out (a claim writes two index entries fewer), so the
+    pending list reads the pending range of open_effects' key, or the tenant's range of its own index.
+    """
+    await fill_effects(dsn, "busy", 1, 300_000, "needs_review")
+    await fill_effects(dsn, "busy", 1_000_000, 200, "pending")
+    await fill_effects(dsn, "quiet", 2_000_000, 10, "pending", upstream="mail")
+    await fill_effects(dsn, "quiet", 3_000_000, 10, "needs_review", upstream="mail")
+    lists = {
+        EffectFilter(upstream="mail", state=State.PENDING): 210,
+        EffectFilter(tenant="quiet", upstream="mail", state=State.PENDING): 10,
+        EffectFilter(upstream="mail", state=State.NEEDS_REVIEW): 10,
+        EffectFilter(tenant="quiet", upstream="mail", state=State.NEEDS_REVIEW): 10,
+    }
+    async with opened(dsn) as store:
+        for where, most in lists.items():
+            plan = await plan_run(dsn, *find_statement(where))
+            assert rows_read(plan, "open_effects") <= most, (where, rows_read(plan, "open_effects"))
+            first = 2_000_000 if where.state is State.PENDING else 3_000_000
+            assert [r.id for r in await store.find(where)] == list(range(first + 9, first - 1, -1))
+            after = replace(where, before_id=first + 5)
+            assert [r.id for r in await store.find(after)] == list(range(first + 4, first - 1, -1))
+
+
 async def test_a_quiet_tenants_pages_read_only_its_own_effects(dsn: str) -> None:
     """A tenant with 10 effects beside another's 300,000: its first page, with or without a span, and the
     page after a cursor read its own rows, and so do a quiet upstream's page of a span and the pages of
