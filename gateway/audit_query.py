@@ -63,10 +63,16 @@ _OPEN_COUNTS = """
 """
 
 
+# The predicate of migration 017's indexes by upstream (which says why they leave pending effects out),
+# spelt as a constant: Postgres uses a partial index only for a statement that implies its predicate,
+# and in a generic plan a state given as a parameter implies nothing.
+_WAITING = f"o.state <> '{State.PENDING.value}'"
+
+
 def _open_range(leading: list[tuple[str, str]], state: str, before: str | None = None) -> str:
     """The open effects in ``state`` whose ``leading`` columns (tenant, upstream or both, in that order)
     have the values given, with ids below ``before`` if given: a range of the index on (those columns,
-    state, id), migration 007's, 011's or 012's.
+    state, id), migration 007's or 017's. Never pending effects at an upstream: 017's indexes hold none.
 
     The range is spelt as one on the index's leading columns, which only that index can read: as
     "tenant = $2 and state = ..." Postgres could also read the state's range of the key and filter on
@@ -74,16 +80,12 @@ def _open_range(leading: list[tuple[str, str]], state: str, before: str | None =
     tenant): the others' counts then read that tenant's rows. ``before`` is in the range's upper end:
     as "id < $3" beside it, the index is not entered at that id but read down from the range's newest
     (12 ms at the 95,000th of a backlog, for a page of 50).
-
-    The indexes with the upstream hold no pending effect (migration 017), and a range of theirs repeats
-    that predicate as a constant: a partial index serves only a statement that implies its predicate,
-    and a state given as a parameter implies nothing.
     """
     columns = "".join(f"o.{column}, " for column, _ in leading)
     values = "".join(f"{value}, " for _, value in leading)
     lead = f"({columns}o.state) >= ({values}{state})"
     if any(column == "upstream" for column, _ in leading):
-        lead = f"o.state <> 'pending' and {lead}"
+        lead = f"{_WAITING} and {lead}"
     if before is None:
         return f"{lead} and ({columns}o.state) <= ({values}{state})"
     return f"{lead} and ({columns}o.state, o.id) < ({values}{state}, {before})"
@@ -144,9 +146,10 @@ def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
 
     A key is found through effect_keys (its digest leads that table's index); an open state is listed
     from open_effects (its key is (state, id): the page is a range of it; a tenant's, a range of
-    open_effects_by_tenant; an upstream's, of open_effects_by_upstream; a tenant's at one upstream, of
-    open_effects_by_tenant_upstream); either is joined to the audit rows and read in id order. Any other
-    page is read by time (see :func:`by_time` and :func:`_time_statement`).
+    open_effects_by_tenant; an upstream's, of open_effects_waiting_by_upstream; a tenant's at one
+    upstream, of open_effects_waiting_by_tenant_upstream; pending ones at an upstream, the pending range
+    of the key or of the tenant's index, kept by upstream); either is joined to the audit rows and read
+    in id order. Any other page is read by time (see :func:`by_time` and :func:`_time_statement`).
     """
     if by_time(where):
         return _time_statement(where)
@@ -165,13 +168,11 @@ def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
     before = arg(where.before_id) if where.before_id is not None else None
     # A tenant's or an upstream's list of an open state (or one upstream's of a tenant's) is a range of
     # its own index, read in that index's order: by id within the range. The indexes with the upstream
-    # leave pending effects out (migration 017): a list of pending ones at an upstream is the tenant's
-    # pending range, or the gateway's, as long as the requests in flight, its rows kept by upstream.
-    given = [(c, v) for c, v in (("tenant", where.tenant), ("upstream", where.upstream)) if v is not None]
-    if listed is State.PENDING:
-        given, filtered = [g for g in given if g[0] == "tenant"], [g for g in given if g[0] == "upstream"]
-    else:
-        filtered = []
+    # hold no pending effect (migration 017): pending ones at an upstream are read from the tenant's or
+    # the gateway's pending range (as many rows as requests in flight), keeping that upstream's.
+    in_range = {"tenant": where.tenant, "upstream": where.upstream}
+    kept_upstream = in_range.pop("upstream") if listed is State.PENDING else None
+    given = [(column, value) for column, value in in_range.items() if value is not None]
     if listed is not None and given:
         leading = [(column, arg(named)) for column, named in given]
         clauses.append(_open_range(leading, arg(listed.value), before))
@@ -183,8 +184,8 @@ def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
             clauses.append(f"{holder}.state = {arg(where.state.value)}")
         if before is not None:
             clauses.append(f"{holder}.id < {before}")
-    for column, named in filtered:
-        clauses.append(f"o.{column} = {arg(named)}")
+    if kept_upstream is not None:
+        clauses.append(f"o.upstream = {arg(kept_upstream)}")
     for column, value in (("e.run_id", where.run_id), ("e.key", where.key)):
         if value is not None:
             clauses.append(f"{column} = {arg(value)}")

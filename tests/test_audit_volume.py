@@ -63,17 +63,22 @@ async def test_a_tenants_list_of_an_open_state_reads_only_its_own_open_effects(d
 async def test_an_upstreams_list_of_pending_effects_reads_the_ones_in_flight_not_a_backlog(dsn: str) -> None:
     """An upstream's list of pending effects reads the pending ones (as many as requests in flight), and
     its list of a backlog state reads its own: with 300,000 of another upstream's waiting for review.
-
-    The indexes by upstream leave pending effects out (a claim writes two index entries fewer), so the
-    pending list reads the pending range of open_effects' key, or the tenant's range of its own index.
-    """
+    The indexes by upstream hold no pending effect, so that a claim writes two index entries fewer."""
     await fill_effects(dsn, "busy", 1, 300_000, "needs_review")
     await fill_effects(dsn, "busy", 1_000_000, 200, "pending")
     await fill_effects(dsn, "quiet", 2_000_000, 10, "pending", upstream="mail")
     await fill_effects(dsn, "quiet", 3_000_000, 10, "needs_review", upstream="mail")
+    await fill_effects(dsn, "quiet", 4_000_000, 5, "pending")
+    conn = await asyncpg.connect(dsn)
+    try:
+        for index in ("open_effects_waiting_by_upstream", "open_effects_waiting_by_tenant_upstream"):
+            made = await conn.fetchval("select indexdef from pg_indexes where indexname = $1", index)
+            assert made.endswith("WHERE (state <> 'pending'::text)"), made
+    finally:
+        await conn.close()
     lists = {
-        EffectFilter(upstream="mail", state=State.PENDING): 210,
-        EffectFilter(tenant="quiet", upstream="mail", state=State.PENDING): 10,
+        EffectFilter(upstream="mail", state=State.PENDING): 215,
+        EffectFilter(tenant="quiet", upstream="mail", state=State.PENDING): 15,
         EffectFilter(upstream="mail", state=State.NEEDS_REVIEW): 10,
         EffectFilter(tenant="quiet", upstream="mail", state=State.NEEDS_REVIEW): 10,
     }

@@ -117,7 +117,6 @@ async def test_a_database_migrated_by_a_newer_gateway_is_refused(
 async def before_010(conn: asyncpg.Connection) -> None:
     """The schema as it was before migration 010, which is pending again with those after it."""
     await conn.execute("delete from effect_gateway_migrations where version >= 10")
-    await conn.execute("drop index open_effects_by_upstream")
     await conn.execute("alter table open_effects drop column upstream")
     await conn.execute("alter table effect_bodies rename column content to body")
     await conn.execute("alter table effect_bodies alter column coding set default ''")
