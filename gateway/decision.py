@@ -337,6 +337,12 @@ def settle(outcome: Outcome, *, earlier_doubt: bool, method: str = "POST") -> Se
     ``method`` is the request's: a 301 or 302 to a POST is an answer, to a PUT it asks for the PUT again.
     """
     match outcome:
+        case Answered(ran="yes"):
+            state, reached, ends = State.COMPLETED, True, True
+        case Answered(ran="no"):
+            state, reached, ends = State.RETRYABLE, False, True
+        case Answered(ran="maybe"):
+            state, reached, ends = State.IN_DOUBT, True, True
         case Answered(status=status) if status in NOTHING_HAPPENED or repeats_request(status, method):
             state, reached, ends = State.RETRYABLE, False, True
         case Answered(status=status) if status in MAYBE_HAPPENED:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from gateway import browser
+from gateway import browser, mcp
 from gateway.body import RequestBody, read_body
 from gateway.errors import FormRefused, JsonRefused, NotAsFirstSent, StampError
 from gateway.fingerprint import NEVER_FINGERPRINTED
@@ -51,7 +51,7 @@ def to_send(inbound: Inbound, derived_key: str | None) -> Outbound:
     """Return the request as it goes upstream: under ``derived_key`` (stamped, or as the upstream's
     native key), and without a browser's cookies. Raises StampError when it has no place for the stamp.
     """
-    return build_outbound(
+    outbound = build_outbound(
         inbound.upstream,
         derived_key,
         inbound.method,
@@ -60,6 +60,10 @@ def to_send(inbound: Inbound, derived_key: str | None) -> Outbound:
         browser.cookieless(inbound.headers),
         inbound.body,
     )
+    if inbound.upstream.protocol == "mcp" and inbound.body.json is not None:
+        # The id in the body that goes: a later attempt sends the first call's body, under its id.
+        return replace(outbound, answer_to=mcp.id_of(inbound.body.json.value))
+    return outbound
 
 
 def as_first_sent(inbound: Inbound, record: EffectRecord) -> Outbound:

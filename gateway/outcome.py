@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from gateway.record import StoredResponse
 
@@ -14,6 +15,9 @@ class Answered:
     status: int
     headers: tuple[tuple[str, str], ...]
     body: bytes
+    # What the answer says of the effect where its protocol says it (an MCP server's answer to a tool
+    # call, read by gateway.mcp: "no", the tool never ran); None: its HTTP status says.
+    ran: Literal["yes", "no", "maybe"] | None = None
 
 
 @dataclass(frozen=True, slots=True)

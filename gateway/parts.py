@@ -65,7 +65,14 @@ async def running(
         telemetry=telemetry,
     )
     runtime = Runtime(
-        settings, policies, store, service, telemetry, CachedCounts(store.state_counts), LogHash(secret)
+        settings,
+        policies,
+        store,
+        service,
+        telemetry,
+        CachedCounts(store.state_counts),
+        LogHash(secret),
+        client,
     )
     purger = asyncio.create_task(_maintain_periodically(store, settings))
     try:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
 
 from gateway import decision
 from gateway.fingerprint import BodyFields
+from gateway.mcp import ToolKind
 from gateway.record import KeyCarriers
 from gateway.routes import Route
 from gateway.settings import KEYLESS_DEFAULTS, ErrorFormat, KeylessMode, Settings, UpstreamSettings
@@ -70,6 +72,9 @@ class UpstreamPolicy:
     never_stored: frozenset[str]
     # The dotted path of a JSON stamp, split once; () for any other stamp.
     json_stamp_path: tuple[str, ...] = ()
+    # An MCP server (gateway.mcp) or an HTTP API; for an MCP server, the tools the operator named.
+    protocol: Literal["http", "mcp"] = "http"
+    tools: Mapping[str, ToolKind] = field(default_factory=dict)
 
 
 def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) -> UpstreamPolicy:
@@ -122,6 +127,8 @@ def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) ->
         ),
         never_stored=secret | {name.lower() for name in cfg.inject_headers},
         json_stamp_path=tuple(stamp[1].split(".")) if stamp and stamp[0] == "json_field" else (),
+        protocol=cfg.protocol,
+        tools=dict(cfg.tools),
     )
 
 
@@ -137,6 +144,9 @@ def _probe_horizon(cfg: UpstreamSettings) -> timedelta | None:
 
 
 def _fingerprint_body(cfg: UpstreamSettings) -> BodyFields | None:
+    if cfg.protocol == "mcp":
+        # A tool call is the same call whatever its JSON-RPC id, session or progress token.
+        return BodyFields.covering(["params.name", "params.arguments"])
     if cfg.fingerprint_fields is not None:
         return BodyFields.covering(cfg.fingerprint_fields)
     if cfg.fingerprint_ignore is not None:

@@ -13,7 +13,7 @@ import re
 
 from aiohttp import web
 
-from gateway import browser, codings, legible, problems, replies
+from gateway import browser, codings, legible, mcp_proxy, problems, replies
 from gateway.auth import tenant_of
 from gateway.body import RequestBody, read_body
 from gateway.fingerprint import covered
@@ -130,6 +130,8 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         )
     tenant = tenant_of(request, runtime.settings)
     trail.tenant = tenant
+    if policy.protocol == "mcp":
+        return await _mcp(request, policy, tenant, path, query)
     raw_key = request.headers.get("Idempotency-Key")
     key = None
     if raw_key is not None:
@@ -171,6 +173,44 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     reply = replies.answer(result)
     trail.replayed = reply.replayed
     return to_response(reply)
+
+
+async def _mcp(
+    request: web.Request, policy: UpstreamPolicy, tenant: str, path: str, query: str
+) -> web.StreamResponse:
+    """A request to an MCP server: its body read as any other's, its tool calls made effects."""
+    runtime = request.app[RUNTIME]
+    trail = CURRENT.get()
+    run_id, step = _label(request, "Effect-Gateway-Run"), _label(request, "Effect-Gateway-Step")
+    if trail is not None:
+        trail.run_id, trail.step = run_id, step
+
+    async def read() -> RequestBody:
+        body = await _body(request, runtime.settings, policy)
+        taken = reserved_use(policy, request.headers, query, body)
+        if taken is not None:
+            raise problems.StampReserved(
+                f"{taken} is where the gateway puts its key for {policy.name}; the call may not set it"
+            )
+        return body
+
+    def inbound(body: RequestBody, key: str) -> Inbound:
+        return Inbound(
+            tenant=tenant,
+            upstream=policy,
+            method=request.method,
+            path=path,
+            query=query,
+            headers=request.headers,
+            body=body,
+            key=key,
+            wait=_wait(request, runtime.settings),
+            run_id=run_id,
+            step=step,
+            client_left=lambda: _client_left(request),
+        )
+
+    return await mcp_proxy.relay(request, policy, tenant, path, query, read, inbound)
 
 
 def _client_left(request: web.Request) -> bool:

@@ -6,13 +6,14 @@ import asyncio
 import functools
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from gateway import problems
 from gateway.errors import ClientGone
 from gateway.keys import LogHash
+from gateway.mcp import ToolKind
 from gateway.metrics import CachedCounts
 from gateway.policy import UpstreamPolicy
 from gateway.record import EffectRecord
@@ -20,6 +21,7 @@ from gateway.service import EffectService
 from gateway.settings import Settings, is_loopback
 from gateway.store import Store
 from gateway.telemetry import Observed
+from gateway.upstream import UpstreamClient
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +34,10 @@ class Runtime:
     # The effects by state for the metrics, read from the store at most every few seconds.
     state_counts: CachedCounts
     log_hash: LogHash
+    # The upstreams' HTTP sessions, for what passes through an MCP server unrecorded (gateway.mcp_proxy).
+    client: UpstreamClient
+    # What each MCP upstream's tools/list annotations said of its tools, as this worker last saw them.
+    tool_hints: dict[str, dict[str, ToolKind]] = field(default_factory=dict)
 
 
 RUNTIME = web.AppKey("runtime", Runtime)

@@ -273,6 +273,13 @@ class UpstreamSettings(_Section):
     # leaves out; at most one of the two. None: the whole body.
     fingerprint_fields: list[str] | None = None
     fingerprint_ignore: list[str] | None = None
+    # "http": each request is a call of an HTTP API. "mcp": base_url is an MCP server's streamable HTTP
+    # endpoint; each tools/call of a tool with side effects is an effect, keyed and replayed, and every
+    # other message passes through unrecorded (gateway/mcp.py).
+    protocol: Literal["http", "mcp"] = "http"
+    # MCP: the tools whose side effects the operator states ("effect" or "read_only"), over what the
+    # server's annotations say; a tool named nowhere is an effect.
+    tools: dict[str, Literal["effect", "read_only"]] = Field(default_factory=dict)
 
     # The two checks below refuse what would let recovery send an effect twice (docs/recovery.md has the
     # table of combinations). Each names the setting at fault, so each checks one field against the
@@ -338,7 +345,32 @@ class UpstreamSettings(_Section):
             raise ValueError(f"base_url {self.base_url!r} must be an http:// or https:// URL without query")
         if self.timeout <= timedelta(0) or self.connect_timeout <= timedelta(0):
             raise ValueError("timeout and connect_timeout must be positive")
+        if self.protocol == "http" and self.tools:
+            raise ValueError('tools names an MCP server\'s tools: set protocol = "mcp", or leave tools out')
+        if self.protocol == "mcp":
+            self._check_mcp()
         return self
+
+    def _check_mcp(self) -> None:
+        # A tool call's fingerprint is its tool and arguments, and its key comes with the call: the
+        # settings that shape an HTTP request's would say nothing here, or something untrue.
+        for name in ("fingerprint_fields", "fingerprint_ignore"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: an MCP tool call's fingerprint is its tool's name and arguments")
+        if self.keyless:
+            raise ValueError("keyless: an MCP tool call with side effects needs a key; read-only tools pass")
+        if self.probe is not None:
+            raise ValueError(
+                "probe: an MCP server is probed with a tool call, which this version does not make yet; "
+                "without a probe a tool call left in doubt waits for an operator"
+            )
+        if self.stamp is not None and not (
+            self.stamp.json_field and self.stamp.json_field.startswith(("params.arguments.", "params._meta."))
+        ):
+            raise ValueError(
+                "stamp: an MCP tool call carries its key in its arguments or its _meta: a json_field such as "
+                "params.arguments.client_reference"
+            )
 
 
 class TenantSettings(_Section):

@@ -16,6 +16,7 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
+from gateway import mcp
 from gateway.body import RequestBody
 from gateway.headers import (
     GATEWAY_REQUEST_HEADERS,
@@ -40,6 +41,9 @@ class Outbound:
     url: URL
     headers: CIMultiDict[str]
     body: bytes
+    # An MCP tool call's JSON-RPC id (gateway.mcp): the answer is the server's response to it, read as
+    # it arrives; None: the HTTP answer, read whole.
+    answer_to: str | None = None
 
 
 def build_outbound(
@@ -99,6 +103,38 @@ async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes | None
             return None
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _tool_answer(resp: aiohttp.ClientResponse, call: str, limit: int) -> Outcome:
+    """An MCP server's answer to the tool call ``call``, read up to that answer (a stream of events may
+    go on after it) and no further than ``limit`` bytes."""
+    content_type = resp.headers.get("Content-Type", "")
+    if resp.status == 200 and mcp.media_type(content_type) == "text/event-stream":
+        events, size = mcp.SseReader(), 0
+        async for chunk in resp.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                why = f"the MCP server's stream passed {limit} bytes before answering"
+                return NoAnswer(why, too_large=True)
+            for text in events.feed(chunk):
+                answer = mcp.response_in(text, call)
+                if answer is not None:
+                    resp.close()
+                    return _answered(resp.status, answer)
+        texts = events.feed(b"", final=True)
+        answer = next(filter(None, (mcp.response_in(text, call) for text in texts)), None)
+    else:
+        body = await read_limited(resp, limit)
+        if body is None:
+            return NoAnswer(f"the response is larger than {limit} bytes", too_large=True)
+        answer = mcp.answer_of(resp.status, content_type, body, call)
+    if answer is None:
+        return NoAnswer(f"the MCP server's answer (HTTP {resp.status}) holds no response to the call")
+    return _answered(resp.status, answer)
+
+
+def _answered(status: int, answer: mcp.ToolAnswer) -> Answered:
+    return Answered(status, mcp.STORED_HEADERS, answer.stored, ran=answer.ran)
 
 
 def _headers_sent(_session: Any, ctx: SimpleNamespace, _params: Any) -> Any:
@@ -192,6 +228,8 @@ class UpstreamClient:
                     # the effect, and the connection is no longer HTTP: drop it.
                     resp.close()
                     return NoAnswer(f"the upstream answered {resp.status}, which is not a final answer")
+                if request.answer_to is not None:
+                    return await _tool_answer(resp, request.answer_to, self.max_response_bytes)
                 body = await read_limited(resp, self.max_response_bytes)
                 if body is None:
                     return NoAnswer(

@@ -1,0 +1,195 @@
+"""An MCP server's endpoint behind the gateway: tool calls with side effects go through the driver as
+effects; every other message, and every GET and DELETE of the transport, passes through unrecorded and
+streamed, as the server answered it.
+
+An agent's MCP client points at ``/<upstream>/<the server's endpoint path>`` instead of the server. A
+``tools/call`` of a tool with side effects (gateway.mcp.kind_of) needs a key: in the call's
+``params._meta["effect-gateway/idempotency-key"]`` or the POST's ``Idempotency-Key`` header. Its answer,
+first or replayed, is the JSON-RPC response under the call's own id, as JSON when the agent takes JSON
+(MCP clients take both) and as an event stream otherwise. Whatever the gateway refuses or waits for on a
+tool call is a JSON-RPC error (code -32000) whose ``data`` is the problem it would answer over HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gateway import browser, jsonbody, mcp, problems, replies
+from gateway.body import RequestBody
+from gateway.errors import GatewayError, JsonRefused, KeySyntaxError
+from gateway.inbound import Inbound
+from gateway.keys import parse_key
+from gateway.policy import UpstreamPolicy
+from gateway.runtime import RUNTIME, Runtime
+from gateway.trail import CURRENT
+from gateway.upstream import build_outbound, storable_headers
+
+# The most of a tools/list answer read for its annotations (a server with thousands of tools lists
+# them in pages); past it the tools keep what the operator or an earlier page said.
+MOST_LISTED = 1024 * 1024
+
+
+async def relay(
+    request: web.Request,
+    policy: UpstreamPolicy,
+    tenant: str,
+    path: str,
+    query: str,
+    read: Callable[[], Awaitable[RequestBody]],
+    inbound: Callable[[RequestBody, str], Inbound],
+) -> web.StreamResponse:
+    """Answer one request to the MCP upstream ``policy``.
+
+    ``read`` reads the body as the proxy reads any (decoded, parsed, its fingerprint built); ``inbound``
+    makes the driver's request of it under a key.
+    """
+    runtime = request.app[RUNTIME]
+    try:
+        body = await read()
+    except (problems.Problem, GatewayError) as exc:
+        if request.method != "POST":
+            raise
+        told = exc if isinstance(exc, problems.Problem) else replies.problem_of_error(exc)
+        unread = mcp.Refused("null", f"the message cannot be read: {told.detail}", -32700)
+        return _rpc(request, mcp.refused(unread))
+    if request.method != "POST":
+        return await _pass(request, runtime, policy, path, query, body)
+    if body.json is None:
+        why = "an MCP message is JSON, sent with Content-Type: application/json"
+        return _rpc(request, mcp.refused(mcp.Refused("null", why, -32700)))
+    message = mcp.message_of(body.json.value)
+    match message:
+        case mcp.Refused():
+            return _rpc(request, mcp.refused(message))
+        case mcp.PassThrough(method=method):
+            return await _pass(request, runtime, policy, path, query, body, learn=method == "tools/list")
+    hints = runtime.tool_hints.get(policy.name, {})
+    if mcp.kind_of(message.name, policy.tools, hints) == "read_only":
+        return await _pass(request, runtime, policy, path, query, body)
+    try:
+        key = _key(message, request.headers.get("Idempotency-Key"), policy)
+        if key is None:
+            raise problems.KeyMissing(
+                f"the tool {message.name!r} of {policy.name} has side effects, and its call needs a key: in "
+                f"params._meta[\"{mcp.KEY_META}\"] (the journal's call_tool puts the step's key there) or "
+                "an Idempotency-Key header; without one a retry would run the tool again"
+            )
+        trail = CURRENT.get()
+        if trail is not None:
+            trail.key_hash = runtime.log_hash.of(tenant, policy.name, key)
+        result = await runtime.service.handle(inbound(body, key))
+        reply = replies.answer(result)
+    except (problems.Problem, GatewayError) as exc:
+        told = exc if isinstance(exc, problems.Problem) else replies.problem_of_error(exc)
+        _note(told)
+        return _rpc(request, mcp.gateway_error(message.id_json, told.detail, told.body()), told.headers)
+    stored = reply.response.body
+    if not stored.startswith((b'{"result":', b'{"error":')):
+        why = "the answer on record for this key is not an MCP server's answer to a tool call"
+        return _rpc(request, mcp.gateway_error(message.id_json, why, {"status": reply.response.status}))
+    trail = CURRENT.get()
+    if trail is not None:
+        trail.replayed = reply.replayed
+    headers = {"Idempotent-Replayed": "true"} if reply.replayed else {}
+    return _rpc(request, mcp.envelope(stored, message.id_json), headers)
+
+
+def _key(call: mcp.ToolCall, header: str | None, policy: UpstreamPolicy) -> str | None:
+    """The call's key: in its _meta or the POST's header (the same key where both are given)."""
+    if call.key is not None and header is not None and call.key != header:
+        raise problems.BadRequest(
+            f'params._meta["{mcp.KEY_META}"] and the Idempotency-Key header name two different keys'
+        )
+    key = call.key if call.key is not None else header
+    try:
+        return parse_key(key) if key is not None else None
+    except KeySyntaxError as exc:
+        raise problems.KeyMalformed(str(exc)) from None
+
+
+def _note(problem: problems.Problem) -> None:
+    # The request's metrics and log line name the problem, as for an HTTP answer (gateway.telemetry).
+    trail = CURRENT.get()
+    if trail is not None:
+        trail.problem = problem.type
+
+
+def _rpc(request: web.Request, message: bytes, headers: dict[str, str] | None = None) -> web.Response:
+    """One JSON-RPC message as the gateway's answer, in the framing the agent takes."""
+    content_type, body = mcp.framed(message, mcp.framing(request.headers.get("Accept", "")))
+    out = web.Response(status=200, body=body, headers=headers or {})
+    out.content_type = content_type
+    return out
+
+
+async def _pass(
+    request: web.Request,
+    runtime: Runtime,
+    policy: UpstreamPolicy,
+    path: str,
+    query: str,
+    body: RequestBody,
+    *,
+    learn: bool = False,
+) -> web.StreamResponse:
+    """Send the request on as it came (with the upstream's credentials) and stream the answer back.
+
+    With ``learn``, the answer is a tools/list result, and its annotations are kept for the next calls.
+    """
+    headers = browser.cookieless(request.headers)
+    outbound = build_outbound(policy, None, request.method, path, query, headers, body)
+    session = runtime.client.session(policy.name)
+    # No total: a GET's event stream lasts as long as the session does.
+    timeout = aiohttp.ClientTimeout(total=None, connect=policy.connect_timeout.total_seconds())
+    out: web.StreamResponse | None = None
+    listed: list[bytes] = []
+    try:
+        async with session.request(
+            outbound.method,
+            outbound.url,
+            headers=outbound.headers,
+            data=outbound.body or None,
+            timeout=timeout,
+            allow_redirects=False,
+        ) as resp:
+            kept = CIMultiDict(storable_headers(resp.raw_headers))
+            out = web.StreamResponse(status=resp.status, headers=kept)
+            await out.prepare(request)
+            size = 0
+            async for chunk in resp.content.iter_any():
+                await out.write(chunk)
+                size += len(chunk)
+                if learn and size <= MOST_LISTED:
+                    listed.append(chunk)
+            await out.write_eof()
+            if learn and size <= MOST_LISTED:
+                _learn(runtime, policy, resp.headers.get("Content-Type", ""), b"".join(listed))
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        if out is None:
+            raise problems.UpstreamUnreachable(
+                f"{policy.name} could not be reached: {type(exc).__name__}: {exc}; nothing was recorded"
+            ) from None
+        # The answer was under way: the agent sees its stream end, as it would from the server.
+    trail = CURRENT.get()
+    if trail is not None:
+        trail.status = out.status if out is not None else None
+    return out
+
+
+def _learn(runtime: Runtime, policy: UpstreamPolicy, content_type: str, body: bytes) -> None:
+    if mcp.media_type(content_type) == "text/event-stream":
+        texts = mcp.SseReader().feed(body, final=True)
+    else:
+        texts = [body.decode("utf-8", "replace")]
+    for text in texts:
+        try:
+            message: Any = jsonbody.loads(text.encode())
+        except JsonRefused:
+            continue
+        if isinstance(message, dict) and "result" in message:
+            runtime.tool_hints.setdefault(policy.name, {}).update(mcp.hints_of(message["result"]))

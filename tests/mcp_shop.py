@@ -1,0 +1,71 @@
+"""A shop as an MCP server (the official SDK's), on loopback port 0, for the tests of MCP tool calls.
+
+``place_order`` has side effects and no idempotency of its own: every call it runs places an order.
+``find_orders`` is read-only (annotated so) and lists the orders placed with a reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from mcp.server.mcpserver import MCPServer
+from mcp.types import ToolAnnotations
+
+
+@dataclass
+class Shop:
+    url: str
+    orders: list[dict[str, Any]] = field(default_factory=list)
+    # Calls of each tool the server ran (a read-only one included).
+    runs: dict[str, int] = field(default_factory=dict)
+
+
+def _server(shop: Shop) -> MCPServer:
+    server = MCPServer("shop")
+
+    @server.tool()
+    def place_order(item: str, quantity: int, client_reference: str = "") -> dict[str, Any]:
+        """Place an order (a side effect, done again on every call)."""
+        shop.runs["place_order"] = shop.runs.get("place_order", 0) + 1
+        order = {
+            "id": f"ord_{len(shop.orders) + 1}",
+            "item": item,
+            "quantity": quantity,
+            "reference": client_reference,
+        }
+        shop.orders.append(order)
+        return order
+
+    @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+    def find_orders(reference: str) -> dict[str, Any]:
+        """The orders placed with ``reference``."""
+        shop.runs["find_orders"] = shop.runs.get("find_orders", 0) + 1
+        return {"orders": [o for o in shop.orders if o["reference"] == reference]}
+
+    return server
+
+
+@contextlib.asynccontextmanager
+async def mcp_shop(*, json_response: bool = False) -> AsyncIterator[Shop]:
+    """The shop served at http://127.0.0.1:<port>/mcp, answering in JSON or in event streams."""
+    shop = Shop("")
+    app = _server(shop).streamable_http_app(json_response=json_response)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        shop.url = f"http://127.0.0.1:{port}/mcp"
+        yield shop
+    finally:
+        server.should_exit = True
+        await task

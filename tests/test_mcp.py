@@ -1,0 +1,199 @@
+"""MCP tool calls through the gateway: a real MCP server (the official SDK's) and the SDK's own client.
+
+A tool call with side effects runs once per key whatever the retries, across sessions (an agent's
+re-run opens a new one); its answer is replayed under the retry's own JSON-RPC id, in the framing the
+agent takes. Read-only tools pass through unrecorded. What the gateway refuses is a JSON-RPC error that
+the SDK raises as McpError.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+
+from gateway.audit_query import EffectFilter
+from gateway.mcp import KEY_META
+from tests.gateways import Gateway, gateway_server
+from tests.mcp_shop import Shop, mcp_shop
+
+
+def shop_upstream(shop: Shop, **more: Any) -> dict[str, Any]:
+    return {"shop": {"base_url": shop.url.removesuffix("/mcp"), "protocol": "mcp", **more}}
+
+
+@asynccontextmanager
+async def session(gw: Gateway) -> AsyncIterator[ClientSession]:
+    """A new MCP session with the shop through the gateway, initialized, its tools listed."""
+    async with (
+        streamable_http_client(f"{gw.url}/shop/mcp") as (read, write),
+        ClientSession(read, write) as mcp_session,
+    ):
+        await mcp_session.initialize()
+        await mcp_session.list_tools()
+        yield mcp_session
+
+
+async def place(gw: Gateway, key: str | None, quantity: int = 2) -> Any:
+    """place_order in a session of its own; the MCPError the SDK raises is returned, not raised (raised,
+    it would leave the session's task group wrapped in an ExceptionGroup)."""
+    async with session(gw) as s:
+        meta = {KEY_META: key} if key is not None else None
+        try:
+            return await s.call_tool("place_order", {"item": "atta", "quantity": quantity}, meta=meta)
+        except MCPError as exc:
+            return exc
+
+
+async def test_a_tool_call_sent_again_in_a_new_session_runs_once_and_is_replayed(dsn: str) -> None:
+    """Three calls of place_order under one key, each in a session of its own: one order, three answers
+    with the same result, and one effect in the audit holding the tool's name, arguments and result."""
+    async with mcp_shop() as shop, gateway_server(dsn, upstreams=shop_upstream(shop)) as gw:
+        answers = [await place(gw, "run-7:order") for _ in range(3)]
+        assert shop.runs["place_order"] == 1
+        assert len(shop.orders) == 1
+        assert {json.dumps(a.structured_content, sort_keys=True) for a in answers} == {
+            json.dumps(shop.orders[0], sort_keys=True)
+        }
+        [effect] = await gw.runtime.store.find(EffectFilter(upstream="shop"))
+        assert effect.state.value == "completed"
+        full = await gw.runtime.store.get(effect.id)
+        assert full is not None
+        assert full.response is not None
+        assert b'"place_order"' in (full.request_body or b"")
+        assert b'"quantity":2' in (full.request_body or b"")
+        assert full.response.body.startswith(b'{"result":')
+        assert b"ord_1" in full.response.body
+
+
+async def test_a_call_without_a_key_and_a_key_reused_with_other_arguments_are_refused(dsn: str) -> None:
+    """Neither reaches the tool: the SDK raises the gateway's JSON-RPC error, which says why."""
+    async with mcp_shop() as shop, gateway_server(dsn, upstreams=shop_upstream(shop)) as gw:
+        keyless = await place(gw, None)
+        assert isinstance(keyless, MCPError)
+        assert "needs a key" in str(keyless)
+        assert shop.runs == {}
+        await place(gw, "run-8:order", quantity=2)
+        reused = await place(gw, "run-8:order", quantity=5)
+        assert isinstance(reused, MCPError)
+        assert "different" in str(reused)
+        assert reused.error.data["type"].endswith("key-reused")
+        assert shop.runs["place_order"] == 1
+
+
+async def test_a_read_only_tool_passes_through_unrecorded(dsn: str) -> None:
+    """find_orders, annotated read-only by the server, runs every time and leaves no effect; a tool the
+    operator names read-only does too, without any annotation."""
+    async with mcp_shop() as shop, gateway_server(dsn, upstreams=shop_upstream(shop)) as gw:
+        async with session(gw) as s:
+            for _ in range(2):
+                found = await s.call_tool("find_orders", {"reference": "r"})
+                assert found.structured_content == {"orders": []}
+        assert shop.runs["find_orders"] == 2
+        assert await gw.runtime.store.find(EffectFilter(upstream="shop")) == []
+    async with (
+        mcp_shop() as shop,
+        gateway_server(dsn, upstreams=shop_upstream(shop, tools={"place_order": "read_only"})) as gw,
+    ):
+        await place(gw, None)
+        await place(gw, None)
+        assert shop.runs["place_order"] == 2
+        assert await gw.runtime.store.find(EffectFilter(upstream="shop")) == []
+
+
+async def _raw_session(http: aiohttp.ClientSession, url: str) -> dict[str, str]:
+    """A session opened by hand: the headers its later messages carry."""
+    hello = {
+        "jsonrpc": "2.0",
+        "id": 0,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "t", "version": "1"},
+        },
+    }
+    accept = {"Accept": "application/json, text/event-stream"}
+    async with http.post(url, json=hello, headers=accept) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+        headers = {
+            **accept,
+            "Mcp-Session-Id": resp.headers["Mcp-Session-Id"],
+            "MCP-Protocol-Version": "2025-06-18",
+        }
+    async with http.post(
+        url, json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers
+    ) as resp:
+        assert resp.status == 202
+    return headers
+
+
+@pytest.mark.parametrize("json_response", [True, False], ids=["server-json", "server-sse"])
+async def test_a_replay_carries_the_retrys_own_id_in_the_framing_it_takes(
+    dsn: str, json_response: bool
+) -> None:
+    """The first answer under id 7 as JSON; the replay, in a new session, under id "abc" as an event
+    stream when the agent takes only that: the same result bytes, whichever framing the server used."""
+    async with (
+        mcp_shop(json_response=json_response) as shop,
+        gateway_server(dsn, upstreams=shop_upstream(shop)) as gw,
+        aiohttp.ClientSession() as http,
+    ):
+        url = f"{gw.url}/shop/mcp"
+        call = {
+            "jsonrpc": "2.0",
+            "method": "tools/call",
+            "params": {
+                "name": "place_order",
+                "arguments": {"item": "atta", "quantity": 1},
+                "_meta": {KEY_META: "r:1"},
+            },
+        }
+        headers = await _raw_session(http, url)
+        async with http.post(url, json={**call, "id": 7}, headers=headers) as resp:
+            assert resp.status == 200
+            assert resp.content_type == "application/json"
+            first = await resp.read()
+        assert first.startswith(b'{"jsonrpc":"2.0","id":7,"result":')
+        headers = await _raw_session(http, url)
+        headers["Accept"] = "text/event-stream"
+        async with http.post(url, json={**call, "id": "abc"}, headers=headers) as resp:
+            assert resp.content_type == "text/event-stream"
+            assert resp.headers["Idempotent-Replayed"] == "true"
+            replayed = await resp.read()
+        result = first.removeprefix(b'{"jsonrpc":"2.0","id":7,')
+        assert replayed == b'event: message\ndata: {"jsonrpc":"2.0","id":"abc",' + result + b"\n\n"
+        assert shop.runs["place_order"] == 1
+
+
+async def test_malformed_messages_get_a_json_rpc_error_and_reach_nothing(dsn: str) -> None:
+    """Broken JSON, a duplicate key, a batch with a tool call, a tool call without a name: each a
+    JSON-RPC error from the gateway, nothing run."""
+    async with (
+        mcp_shop() as shop,
+        gateway_server(dsn, upstreams=shop_upstream(shop)) as gw,
+        aiohttp.ClientSession() as http,
+    ):
+        url = f"{gw.url}/shop/mcp"
+        headers = await _raw_session(http, url)
+        headers["Content-Type"] = "application/json"
+        call = '{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"place_order","arguments":{}}}'
+        for body, code in [
+            ("{", -32700),
+            ('{"jsonrpc":"2.0","id":1,"id":2,"method":"tools/call","params":{"name":"place_order"}}', -32700),
+            (f"[{call}]", -32600),
+            ('{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{}}', -32602),
+        ]:
+            async with http.post(url, data=body, headers=headers) as resp:
+                assert resp.status == 200
+                answer = await resp.json()
+            assert answer["error"]["code"] == code, (body, answer)
+        assert shop.runs == {}
