@@ -1,6 +1,7 @@
 """A shop as an MCP server (the official SDK's), on loopback port 0, for the tests of MCP tool calls.
 
 ``place_order`` has side effects and no idempotency of its own: every call it runs places an order.
+``slow_order`` places its order and then waits to answer until the test releases it.
 ``find_orders`` is read-only (annotated so) and lists the orders placed with a reference.
 """
 
@@ -23,6 +24,9 @@ class Shop:
     orders: list[dict[str, Any]] = field(default_factory=list)
     # Calls of each tool the server ran (a read-only one included).
     runs: dict[str, int] = field(default_factory=dict)
+    # slow_order sets started once it has placed its order, and answers once release is set.
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def _server(shop: Shop) -> MCPServer:
@@ -39,6 +43,16 @@ def _server(shop: Shop) -> MCPServer:
             "reference": client_reference,
         }
         shop.orders.append(order)
+        return order
+
+    @server.tool()
+    async def slow_order(item: str) -> dict[str, Any]:
+        """Place an order at once, and answer only once the test releases it."""
+        shop.runs["slow_order"] = shop.runs.get("slow_order", 0) + 1
+        order = {"id": f"ord_{len(shop.orders) + 1}", "item": item, "quantity": 1, "reference": ""}
+        shop.orders.append(order)
+        shop.started.set()
+        await shop.release.wait()
         return order
 
     @server.tool(annotations=ToolAnnotations(readOnlyHint=True))

@@ -8,6 +8,7 @@ the SDK raises as McpError.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,6 +18,7 @@ import aiohttp
 import pytest
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
 from gateway.audit_query import EffectFilter
@@ -30,10 +32,13 @@ def shop_upstream(shop: Shop, **more: Any) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def session(gw: Gateway) -> AsyncIterator[ClientSession]:
-    """A new MCP session with the shop through the gateway, initialized, its tools listed."""
+async def session(gw: Gateway, token: str | None = None) -> AsyncIterator[ClientSession]:
+    """A new MCP session with the shop through the gateway (as the tenant of ``token``), initialized,
+    its tools listed."""
+    headers = {"Effect-Gateway-Token": token} if token else None
     async with (
-        streamable_http_client(f"{gw.url}/shop/mcp") as (read, write),
+        create_mcp_http_client(headers=headers) as http,
+        streamable_http_client(f"{gw.url}/shop/mcp", http_client=http) as (read, write),
         ClientSession(read, write) as mcp_session,
     ):
         await mcp_session.initialize()
@@ -41,13 +46,18 @@ async def session(gw: Gateway) -> AsyncIterator[ClientSession]:
         yield mcp_session
 
 
-async def place(gw: Gateway, key: str | None, quantity: int = 2) -> Any:
-    """place_order in a session of its own; the MCPError the SDK raises is returned, not raised (raised,
-    it would leave the session's task group wrapped in an ExceptionGroup)."""
-    async with session(gw) as s:
+async def place(
+    gw: Gateway, key: str | None, quantity: int = 2, *, tool: str = "place_order", token: str | None = None
+) -> Any:
+    """A call of ``tool`` in a session of its own; the MCPError the SDK raises is returned, not raised
+    (raised, it would leave the session's task group wrapped in an ExceptionGroup)."""
+    arguments: dict[str, Any] = (
+        {"item": "atta"} if tool == "slow_order" else {"item": "atta", "quantity": quantity}
+    )
+    async with session(gw, token) as s:
         meta = {KEY_META: key} if key is not None else None
         try:
-            return await s.call_tool("place_order", {"item": "atta", "quantity": quantity}, meta=meta)
+            return await s.call_tool(tool, arguments, meta=meta)
         except MCPError as exc:
             return exc
 
@@ -86,6 +96,38 @@ async def test_a_call_without_a_key_and_a_key_reused_with_other_arguments_are_re
         assert "different" in str(reused)
         assert reused.error.data["type"].endswith("key-reused")
         assert shop.runs["place_order"] == 1
+
+
+async def test_a_twin_sent_while_the_call_runs_is_told_it_is_in_flight_then_gets_the_result(dsn: str) -> None:
+    """A second call under the key while the first is still running: a JSON-RPC error saying the call
+    is in flight (the HTTP 409 as its data), nothing run; once the first answers, the twin's retry is
+    the first call's result."""
+    async with mcp_shop() as shop, gateway_server(dsn, upstreams=shop_upstream(shop)) as gw:
+        first = asyncio.create_task(place(gw, "run-9:slow", tool="slow_order"))
+        await asyncio.wait_for(shop.started.wait(), 10)
+        twin = await place(gw, "run-9:slow", tool="slow_order")
+        assert isinstance(twin, MCPError)
+        assert twin.error.data["status"] == 409
+        shop.release.set()
+        answered = await first
+        retried = await place(gw, "run-9:slow", tool="slow_order")
+        assert retried.structured_content == answered.structured_content == shop.orders[0]
+        assert shop.runs["slow_order"] == 1
+
+
+async def test_tenants_keep_their_keys_apart(dsn: str) -> None:
+    """Two tenants call under the same key: each call runs once for its tenant, and each tenant's retry
+    is its own result, never the other's."""
+    tenants = {"a": {"token": "token-a-0123456789abcdef"}, "b": {"token": "token-b-0123456789abcdef"}}
+    async with mcp_shop() as shop, gateway_server(dsn, upstreams=shop_upstream(shop), tenants=tenants) as gw:
+        a = await place(gw, "run-1:order", quantity=1, token=tenants["a"]["token"])
+        b = await place(gw, "run-1:order", quantity=7, token=tenants["b"]["token"])
+        assert a.structured_content["quantity"] == 1
+        assert b.structured_content["quantity"] == 7
+        assert shop.runs["place_order"] == 2
+        again = await place(gw, "run-1:order", quantity=7, token=tenants["b"]["token"])
+        assert again.structured_content == b.structured_content
+        assert shop.runs["place_order"] == 2
 
 
 async def test_a_read_only_tool_passes_through_unrecorded(dsn: str) -> None:
