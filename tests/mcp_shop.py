@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import uvicorn
 from mcp.server.mcpserver import MCPServer
 from mcp.types import ToolAnnotations
@@ -83,3 +84,32 @@ async def mcp_shop(*, json_response: bool = False) -> AsyncIterator[Shop]:
     finally:
         server.should_exit = True
         await task
+
+
+async def raw_session(http: aiohttp.ClientSession, url: str) -> dict[str, str]:
+    """An MCP session opened by hand at ``url`` (initialize, then initialized): the headers its later
+    messages carry."""
+    hello = {
+        "jsonrpc": "2.0",
+        "id": 0,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "t", "version": "1"},
+        },
+    }
+    accept = {"Accept": "application/json, text/event-stream"}
+    async with http.post(url, json=hello, headers=accept) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+        headers = {
+            **accept,
+            "Mcp-Session-Id": resp.headers["Mcp-Session-Id"],
+            "MCP-Protocol-Version": "2025-06-18",
+        }
+    async with http.post(
+        url, json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers
+    ) as resp:
+        assert resp.status == 202
+    return headers

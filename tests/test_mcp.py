@@ -24,7 +24,7 @@ from mcp.shared.exceptions import MCPError
 from gateway.audit_query import EffectFilter
 from gateway.mcp import KEY_META
 from tests.gateways import Gateway, gateway_server
-from tests.mcp_shop import Shop, mcp_shop
+from tests.mcp_shop import Shop, mcp_shop, raw_session
 
 
 def shop_upstream(shop: Shop, **more: Any) -> dict[str, Any]:
@@ -150,34 +150,6 @@ async def test_a_read_only_tool_passes_through_unrecorded(dsn: str) -> None:
         assert await gw.runtime.store.find(EffectFilter(upstream="shop")) == []
 
 
-async def _raw_session(http: aiohttp.ClientSession, url: str) -> dict[str, str]:
-    """A session opened by hand: the headers its later messages carry."""
-    hello = {
-        "jsonrpc": "2.0",
-        "id": 0,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": "2025-06-18",
-            "capabilities": {},
-            "clientInfo": {"name": "t", "version": "1"},
-        },
-    }
-    accept = {"Accept": "application/json, text/event-stream"}
-    async with http.post(url, json=hello, headers=accept) as resp:
-        assert resp.status == 200, await resp.text()
-        await resp.read()
-        headers = {
-            **accept,
-            "Mcp-Session-Id": resp.headers["Mcp-Session-Id"],
-            "MCP-Protocol-Version": "2025-06-18",
-        }
-    async with http.post(
-        url, json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers
-    ) as resp:
-        assert resp.status == 202
-    return headers
-
-
 @pytest.mark.parametrize("json_response", [True, False], ids=["server-json", "server-sse"])
 async def test_a_replay_carries_the_retrys_own_id_in_the_framing_it_takes(
     dsn: str, json_response: bool
@@ -199,13 +171,13 @@ async def test_a_replay_carries_the_retrys_own_id_in_the_framing_it_takes(
                 "_meta": {KEY_META: "r:1"},
             },
         }
-        headers = await _raw_session(http, url)
+        headers = await raw_session(http, url)
         async with http.post(url, json={**call, "id": 7}, headers=headers) as resp:
             assert resp.status == 200
             assert resp.content_type == "application/json"
             first = await resp.read()
         assert first.startswith(b'{"jsonrpc":"2.0","id":7,"result":')
-        headers = await _raw_session(http, url)
+        headers = await raw_session(http, url)
         headers["Accept"] = "text/event-stream"
         async with http.post(url, json={**call, "id": "abc"}, headers=headers) as resp:
             assert resp.content_type == "text/event-stream"
@@ -225,7 +197,7 @@ async def test_malformed_messages_get_a_json_rpc_error_and_reach_nothing(dsn: st
         aiohttp.ClientSession() as http,
     ):
         url = f"{gw.url}/shop/mcp"
-        headers = await _raw_session(http, url)
+        headers = await raw_session(http, url)
         headers["Content-Type"] = "application/json"
         call = '{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"place_order","arguments":{}}}'
         for body, code in [
