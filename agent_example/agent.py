@@ -9,6 +9,8 @@ what a step remembers and how its side effect is made safe:
   (the article's third design); the email carries a key the mail service honours.
 - ``journal+keys-http``: the same keys sent straight to the HTTP shop, which ignores them.
 - ``journal+gateway``: the order and the email go through effect-gateway.
+- ``mcp-naive`` and ``mcp-journal+gateway``: the same two with the shop as an MCP server, the order a
+  ``place_order`` tool call (straight to the server, or through the gateway with the step's key).
 
 ``python -m agent_example.agent --design D --run-id R --dsn DSN --shop URL --mail URL --gateway URL
 [--crash after-effect:4]`` runs it once; ``--crash`` SIGKILLs the process at that point.
@@ -33,7 +35,15 @@ import httpx
 from agent_example import model
 from journal import Journal, StepContext, keyed_client
 
-DESIGNS = ("naive", "journal", "journal+keys", "journal+keys-http", "journal+gateway")
+DESIGNS = (
+    "naive",
+    "journal",
+    "journal+keys",
+    "journal+keys-http",
+    "journal+gateway",
+    "mcp-naive",
+    "mcp-journal+gateway",
+)
 LOW = ["atta", "toor dal", "paneer", "spinach"]
 
 ORDERS = """
@@ -51,6 +61,35 @@ class Endpoints:
     shop: str
     mail: str
     gateway: str
+    mcp_shop: str = ""
+
+
+class Stopped(Exception):
+    """What stops a run short of its end, said in one line (the re-run picks it up)."""
+
+
+async def place_order_over_mcp(url: str, items: list[str], run_id: str, keyed: bool) -> dict[str, Any]:
+    """The order as a place_order tool call in a new MCP session (a re-run opens a new one); ``keyed``:
+    with the step's key in the call's _meta (journal.call_tool), for the gateway to recognise a re-run."""
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared.exceptions import MCPError
+
+    from journal import call_tool
+
+    arguments = {"items": items, "run_id": run_id}
+    async with streamable_http_client(url) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        try:
+            if keyed:
+                result = await call_tool(session, "place_order", arguments)
+            else:
+                result = await session.call_tool("place_order", arguments)
+        except MCPError as exc:
+            raise Stopped(f"place_order: {exc}") from None
+    if result.is_error or not result.structured_content:
+        raise Stopped(f"place_order answered an error: {result.content}")
+    return {"orderId": result.structured_content["order_id"]}
 
 
 class NaiveRun:
@@ -107,20 +146,24 @@ async def run_agent(design: str, run_id: str, dsn: str, at: Endpoints, crash: st
         await db.execute(model.SCHEMA)
         run: Any = (
             NaiveRun(run_id, crash_at(crash))
-            if design == "naive"
+            if design in ("naive", "mcp-naive")
             else await journal.run(run_id, on_point=crash_at(crash))
         )
-        keyed = design not in ("naive", "journal")
+        keyed = design not in ("naive", "journal", "mcp-naive")
+        gateway = design in ("journal+gateway", "mcp-journal+gateway")
         # The keyed client stamps {run}:{step} on every unsafe request; the plain one sends no key.
         async with keyed_client(timeout=30) as with_keys, httpx.AsyncClient(timeout=30) as without_keys:
             http = with_keys if keyed else without_keys
-            shop_url = f"{at.gateway}/shop" if design == "journal+gateway" else at.shop
-            mail_url = f"{at.gateway}/mail" if design == "journal+gateway" else at.mail
+            shop_url = f"{at.gateway}/shop" if gateway else at.shop
+            mail_url = f"{at.gateway}/mail" if gateway else at.mail
             # Through the gateway, a retry waits for an earlier request with the same key that is still
             # settling, instead of a 409.
-            wait = {"Prefer": "wait=30"} if design == "journal+gateway" else {}
+            wait = {"Prefer": "wait=30"} if gateway else {}
 
             async def order(ctx: StepContext) -> dict[str, Any]:
+                if design.startswith("mcp-"):
+                    url = f"{at.gateway}/mcpshop/mcp" if gateway else f"{at.mcp_shop}/mcp"
+                    return await place_order_over_mcp(url, pantry["low"], run_id, keyed)
                 if design in ("naive", "journal", "journal+keys"):
                     return await place_order_in_db(db, run_id, pantry["low"], ctx.key if keyed else None)
                 resp = await http.post(
@@ -164,15 +207,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shop", required=True)
     parser.add_argument("--mail", required=True)
     parser.add_argument("--gateway", default="")
+    parser.add_argument("--mcp-shop", default="", help="the shop as an MCP server (the mcp-* designs)")
     parser.add_argument("--crash", help="after-effect:N or after-checkpoint:N")
     args = parser.parse_args(argv)
     try:
         result = asyncio.run(
             run_agent(
-                args.design, args.run_id, args.dsn, Endpoints(args.shop, args.mail, args.gateway), args.crash
+                args.design,
+                args.run_id,
+                args.dsn,
+                Endpoints(args.shop, args.mail, args.gateway, args.mcp_shop),
+                args.crash,
             )
         )
-    except (httpx.HTTPError, OSError) as exc:
+    except (httpx.HTTPError, OSError, Stopped) as exc:
         print(f"agent: run {args.run_id} stopped: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(result))

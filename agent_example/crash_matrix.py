@@ -3,14 +3,17 @@
 Starts an embedded Postgres, the demo shop and mail services and effect-gateway, each in its own
 process. For each design it runs the grocery agent once without a crash, then once killed at
 after-effect:4 and once at after-checkpoint:4, each time re-running it to completion; for journal +
-gateway it also kills the gateway after the shop answered and before the gateway recorded it. It counts
-model calls, orders and emails per run and prints the table. Exit status 1 when journal + gateway ever
-differs from a run without a crash.
+gateway it also kills the gateway after the shop answered and before the gateway recorded it. With the
+mcp extra installed, the shop also runs as an MCP server, and two more designs place the order as a
+place_order tool call: straight to the server, and through the gateway with the step's key. It counts
+model calls, orders and emails per run and prints the table. Exit status 1 when journal + gateway (HTTP
+or MCP) ever differs from a run without a crash.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import signal
 import subprocess
@@ -38,7 +41,12 @@ LABELS = {
     "journal+keys": "journal + keys",
     "journal+keys-http": "journal + keys, shop ignores keys",
     "journal+gateway": "journal + gateway",
+    "mcp-naive": "naive, shop over MCP",
+    "mcp-journal+gateway": "journal + gateway, shop over MCP",
 }
+PROTECTED = ("journal+gateway", "mcp-journal+gateway")
+# The MCP rows need the official MCP SDK (the mcp extra) for the shop's server and the agent's client.
+HAS_MCP = importlib.util.find_spec("mcp") is not None
 # The agent is re-run until it completes; twice is enough for one crash, the rest is a safety bound.
 MAX_RERUNS = 4
 
@@ -56,7 +64,7 @@ class Row:
         return (self.model_calls, self.orders, self.emails) == NO_CRASH
 
 
-def gateway_config(folder: Path, dsn: str, shop: str, mail: str) -> Path:
+def gateway_config(folder: Path, dsn: str, shop: str, mail: str, mcp_shop: str) -> Path:
     config = folder / "gateway.toml"
     config.write_text(
         f"""
@@ -84,6 +92,16 @@ timeout = "2s"
 native_key = {{ header = "Idempotency-Key", ttl = "24h" }}
 """
     )
+    if mcp_shop:
+        with config.open("a") as more:
+            more.write(
+                f"""
+[upstreams.mcpshop]               # an MCP server: each place_order call is an effect
+base_url = "{mcp_shop}"
+protocol = "mcp"
+timeout = "2s"
+"""
+            )
     return config
 
 
@@ -94,7 +112,9 @@ class Demo:
         self.say = say
         self.shop = start_service(["-m", "agent_example.upstreams", "shop"])
         self.mail = start_service(["-m", "agent_example.upstreams", "mail", "--key-ttl", "24h"])
-        self.config = gateway_config(folder, dsn, self.shop.url, self.mail.url)
+        self.mcp_shop = start_service(["-m", "agent_example.upstreams", "mcp-shop"]) if HAS_MCP else None
+        mcp_url = self.mcp_shop.url if self.mcp_shop else ""
+        self.config = gateway_config(folder, dsn, self.shop.url, self.mail.url, mcp_url)
         self.gateway = self.start_gateway()
 
     def start_gateway(self, fault: str | None = None) -> Service:
@@ -102,8 +122,9 @@ class Demo:
         return start_service(["-m", "gateway", "--config", str(self.config), "serve"], env)
 
     def close(self) -> None:
-        for service in (self.gateway, self.mail, self.shop):
-            service.stop()
+        for service in (self.gateway, self.mail, self.shop, self.mcp_shop):
+            if service is not None:
+                service.stop()
 
     def agent(self, design: str, run_id: str, crash: str | None = None) -> int:
         args = [
@@ -122,6 +143,8 @@ class Demo:
             self.mail.url,
             "--gateway",
             self.gateway.url,
+            "--mcp-shop",
+            self.mcp_shop.url if self.mcp_shop else "",
         ]
         if crash:
             args += ["--crash", crash]
@@ -144,7 +167,11 @@ class Demo:
         async with httpx.AsyncClient() as http:
             in_shop = (await http.get(f"{self.shop.url}/_stats", params={"run_id": run_id})).json()["orders"]
             emails = (await http.get(f"{self.mail.url}/_stats", params={"run_id": run_id})).json()["messages"]
-        return Row(design, point, calls, int(in_db) + int(in_shop), int(emails))
+            in_mcp_shop = 0
+            if self.mcp_shop is not None:
+                stats = await http.get(f"{self.mcp_shop.url}/_stats", params={"run_id": run_id})
+                in_mcp_shop = stats.json()["orders"]
+        return Row(design, point, calls, int(in_db) + int(in_shop) + int(in_mcp_shop), int(emails))
 
     async def scenario(self, design: str, point: str) -> Row:
         # Run ids become keys, which are visible ASCII: no spaces.
@@ -170,8 +197,9 @@ class Demo:
 
 
 def scenarios() -> list[tuple[str, str]]:
-    plan = [(design, point) for design in DESIGNS for point in ("none", *POINTS)]
-    plan.append(("journal+gateway", GATEWAY_CRASH))
+    designs = [d for d in DESIGNS if HAS_MCP or not d.startswith("mcp-")]
+    plan = [(design, point) for design in designs for point in ("none", *POINTS)]
+    plan.insert(plan.index(("journal+gateway", POINTS[-1])) + 1, ("journal+gateway", GATEWAY_CRASH))
     return plan
 
 
@@ -229,7 +257,7 @@ def main(database_url: str | None = None) -> int:
                 embedded.stop()
     say("")
     say(table(rows))
-    bad = [row for row in rows if row.design == "journal+gateway" and not row.same]
+    bad = [row for row in rows if row.design in PROTECTED and not row.same]
     say("")
     calls, orders, emails = NO_CRASH
     say(f"a run without a crash makes {calls} model calls, places {orders} order, sends {emails} email")
@@ -238,6 +266,8 @@ def main(database_url: str | None = None) -> int:
         say(f"FAILED: journal + gateway differs from a run without a crash at {points}")
     else:
         say("journal + gateway matched the run without a crash at every crash point, the gateway's too")
+    if not HAS_MCP:
+        say("the rows with the shop over MCP need the mcp extra: pip install 'effect-gateway[mcp]'")
     say(f"demo took {time.monotonic() - started:.1f}s")
     return 1 if bad else 0
 

@@ -1,6 +1,7 @@
 """``make serve``: the gateway with examples/gateway.toml, in front of the demo upstreams, to try by hand.
 
-Starts the shop (9001), mail (9002) and payments (9003) services, then ``effect-gateway serve`` with the
+Starts the shop (9001), mail (9002) and payments (9003) services and the shop as an MCP server (9004),
+then ``effect-gateway serve`` with the
 example configuration on the embedded Postgres, prints what to try first, and stops everything it
 started on Ctrl+C.
 """
@@ -17,10 +18,11 @@ from agent_example.processes import Service, start_service
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "gateway.toml"
 # The ports examples/gateway.toml names for each upstream.
-UPSTREAMS = {"shop": 9001, "mail": 9002, "payments": 9003}
+UPSTREAMS = {"shop": 9001, "mail": 9002, "payments": 9003, "mcp-shop": 9004}
 
 TRY = """
-effect-gateway is listening on {url}, in front of the demo shop, mail and payments services;
+effect-gateway is listening on {url}, in front of the demo shop, mail and payments services and the
+shop as an MCP server ({url}/mcp-shop/mcp, for an MCP client);
 its audit, effects API and metrics are on {admin} (a listener of their own).
 Try, in another terminal:
 

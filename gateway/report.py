@@ -171,6 +171,9 @@ def protection(policy: UpstreamPolicy) -> tuple[str, list[str]]:
         summary = "nothing: an effect in doubt goes to needs_review"
     if policy.stamp:
         summary += f"; key stamped in {policy.stamp[0]} {policy.stamp[1]}"
+    if policy.protocol == "mcp":
+        # Only its tool calls with side effects are effects: the rest passes through (gateway.mcp_proxy).
+        summary = f"MCP tool calls with side effects; {summary}"
     return summary, _notes(policy)
 
 

@@ -56,7 +56,7 @@ def _server(shop: Shop) -> MCPServer:
         await shop.release.wait()
         return order
 
-    @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+    @server.tool(annotations=ToolAnnotations(read_only_hint=True))
     def find_orders(reference: str) -> dict[str, Any]:
         """The orders placed with ``reference``."""
         shop.runs["find_orders"] = shop.runs.get("find_orders", 0) + 1

@@ -274,6 +274,10 @@ async def test_check_config_says_what_protects_each_upstream(
     assert "native key Idempotency-Key for 24h, then probe GET /v1/charges/search" in lines["payments"]
     assert "re-send (repeat_harmless)" in lines["search"]
     assert "nothing: an effect in doubt goes to needs_review" in lines["sms"]
+    assert (
+        "MCP tool calls with side effects; nothing: an effect in doubt goes to needs_review"
+        in (lines["mcp-shop"])
+    )
     as_json = json.loads(
         (await in_thread(run, "check-config", "--json", env={"EFFECT_GATEWAY_CONFIG": str(config)})).out
     )
@@ -281,6 +285,7 @@ async def test_check_config_says_what_protects_each_upstream(
     assert [u["name"] for u in as_json["upstreams"]] == [
         "shop",
         "mail",
+        "mcp-shop",
         "payments",
         "search",
         "sms",

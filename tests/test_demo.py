@@ -27,6 +27,11 @@ EXPECTED = {
     ("journal + gateway", "after-effect:4"): "3 | 1 | 1 | yes",
     ("journal + gateway", "after-checkpoint:4"): "3 | 1 | 1 | yes",
     ("journal + gateway", "gateway killed after-upstream"): "3 | 1 | 1 | yes",
+    # The shop as an MCP server, the order a place_order tool call.
+    ("naive, shop over MCP", "after-effect:4"): "5 | 2 | 1 | NO",
+    ("journal + gateway, shop over MCP", "none"): "3 | 1 | 1 | yes",
+    ("journal + gateway, shop over MCP", "after-effect:4"): "3 | 1 | 1 | yes",
+    ("journal + gateway, shop over MCP", "after-checkpoint:4"): "3 | 1 | 1 | yes",
 }
 
 

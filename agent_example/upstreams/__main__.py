@@ -1,4 +1,5 @@
-"""``python -m agent_example.upstreams NAME [--host H] --port N [--key-ttl 24h]``: run one demo upstream."""
+"""``python -m agent_example.upstreams NAME [--host H] --port N [--key-ttl 24h]``: run one demo upstream
+(``mcp-shop``: the shop as an MCP server, at ``/mcp``; it needs the mcp extra)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from gateway.settings import parse_duration
 
 
 async def serve(name: str, host: str, port: int, key_ttl: float) -> None:
+    if name == "mcp-shop":
+        await serve_mcp_shop(host, port)
+        return
     if name == "shop":
         app = shop.make_app()
     elif name == "mail":
@@ -30,9 +34,26 @@ async def serve(name: str, host: str, port: int, key_ttl: float) -> None:
     await runner.cleanup()
 
 
+async def serve_mcp_shop(host: str, port: int) -> None:
+    """The shop as an MCP server (needs the mcp extra), at http://host:port/mcp."""
+    import uvicorn
+
+    from agent_example.upstreams import mcp_shop
+
+    server = uvicorn.Server(uvicorn.Config(mcp_shop.make_app(), host=host, port=port, log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        if serving.done():
+            serving.result()
+        await asyncio.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    print(f"mcp-shop listening on http://{host}:{bound}", flush=True)
+    await serving
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run one of the demo's upstreams.")
-    parser.add_argument("name", choices=["shop", "mail", "payments"])
+    parser.add_argument("name", choices=["shop", "mail", "payments", "mcp-shop"])
     # Loopback unless told otherwise; a container's loopback is its own, so compose gives 0.0.0.0.
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
