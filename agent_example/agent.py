@@ -70,15 +70,22 @@ class Stopped(Exception):
 
 async def place_order_over_mcp(url: str, items: list[str], run_id: str, keyed: bool) -> dict[str, Any]:
     """The order as a place_order tool call in a new MCP session (a re-run opens a new one); ``keyed``:
-    with the step's key in the call's _meta (journal.call_tool), for the gateway to recognise a re-run."""
+    through the gateway, with the step's key in the call's _meta (journal.call_tool), for the gateway to
+    recognise a re-run, and ready to wait for a call of the key still under way (a dead gateway's)."""
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import create_mcp_http_client
     from mcp.shared.exceptions import MCPError
 
     from journal import call_tool
 
     arguments = {"items": items, "run_id": run_id}
-    async with streamable_http_client(url) as (read, write), ClientSession(read, write) as session:
+    headers = {"Prefer": "wait=30"} if keyed else None
+    async with (
+        create_mcp_http_client(headers=headers) as http,
+        streamable_http_client(url, http_client=http) as (read, write),
+        ClientSession(read, write) as session,
+    ):
         await session.initialize()
         try:
             if keyed:

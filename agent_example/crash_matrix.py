@@ -100,6 +100,13 @@ native_key = {{ header = "Idempotency-Key", ttl = "24h" }}
 base_url = "{mcp_shop}"
 protocol = "mcp"
 timeout = "2s"
+stamp = {{ json_field = "params.arguments.client_reference" }}
+[upstreams.mcpshop.probe]         # a read-only tool call that finds orders by that reference
+path = "/mcp"
+tool = "find_orders"
+arguments = {{ client_reference = "{{key}}" }}
+found = "structuredContent.orders.0"
+tools = ["place_order"]
 """
             )
     return config
@@ -181,7 +188,8 @@ class Demo:
         elif point == GATEWAY_CRASH:
             # The gateway dies between the shop's answer and its own record; the agent's call fails.
             self.gateway.stop()
-            self.gateway = self.start_gateway(fault="after-upstream:shop")
+            shop = "mcpshop" if design.startswith("mcp-") else "shop"
+            self.gateway = self.start_gateway(fault=f"after-upstream:{shop}")
             status = self.agent(design, run_id)
             if self.gateway.proc.wait(30) != -signal.SIGKILL:
                 raise RuntimeError("the gateway did not die at its fault point")
@@ -199,7 +207,9 @@ class Demo:
 def scenarios() -> list[tuple[str, str]]:
     designs = [d for d in DESIGNS if HAS_MCP or not d.startswith("mcp-")]
     plan = [(design, point) for design in designs for point in ("none", *POINTS)]
-    plan.insert(plan.index(("journal+gateway", POINTS[-1])) + 1, ("journal+gateway", GATEWAY_CRASH))
+    for design in PROTECTED:
+        if design in designs:
+            plan.insert(plan.index((design, POINTS[-1])) + 1, (design, GATEWAY_CRASH))
     return plan
 
 

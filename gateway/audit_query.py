@@ -20,7 +20,7 @@ RECORD_COLUMNS = """
     e.id, e.created_at, e.tenant, e.upstream, e.key, e.derived_key, e.method, e.path, e.query,
     e.fingerprint, e.state, e.attempt, e.may_have_sent, e.lease_expires_at, e.response_status,
     e.response_at, e.recovered_by, e.run_id, e.step, e.first_sent_at, e.last_sent_at, e.completed_at,
-    e.replays, e.keyless, e.key_carriers, e.send_lease, clock_timestamp() as read_at
+    e.replays, e.keyless, e.key_carriers, e.send_lease, e.tool, clock_timestamp() as read_at
 """
 
 

@@ -49,6 +49,8 @@ class Policy:
     has_probe: bool = False
     # The requests whose effects the probe can find (probe.routes); it is asked about no other.
     probe_routes: tuple[Route, ...] = ()
+    # An MCP server's: the tools whose effects its probe can find (probe.tools).
+    probe_tools: tuple[str, ...] = ()
     # What carries the derived key in a request sent today (the native header, the stamp): what the native
     # key's dedup and the probe's search rely on. An effect sent otherwise is not recovered by them.
     key_carriers: KeyCarriers = field(default_factory=KeyCarriers)
@@ -199,8 +201,10 @@ def _searches_route(record: EffectRecord, policy: Policy) -> bool:
     """Whether the upstream has a probe written for the record's route (probe.routes).
 
     A probe searches one kind of effect: asked about a refund where it searches orders it finds nothing,
-    and that "not found" would send the refund again.
+    and that "not found" would send the refund again. An MCP tool call's kind is its tool (probe.tools).
     """
+    if record.tool is not None:
+        return policy.has_probe and record.tool in policy.probe_tools
     return policy.has_probe and covered(policy.probe_routes, record.method, record.path)
 
 
@@ -241,6 +245,10 @@ def why_not_probed(record: EffectRecord, policy: Policy) -> str:
     if not policy.has_probe:
         return "this upstream has no probe"
     if not _searches_route(record, policy):
+        if record.tool is not None:
+            return (
+                f"this upstream's probe does not search the effects of the tool {record.tool} (probe.tools)"
+            )
         return f"this upstream's probe does not search {record.method} {record.path} (probe.routes)"
     if record.key_carriers is None:
         return "what carried this effect's key was not recorded (it was sent by an earlier version)"

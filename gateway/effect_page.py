@@ -260,6 +260,7 @@ def effect(
             ("tenant", escape(record.tenant)),
             ("upstream", escape(record.upstream)),
             ("request", f'<span class="mono">{escape(record.method)} {escape(target)}</span>'),
+            *([("MCP tool", f'<span class="mono">{escape(record.tool)}</span>')] if record.tool else []),
             ("key", f'<span class="mono">{escape(record.key)}</span>'),
             ("derived key", f'<span class="mono">{escape(record.derived_key)}</span>'),
             ("run : step", escape(f"{record.run_id or '-'} : {record.step or '-'}") if run_step else "-"),

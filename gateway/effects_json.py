@@ -53,6 +53,8 @@ def effect_json(record: EffectRecord, *, full: bool) -> dict[str, Any]:
         "method": record.method,
         "path": record.path,
         "query": record.query,
+        # The MCP tool called (its arguments and result are the request's and response's bodies).
+        "tool": record.tool,
         "state": record.state.value,
         "attempt": record.attempt,
         # Whether an operator may resolve it now (waiting for one, no lease running): the verdict then

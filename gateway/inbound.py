@@ -31,6 +31,8 @@ class Inbound:
     step: str | None = None
     # Whether the agent has hung up (asked while the request waits for another with its key).
     client_left: Callable[[], bool] = lambda: False
+    # The MCP tool the request calls (gateway.mcp_proxy); None for an HTTP request.
+    tool: str | None = None
 
 
 # Credentials, hop-by-hop headers and the gateway's own: never in the audit, whatever the upstream.
@@ -107,4 +109,5 @@ def to_record(
         keyless=keyless,
         # A keyless request is sent as it came, with no derived key anywhere.
         key_carriers=KeyCarriers() if keyless else inbound.upstream.decision.key_carriers,
+        tool=inbound.tool,
     )

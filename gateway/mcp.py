@@ -302,6 +302,51 @@ class SseReader:
         return done
 
 
+# --- the probe: a read-only tool call of the gateway's own -----------------------------------------
+
+# The protocol version the probe asks for; the server answers with the one it speaks.
+PROBE_PROTOCOL = "2025-06-18"
+
+
+def initialize_message() -> bytes:
+    """The probe's initialize request (id 0)."""
+    params = {
+        "protocolVersion": PROBE_PROTOCOL,
+        "capabilities": {},
+        "clientInfo": {"name": "effect-gateway", "version": "probe"},
+    }
+    return json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": params}).encode()
+
+
+INITIALIZED = b'{"jsonrpc":"2.0","method":"notifications/initialized"}'
+
+
+def probe_call(tool: str, arguments: Mapping[str, Any], key: str) -> bytes:
+    """The probe's tools/call (id 1), with the derived key wherever "{key}" stands in ``arguments``."""
+    params = {"name": tool, "arguments": _with_key(dict(arguments), key)}
+    return json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params}).encode()
+
+
+def _with_key(value: Any, key: str) -> Any:
+    if isinstance(value, str):
+        return value.replace("{key}", key)
+    if isinstance(value, dict):
+        return {name: _with_key(item, key) for name, item in value.items()}
+    if isinstance(value, list):
+        return [_with_key(item, key) for item in value]
+    return value
+
+
+def found_as_result(found_json: str) -> bytes:
+    """What a probe's find is stored as, to replay to the call it recovers: a tool result whose
+    structured content is the item found (an object), and whose text is the same JSON."""
+    content = [{"type": "text", "text": found_json}]
+    result = '{"content":' + json.dumps(content, separators=(",", ":"))
+    if found_json.startswith("{"):
+        result += ',"structuredContent":' + found_json
+    return ('{"result":' + result + ',"isError":false}}').encode()
+
+
 # --- the gateway's answer to the agent --------------------------------------------------------------
 
 

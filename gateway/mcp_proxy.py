@@ -41,12 +41,12 @@ async def relay(
     path: str,
     query: str,
     read: Callable[[], Awaitable[RequestBody]],
-    inbound: Callable[[RequestBody, str], Inbound],
+    inbound: Callable[[RequestBody, str, str], Inbound],
 ) -> web.StreamResponse:
     """Answer one request to the MCP upstream ``policy``.
 
     ``read`` reads the body as the proxy reads any (decoded, parsed, its fingerprint built); ``inbound``
-    makes the driver's request of it under a key.
+    makes the driver's request of it under a key, for a tool.
     """
     runtime = request.app[RUNTIME]
     try:
@@ -82,7 +82,7 @@ async def relay(
         trail = CURRENT.get()
         if trail is not None:
             trail.key_hash = runtime.log_hash.of(tenant, policy.name, key)
-        result = await runtime.service.handle(inbound(body, key))
+        result = await runtime.service.handle(inbound(body, key, message.name))
         reply = replies.answer(result)
     except (problems.Problem, GatewayError) as exc:
         told = exc if isinstance(exc, problems.Problem) else replies.problem_of_error(exc)

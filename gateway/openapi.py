@@ -152,6 +152,7 @@ def _effect_schemas() -> dict[str, Any]:
         "method": _TEXT,
         "path": _TEXT,
         "query": _TEXT,
+        "tool": _TEXT_OR_NULL,
         "state": {"type": "string", "enum": [s.value for s in State]},
         "attempt": {"type": "integer", "minimum": 1},
         "resolvable": {"type": "boolean"},

@@ -70,9 +70,9 @@ def _open_moved(source: str, target: str) -> str:
 _CLAIMS = """
     select * from unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
            $8::text[], $9::bytea[], $10::bytea[], $11::interval[], $12::text[], $13::text[],
-           $14::boolean[], $15::text[], $16::jsonb[], $17::uuid[])
+           $14::boolean[], $15::text[], $16::jsonb[], $17::uuid[], $18::text[])
         as c(tenant, upstream, key, derived_key, method, path, query, fingerprint, headers, content,
-             lease, run_id, step, keyless, coding, key_carriers, digest)
+             lease, run_id, step, keyless, coding, key_carriers, digest, tool)
 """
 
 
@@ -102,10 +102,10 @@ async def claim_many(conn: Conn, claims: Sequence[tuple[NewEffect, timedelta]]) 
         ), e as (
             insert into effects (id, created_at, tenant, upstream, key, derived_key, method, path,
                 query, fingerprint, state, lease_expires_at, first_sent_at, last_sent_at, run_id,
-                step, keyless, key_carriers, send_lease)
+                step, keyless, key_carriers, send_lease, tool)
             select effect_id, created_at, tenant, upstream, key, derived_key, method, path, query,
                 fingerprint, 'pending', now() + lease, now(), now(), run_id, step, keyless,
-                key_carriers, lease
+                key_carriers, lease, tool
             from n
             returning *
         ), b as (
@@ -145,6 +145,7 @@ def _claim_row(new: NewEffect, lease: timedelta) -> tuple[Any, ...]:
         request_coding,
         new.key_carriers.as_json(),
         key_digest(new.key),
+        new.tool,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from gateway import decision
 from gateway.fingerprint import BodyFields
@@ -23,6 +23,16 @@ class HttpProbe:
     path: str
     found: str | None
     status: int
+
+
+@dataclass(frozen=True, slots=True)
+class ToolProbe:
+    """An MCP server's probe: a read-only tool call at ``path`` ("{key}" in its arguments)."""
+
+    path: str
+    tool: str
+    arguments: Mapping[str, Any]
+    found: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +60,7 @@ class UpstreamPolicy:
     native_header: str | None
     native_ttl: timedelta | None
     stamp: tuple[StampKind, str] | None
-    probe: HttpProbe | PythonProbe | None
+    probe: HttpProbe | PythonProbe | ToolProbe | None
     repeat_harmless: bool
     inject: Secrets
     secret_headers: frozenset[str]
@@ -84,9 +94,14 @@ def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) ->
             value = getattr(cfg.stamp, kind)
             if value:
                 stamp = (kind, value)
-    probe: HttpProbe | PythonProbe | None = None
+    probe: HttpProbe | PythonProbe | ToolProbe | None = None
     if cfg.probe is not None:
-        if cfg.probe.entry_point:
+        if cfg.probe.tool is not None:
+            # Both checked by the settings.
+            assert cfg.probe.path is not None
+            assert cfg.probe.found is not None
+            probe = ToolProbe(cfg.probe.path, cfg.probe.tool, dict(cfg.probe.arguments), cfg.probe.found)
+        elif cfg.probe.entry_point:
             probe = PythonProbe(cfg.probe.entry_point, cfg.probe.status)
         else:
             assert cfg.probe.path is not None  # checked by the settings
@@ -119,6 +134,7 @@ def upstream_policy(name: str, cfg: UpstreamSettings, lease_grace: timedelta) ->
             native_key_ttl=cfg.native_key.ttl if cfg.native_key else None,
             has_probe=probe is not None,
             probe_routes=tuple(Route.parse(r) for r in cfg.probe.routes or ()) if cfg.probe else (),
+            probe_tools=tuple(cfg.probe.tools or ()) if cfg.probe else (),
             key_carriers=KeyCarriers(cfg.native_key.header if cfg.native_key else None, stamp),
             probe_horizon=_probe_horizon(cfg),
             probe_lag=cfg.probe.lag if cfg.probe else timedelta(0),

@@ -7,6 +7,8 @@ the caller leaves the record as it was.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -17,9 +19,9 @@ from urllib.parse import quote
 import aiohttp
 from yarl import URL
 
-from gateway import jsonbody
+from gateway import jsonbody, mcp
 from gateway.errors import ConfigError, JsonRefused, NotASearchAnswer, ProbeFailed
-from gateway.policy import HttpProbe, PythonProbe, UpstreamPolicy
+from gateway.policy import HttpProbe, PythonProbe, ToolProbe, UpstreamPolicy
 from gateway.record import StoredResponse
 from gateway.upstream import UpstreamClient, read_limited
 
@@ -109,6 +111,8 @@ class Prober:
                 return await self._http(policy, http, derived_key)
             case PythonProbe() as py:
                 return await self._call_python(policy, py, derived_key)
+            case ToolProbe() as tool:
+                return await self._tool_call(policy, tool, derived_key)
             case None:
                 raise ProbeFailed(f"upstream {policy.name} has no probe")
 
@@ -172,6 +176,93 @@ class Prober:
                 "effect's key: does probe.path filter by {key}?"
             )
         return self._stored(http.status, jsonbody.compact(found).encode(), f"the probe of {policy.name}")
+
+    async def _tool_call(
+        self, policy: UpstreamPolicy, probe: ToolProbe, derived_key: str
+    ) -> StoredResponse | None:
+        """Call the MCP server's read-only tool in a session of the probe's own, and look in its result."""
+        who = f"the probe of {policy.name}"
+        try:
+            async with asyncio.timeout(policy.timeout.total_seconds()):
+                answer = await self._tool_session(policy, probe, derived_key)
+        except TimeoutError:
+            raise ProbeFailed(f"{who} did not answer in time") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise ProbeFailed(f"{who} failed: {type(exc).__name__}: {exc}") from None
+        if answer is None or answer.ran != "yes":
+            raise ProbeFailed(
+                f"{who}: the tool {probe.tool} gave no result: {answer.stored[:200]!r}"
+                if answer
+                else f"{who}: the MCP server's answer holds no response to the tool call"
+            )
+        try:
+            result = jsonbody.parse(answer.stored).value["result"]
+        except JsonRefused as exc:
+            raise ProbeFailed(f"{who}: the tool's result is not JSON: {exc}") from None
+        if isinstance(result, dict) and result.get("isError") is True:
+            raise ProbeFailed(f"{who}: the tool {probe.tool} answered an error result")
+        try:
+            found = dig(result, probe.found)
+        except NotASearchAnswer as exc:
+            raise ProbeFailed(
+                f"{who}: the result of {probe.tool} has no list where probe.found = {probe.found!r} "
+                f"looks: {exc}"
+            ) from None
+        if found is None:
+            return None
+        if not carries(found, derived_key):
+            raise ProbeFailed(
+                f"{who} found an item at {probe.found!r} that does not carry the effect's key: do the "
+                "probe's arguments filter by {key}?"
+            )
+        return self._stored(200, mcp.found_as_result(jsonbody.compact(found)), who)
+
+    async def _tool_session(
+        self, policy: UpstreamPolicy, probe: ToolProbe, key: str
+    ) -> mcp.ToolAnswer | None:
+        """initialize, initialized, then the tool call; the session is ended after, as a client would."""
+        session = self._client.session(policy.name)
+        url = URL(policy.base_url + probe.path, encoded=True)
+        limit = self._client.max_response_bytes
+        headers = {
+            **policy.inject.headers,
+            "Accept": "application/json, text/event-stream",
+            "Content-Type": "application/json",
+        }
+        async with session.post(
+            url, data=mcp.initialize_message(), headers=headers, allow_redirects=False
+        ) as resp:
+            body = await read_limited(resp, limit)
+            opened = mcp.answer_of(resp.status, resp.headers.get("Content-Type", ""), body or b"", "0")
+            if opened is None or opened.ran != "yes":
+                raise ProbeFailed(
+                    f"the probe of {policy.name}: the MCP server did not open a session ({resp.status})"
+                )
+            if "Mcp-Session-Id" in resp.headers:
+                headers["Mcp-Session-Id"] = resp.headers["Mcp-Session-Id"]
+        hello = jsonbody.loads(opened.stored)["result"]  # ToolAnswer "yes": a result member, JSON
+        version = hello.get("protocolVersion") if isinstance(hello, dict) else None
+        headers["MCP-Protocol-Version"] = version if isinstance(version, str) else mcp.PROBE_PROTOCOL
+        try:
+            async with session.post(
+                url, data=mcp.INITIALIZED, headers=headers, allow_redirects=False
+            ) as resp:
+                await resp.read()
+            async with session.post(
+                url,
+                data=mcp.probe_call(probe.tool, probe.arguments, key),
+                headers=headers,
+                allow_redirects=False,
+            ) as resp:
+                body = await read_limited(resp, limit)
+                if body is None:
+                    raise ProbeFailed(f"the probe of {policy.name} answered more than {limit} bytes")
+                return mcp.answer_of(resp.status, resp.headers.get("Content-Type", ""), body, "1")
+        finally:
+            if "Mcp-Session-Id" in headers:
+                with contextlib.suppress(aiohttp.ClientError, OSError):
+                    async with session.delete(url, headers=headers, allow_redirects=False) as resp:
+                        await resp.read()
 
     async def _call_python(
         self, policy: UpstreamPolicy, py: PythonProbe, derived_key: str

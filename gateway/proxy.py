@@ -194,7 +194,7 @@ async def _mcp(
             )
         return body
 
-    def inbound(body: RequestBody, key: str) -> Inbound:
+    def inbound(body: RequestBody, key: str, tool: str) -> Inbound:
         return Inbound(
             tenant=tenant,
             upstream=policy,
@@ -208,6 +208,7 @@ async def _mcp(
             run_id=run_id,
             step=step,
             client_left=lambda: _client_left(request),
+            tool=tool,
         )
 
     return await mcp_proxy.relay(request, policy, tenant, path, query, read, inbound)

@@ -112,6 +112,8 @@ class EffectRecord:
     # settings. None for rows claimed before migration 015, which recorded neither.
     key_carriers: KeyCarriers | None = None
     send_lease: timedelta | None = None
+    # The MCP tool the effect called; None for an HTTP effect (and one claimed before migration 018).
+    tool: str | None = None
 
     @property
     def as_of(self) -> datetime:
@@ -157,3 +159,5 @@ class NewEffect:
     keyless: bool = False
     # What carries the derived key in the request sent (nothing for a keyless one).
     key_carriers: KeyCarriers = KeyCarriers()
+    # The MCP tool the effect called (gateway.mcp); None for an HTTP effect.
+    tool: str | None = None

@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from gateway.legible import printable
-from gateway.policy import HttpProbe, PythonProbe, UpstreamPolicy
+from gateway.policy import HttpProbe, PythonProbe, ToolProbe, UpstreamPolicy
 
 # Bodies longer than this are cut in the readable view of an effect; --json shows them whole.
 BODY_PREVIEW = 2000
@@ -155,15 +155,20 @@ def protection(policy: UpstreamPolicy) -> tuple[str, list[str]]:
             probe = f"probe {http.method} {http.path}{_probe_window(policy)}"
         case PythonProbe() as py:
             probe = f"probe {py.entry_point} (Python){_probe_window(policy)}"
+        case ToolProbe() as tool:
+            probe = f"probe tool {tool.tool}{_probe_window(policy)}"
         case None:
             probe = None
     if probe is not None:
         # A probe always answers (found, not found, failed), and past its horizon "not found" goes to
         # review: on its routes, repeat_harmless is never reached.
         routes = ", ".join(str(route) for route in policy.decision.probe_routes)
+        others = "other routes"
+        if policy.decision.probe_tools:
+            routes, others = ", ".join(policy.decision.probe_tools), "other tools"
         summary = (
             f"on {routes}: {', then '.join([*native, probe, 'needs_review'])}; "
-            f"on other routes: {', then '.join([*native, last])}"
+            f"on {others}: {', then '.join([*native, last])}"
         )
     elif native or policy.repeat_harmless:
         summary = ", then ".join([*native, last])

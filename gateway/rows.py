@@ -265,6 +265,7 @@ def record_of(
         unreadable=unreadable,
         key_carriers=KeyCarriers.from_json(row["key_carriers"]) if row["key_carriers"] is not None else None,
         send_lease=row["send_lease"],
+        tool=row["tool"],
     )
     if record.replay_refused and not full:
         # In any other state the response is what the last attempt saw, which no decision reads; an

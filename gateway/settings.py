@@ -7,6 +7,7 @@ This is the only module that knows about pydantic-settings. The core receives pl
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import tomllib
@@ -173,9 +174,19 @@ class ProbeSettings(_Section):
     # it would find nothing, and recovery would send that effect again. Requests of other routes recover
     # by the native key, then go to review (or are sent again where repeat_harmless).
     routes: list[ProbeRoute] | None = None
+    # An MCP server's probe (protocol = "mcp"): a call of the read-only ``tool`` at the endpoint ``path``,
+    # with ``arguments`` in which "{key}" stands for the derived key; ``found`` is where its result lists
+    # the effect. ``tools`` names the tools whose effects it finds, as routes do for an HTTP probe.
+    tool: str | None = None
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    tools: list[str] | None = None
 
     @model_validator(mode="after")
     def _http_or_python(self) -> ProbeSettings:
+        if self.tool is not None:
+            return self._tool_call()
+        if self.tools is not None:
+            raise ValueError("tools names the tools an MCP probe finds: give the probe's own tool too")
         if self.routes is None:
             raise ValueError(
                 "routes must name the requests whose effects this probe can find, such as "
@@ -205,6 +216,30 @@ class ProbeSettings(_Section):
             )
         if not self.path.startswith("/"):
             raise ValueError("path must start with /")
+        return self
+
+    def _tool_call(self) -> ProbeSettings:
+        if self.entry_point or self.routes is not None:
+            raise ValueError("an MCP probe is a tool call: give tool and tools, not entry_point or routes")
+        if not self.path or not self.path.startswith("/"):
+            raise ValueError(
+                'path: the MCP server\'s endpoint, where the probe calls its tool, such as "/mcp"'
+            )
+        if self.found is None:
+            raise ValueError(
+                'found: where the tool\'s result lists the effect, such as "structuredContent.orders.0"'
+            )
+        if "{key}" not in json.dumps(self.arguments):
+            raise ValueError(
+                'arguments must carry "{key}" where the tool looks for the stamped key, such as '
+                'arguments = { client_reference = "{key}" }'
+            )
+        if not self.tools:
+            raise ValueError(
+                'tools must name the tools whose effects this probe finds, such as tools = ["place_order"]: '
+                "asked about another tool's effect it would find nothing, and recovery would call that "
+                "tool again"
+            )
         return self
 
 
@@ -345,8 +380,8 @@ class UpstreamSettings(_Section):
             raise ValueError(f"base_url {self.base_url!r} must be an http:// or https:// URL without query")
         if self.timeout <= timedelta(0) or self.connect_timeout <= timedelta(0):
             raise ValueError("timeout and connect_timeout must be positive")
-        if self.protocol == "http" and self.tools:
-            raise ValueError('tools names an MCP server\'s tools: set protocol = "mcp", or leave tools out')
+        if self.protocol == "http" and (self.tools or (self.probe is not None and self.probe.tool)):
+            raise ValueError('tools and probe.tool name an MCP server\'s tools: set protocol = "mcp"')
         if self.protocol == "mcp":
             self._check_mcp()
         return self
@@ -359,10 +394,11 @@ class UpstreamSettings(_Section):
                 raise ValueError(f"{name}: an MCP tool call's fingerprint is its tool's name and arguments")
         if self.keyless:
             raise ValueError("keyless: an MCP tool call with side effects needs a key; read-only tools pass")
-        if self.probe is not None:
+        if self.probe is not None and self.probe.tool is None:
             raise ValueError(
-                "probe: an MCP server is probed with a tool call, which this version does not make yet; "
-                "without a probe a tool call left in doubt waits for an operator"
+                'probe: an MCP server is probed with a read-only tool call: probe = { path = "/mcp", '
+                'tool = "find_orders", arguments = { client_reference = "{key}" }, found = "...", '
+                'tools = ["place_order"] }'
             )
         if self.stamp is not None and not (
             self.stamp.json_field and self.stamp.json_field.startswith(("params.arguments.", "params._meta."))

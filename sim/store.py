@@ -80,6 +80,7 @@ class Row:
     # None on a row as migration 015 found it (tests/test_store_contract.py makes such rows).
     key_carriers: KeyCarriers | None = None
     send_lease: timedelta | None = None
+    tool: str | None = None
 
     @property
     def scope(self) -> Scope:
@@ -207,6 +208,7 @@ class SimDatabase:
             keyless=row.keyless,
             key_carriers=row.key_carriers,
             send_lease=row.send_lease,
+            tool=row.tool,
             unreadable=unreadable,
         )
 
@@ -250,6 +252,7 @@ class SimDatabase:
             keyless=new.keyless,
             key_carriers=new.key_carriers,
             send_lease=lease,
+            tool=new.tool,
         )
         self._store_body((row.id, "request", now), head_bytes(new.request_headers), new.request_body)
         self.keys[scope] = (row.id, now)

@@ -275,8 +275,8 @@ async def test_check_config_says_what_protects_each_upstream(
     assert "re-send (repeat_harmless)" in lines["search"]
     assert "nothing: an effect in doubt goes to needs_review" in lines["sms"]
     assert (
-        "MCP tool calls with side effects; nothing: an effect in doubt goes to needs_review"
-        in (lines["mcp-shop"])
+        "MCP tool calls with side effects; on place_order: probe tool find_orders (lists an effect 1m after "
+        "it), then needs_review; on other tools: needs_review" in lines["mcp-shop"]
     )
     as_json = json.loads(
         (await in_thread(run, "check-config", "--json", env={"EFFECT_GATEWAY_CONFIG": str(config)})).out

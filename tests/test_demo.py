@@ -32,6 +32,7 @@ EXPECTED = {
     ("journal + gateway, shop over MCP", "none"): "3 | 1 | 1 | yes",
     ("journal + gateway, shop over MCP", "after-effect:4"): "3 | 1 | 1 | yes",
     ("journal + gateway, shop over MCP", "after-checkpoint:4"): "3 | 1 | 1 | yes",
+    ("journal + gateway, shop over MCP", "gateway killed after-upstream"): "3 | 1 | 1 | yes",
 }
 
 

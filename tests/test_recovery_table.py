@@ -238,7 +238,9 @@ SHIPPED = {
     "deploy/gateway.example.toml": lambda _: ROOT / "deploy" / "gateway.example.toml",
     "deploy/gateway.compose.toml": lambda _: ROOT / "deploy" / "gateway.compose.toml",
     "deploy/kubernetes/sidecar.yaml": _kubernetes_config,
-    "the crash matrix's": lambda tmp: gateway_config(tmp, "postgresql://db/x", "http://a:1", "http://b:2"),
+    "the crash matrix's": lambda tmp: gateway_config(
+        tmp, "postgresql://db/x", "http://a:1", "http://b:2", "http://c:3"
+    ),
 }
 
 

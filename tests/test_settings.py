@@ -335,3 +335,69 @@ def test_a_malformed_database_url_is_a_bad_setting(url: str, why: str) -> None:
     """A database_url asyncpg cannot use is refused at load, naming the setting, not at the first connect."""
     with pytest.raises(ConfigError, match=f"bad setting database_url: .*{why}"):
         load_settings(None, database_url=url)
+
+
+MCP_PROBE = {
+    "path": "/mcp",
+    "tool": "find_orders",
+    "arguments": {"reference": "{key}"},
+    "found": "structuredContent.orders.0",
+    "tools": ["place_order"],
+}
+
+
+@pytest.mark.parametrize(
+    ("upstream", "why"),
+    [
+        ({"protocol": "mcp", "fingerprint_fields": ["a"]}, "fingerprint is its tool's name and arguments"),
+        ({"protocol": "mcp", "keyless": {"POST": "audit"}}, "needs a key"),
+        ({"protocol": "mcp", "stamp": {"header": "X-Ref"}}, "params.arguments.client_reference"),
+        (
+            {
+                "protocol": "mcp",
+                "stamp": {"json_field": "params.arguments.r"},
+                "probe": {"path": "/o?r={key}", "routes": ["POST /o"]},
+            },
+            "probed with a read-only tool call",
+        ),
+        (
+            {
+                "protocol": "mcp",
+                "stamp": {"json_field": "params.arguments.r"},
+                "probe": {**MCP_PROBE, "tools": None},
+            },
+            "tools must name the tools whose effects this probe finds",
+        ),
+        (
+            {
+                "protocol": "mcp",
+                "stamp": {"json_field": "params.arguments.r"},
+                "probe": {**MCP_PROBE, "arguments": {}},
+            },
+            'arguments must carry "{key}"',
+        ),
+        ({"protocol": "mcp", "probe": MCP_PROBE}, "no stamp or native_key sends it"),
+        ({"tools": {"find": "read_only"}}, 'set protocol = "mcp"'),
+        ({"stamp": {"json_field": "r"}, "probe": MCP_PROBE}, 'set protocol = "mcp"'),
+    ],
+)
+def test_an_mcp_upstream_that_could_not_keep_the_promise_is_refused(
+    monkeypatch: pytest.MonkeyPatch, upstream: dict[str, object], why: str
+) -> None:
+    """An MCP upstream's settings are checked as an HTTP one's are: each refusal one line saying why."""
+    monkeypatch.delenv("EFFECT_GATEWAY_CONFIG", raising=False)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(None, upstreams={"tools": {"base_url": "http://x", **upstream}})
+    assert why in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_an_mcp_upstream_with_a_stamp_and_a_tool_probe_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EFFECT_GATEWAY_CONFIG", raising=False)
+    stamp = {"json_field": "params.arguments.client_reference"}
+    settings = load_settings(
+        None,
+        upstreams={"tools": {"base_url": "http://x", "protocol": "mcp", "stamp": stamp, "probe": MCP_PROBE}},
+    )
+    assert settings.upstreams["tools"].probe is not None
+    assert settings.upstreams["tools"].probe.tools == ["place_order"]
