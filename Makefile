@@ -37,7 +37,7 @@ pytest: $(STAMP) chromium
 # examples each property tried and the cases per operation.
 FUZZ_TESTS := tests/test_jsonbody.py tests/test_fingerprint.py tests/test_keys.py tests/test_outbound.py \
 	tests/test_wire.py tests/test_openapi.py tests/test_schemathesis.py tests/test_input_cost.py \
-	tests/test_legible.py
+	tests/test_legible.py tests/test_mcp_inputs.py
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(BIN)/pytest -q --hypothesis-show-statistics $(FUZZ_TESTS)
 
