@@ -298,6 +298,14 @@ def test_another_request_with_the_key_is_refused_in_every_state(state: State) ->
         (Answered(429, (), b""), True, State.IN_DOUBT, True),
         (Answered(307, (), b""), True, State.IN_DOUBT, True),
         (Answered(201, (), b""), True, State.COMPLETED, True),
+        # an MCP server's answer to a tool call says itself whether the tool ran, whatever the status
+        (Answered(200, (), b'{"result":{}}', ran="yes"), False, State.COMPLETED, True),
+        (Answered(200, (), b'{"error":{"code":-32602}}', ran="no"), False, State.RETRYABLE, False),
+        (Answered(404, (), b'{"error":{}}', ran="no"), False, State.RETRYABLE, False),
+        (Answered(200, (), b'{"error":{"code":-32603}}', ran="maybe"), False, State.IN_DOUBT, True),
+        (Answered(502, (), b'{"error":{}}', ran="maybe"), False, State.IN_DOUBT, True),
+        # and doubt is as sticky for it: "never ran" after an attempt that may have stays in doubt
+        (Answered(200, (), b'{"error":{"code":-32602}}', ran="no"), True, State.IN_DOUBT, True),
     ],
 )
 def test_settle_classifies_outcomes(
