@@ -72,9 +72,9 @@ async def place_order_over_mcp(url: str, items: list[str], run_id: str, keyed: b
     """The order as a place_order tool call in a new MCP session (a re-run opens a new one); ``keyed``:
     through the gateway, with the step's key in the call's _meta (journal.call_tool), for the gateway to
     recognise a re-run, and ready to wait for a call of the key still under way (a dead gateway's)."""
+    import httpx2
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
-    from mcp.shared._httpx_utils import create_mcp_http_client
     from mcp.shared.exceptions import MCPError
 
     from journal import call_tool
@@ -82,7 +82,7 @@ async def place_order_over_mcp(url: str, items: list[str], run_id: str, keyed: b
     arguments = {"items": items, "run_id": run_id}
     headers = {"Prefer": "wait=30"} if keyed else None
     async with (
-        create_mcp_http_client(headers=headers) as http,
+        httpx2.AsyncClient(headers=headers, timeout=30) as http,
         streamable_http_client(url, http_client=http) as (read, write),
         ClientSession(read, write) as session,
     ):
@@ -169,7 +169,7 @@ async def run_agent(design: str, run_id: str, dsn: str, at: Endpoints, crash: st
 
             async def order(ctx: StepContext) -> dict[str, Any]:
                 if design.startswith("mcp-"):
-                    url = f"{at.gateway}/mcpshop/mcp" if gateway else f"{at.mcp_shop}/mcp"
+                    url = f"{at.gateway}/mcp-shop/mcp" if gateway else f"{at.mcp_shop}/mcp"
                     return await place_order_over_mcp(url, pantry["low"], run_id, keyed)
                 if design in ("naive", "journal", "journal+keys"):
                     return await place_order_in_db(db, run_id, pantry["low"], ctx.key if keyed else None)

@@ -96,12 +96,12 @@ native_key = {{ header = "Idempotency-Key", ttl = "24h" }}
         with config.open("a") as more:
             more.write(
                 f"""
-[upstreams.mcpshop]               # an MCP server: each place_order call is an effect
+[upstreams.mcp-shop]              # an MCP server: each place_order call is an effect
 base_url = "{mcp_shop}"
 protocol = "mcp"
 timeout = "2s"
 stamp = {{ json_field = "params.arguments.client_reference" }}
-[upstreams.mcpshop.probe]         # a read-only tool call that finds orders by that reference
+[upstreams.mcp-shop.probe]        # a read-only tool call that finds orders by that reference
 path = "/mcp"
 tool = "find_orders"
 arguments = {{ client_reference = "{{key}}" }}
@@ -188,7 +188,7 @@ class Demo:
         elif point == GATEWAY_CRASH:
             # The gateway dies between the shop's answer and its own record; the agent's call fails.
             self.gateway.stop()
-            shop = "mcpshop" if design.startswith("mcp-") else "shop"
+            shop = "mcp-shop" if design.startswith("mcp-") else "shop"
             self.gateway = self.start_gateway(fault=f"after-upstream:{shop}")
             status = self.agent(design, run_id)
             if self.gateway.proc.wait(30) != -signal.SIGKILL:

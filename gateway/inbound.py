@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from gateway import browser, mcp
+from gateway import browser, mcp, problems
 from gateway.body import RequestBody, read_body
 from gateway.errors import FormRefused, JsonRefused, NotAsFirstSent, StampError
 from gateway.fingerprint import NEVER_FINGERPRINTED
+from gateway.keys import looks_made_up, parse_key
 from gateway.policy import UpstreamPolicy
 from gateway.record import EffectRecord, KeyCarriers, NewEffect
+from gateway.stamp import reserved_use
 from gateway.upstream import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP, Outbound, build_outbound
 
 
@@ -33,6 +36,40 @@ class Inbound:
     client_left: Callable[[], bool] = lambda: False
     # The MCP tool the request calls (gateway.mcp_proxy); None for an HTTP request.
     tool: str | None = None
+
+
+# Past this size a body is parsed off the event loop: the parse then takes milliseconds, which the
+# other requests in flight should not wait for. An encoded body is always read off the loop: its size
+# says nothing of its decoded size (a kilobyte of gzip inflates to a megabyte in 2 to 3 ms here), and
+# zlib lets go of the interpreter while it inflates, so the loop runs meanwhile.
+OFF_LOOP_BYTES = 64 * 1024
+
+
+def step_key(raw: str, policy: UpstreamPolicy) -> str:
+    """The agent's key, checked: its syntax (KeySyntaxError, a 400 key-malformed) and, where the upstream
+    takes step keys only, that it is not one an SDK made up for a single call."""
+    key = parse_key(raw)
+    if policy.refuse_random_keys and looks_made_up(key):
+        raise problems.KeyRandom(
+            f"{policy.name} takes step keys only, and this one ends in a UUID, as keys an SDK makes up "
+            "for a single call do; a key made up per call is new on the agent's re-run, which would do "
+            "the effect again. Send the step's key (run:step), e.g. from the journal"
+        )
+    return key
+
+
+async def refuse_reserved(
+    policy: UpstreamPolicy, headers: Mapping[str, str], query: str, body: RequestBody
+) -> None:
+    """Refuse a request that sets what the gateway stamps its key into (StampReserved, a 400)."""
+    if len(body.raw) > OFF_LOOP_BYTES:  # searched for the stamp's name: 6 ms a megabyte
+        taken = await asyncio.to_thread(reserved_use, policy, headers, query, body)
+    else:
+        taken = reserved_use(policy, headers, query, body)
+    if taken is not None:
+        raise problems.StampReserved(
+            f"{taken} is where the gateway puts its key for {policy.name}; the request may not set it"
+        )
 
 
 # Credentials, hop-by-hop headers and the gateway's own: never in the audit, whatever the upstream.

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gateway.outcome import Ran
+
 # Where an agent puts a tool call's key, inside the call's params._meta (MCP's place for metadata a
 # server does not interpret; a name with a prefix of our own, as the protocol asks of extensions).
 KEY_META = "effect-gateway/idempotency-key"
@@ -77,8 +79,12 @@ def message_of(value: Any) -> Message:
     if not isinstance(value, dict):
         return Refused("null", "a JSON-RPC message is an object (or a batch of them)")
     method = value.get("method")
-    if method != "tools/call" or "id" not in value:
+    if method != "tools/call":
         return PassThrough(method if isinstance(method, str) else None)
+    if "id" not in value:
+        # A notification expects no answer, so a server may run it all the same: unrecorded, and no
+        # retry could ever be answered from a record.
+        return Refused("null", "tools/call is a request: give it an id")
     id_json = _id_json(value["id"])
     if id_json is None:
         return Refused("null", "a JSON-RPC id is a string or a number")
@@ -147,7 +153,7 @@ def media_type(content_type: str) -> str:
 class ToolAnswer:
     """The server's answer to one call: whether the tool ran, and ``{"result"|"error": ...}`` to store."""
 
-    ran: Literal["yes", "no", "maybe"]
+    ran: Ran
     stored: bytes
 
 
@@ -160,35 +166,39 @@ def answer_of(status: int, content_type: str, body: bytes, id_json: str) -> Tool
     answer; an error in :data:`NOT_RUN` says the tool never ran, any other may come after it did.
     """
     if 400 <= status < 500:
-        return ToolAnswer("no", _gateway_said(f"the MCP server answered HTTP {status}", status))
+        return ToolAnswer(
+            "no", _error(GATEWAY_ERROR, f"the MCP server answered HTTP {status}", {"status": status})
+        )
     if status >= 500:
-        return ToolAnswer("maybe", _gateway_said(f"the MCP server answered HTTP {status}", status))
+        return ToolAnswer(
+            "maybe", _error(GATEWAY_ERROR, f"the MCP server answered HTTP {status}", {"status": status})
+        )
+    return first_answer(messages_in(content_type, body), id_json)
+
+
+def messages_in(content_type: str, body: bytes) -> list[str]:
+    """The JSON-RPC messages (as text) in a whole answer: one JSON document, or an event stream's."""
     media = media_type(content_type)
     if media == "text/event-stream":
-        texts = SseReader().feed(body, final=True)
-    elif media == "application/json":
-        texts = [_text(body)]
-    else:
-        return None
-    for text in texts:
-        answer = response_in(text, id_json)
-        if answer is not None:
-            return answer
-    return None
+        return SseReader().feed(body, final=True)
+    if media == "application/json":
+        try:
+            return [body.decode("utf-8")]
+        except UnicodeDecodeError:
+            return []
+    return []
 
 
-def _text(body: bytes) -> str:
-    try:
-        return body.decode("utf-8")
-    except UnicodeDecodeError:
-        return ""
+def first_answer(texts: list[str], id_json: str) -> ToolAnswer | None:
+    """The first of ``texts`` that answers the call ``id_json``, if one does."""
+    return next(filter(None, (response_in(text, id_json) for text in texts)), None)
 
 
 def response_in(text: str, id_json: str) -> ToolAnswer | None:
-    """The answer in one JSON-RPC message (or a batch of them) to the call ``id_json``, if it holds one."""
+    """The answer in one JSON-RPC message to the call ``id_json``, if it is one."""
     try:
         spans = _members(text)
-    except (ValueError, StopIteration):  # the scanner's two ways of finding no JSON value
+    except ValueError:
         return None
     if spans is None:
         return None
@@ -217,7 +227,7 @@ def _same_id(value: Any, id_json: str) -> bool:
     return isinstance(value, int | float) and isinstance(sent, int | float) and value == sent
 
 
-_SCAN = json.JSONDecoder(strict=True).scan_once  # type: ignore[attr-defined]
+_DECODER = json.JSONDecoder(strict=True)
 _SPACE = " \t\n\r"
 
 
@@ -234,12 +244,12 @@ def _members(text: str) -> dict[str, tuple[Any, int, int]] | None:
     while True:
         if not text.startswith('"', i):
             return None
-        name, i = _SCAN(text, i)
+        name, i = _DECODER.raw_decode(text, i)
         i = _skip(text, i)
         if not text.startswith(":", i):
             return None
         start = _skip(text, i + 1)
-        value, end = _SCAN(text, start)
+        value, end = _DECODER.raw_decode(text, start)
         if name in found:
             return None
         found[name] = (value, start, end)
@@ -258,9 +268,11 @@ def _skip(text: str, i: int) -> int:
     return i
 
 
-def _gateway_said(why: str, status: int) -> bytes:
-    """An error member for an answer that holds no JSON-RPC response of the server's."""
-    error = {"code": GATEWAY_ERROR, "message": why, "data": {"status": status}}
+def _error(code: int, message: str, data: Mapping[str, Any] | None = None) -> bytes:
+    """A stored ``{"error": ...}`` of the gateway's own making (the form :func:`envelope` takes)."""
+    error: dict[str, Any] = {"code": code, "message": message}
+    if data is not None:
+        error["data"] = dict(data)
     return json.dumps({"error": error}, separators=(",", ":")).encode()
 
 
@@ -308,23 +320,30 @@ class SseReader:
 PROBE_PROTOCOL = "2025-06-18"
 
 
+# The ids of the probe's two requests, to read their answers by.
+INITIALIZE_ID, PROBE_CALL_ID = "0", "1"
+
+
 def initialize_message() -> bytes:
-    """The probe's initialize request (id 0)."""
+    """The probe's initialize request (id INITIALIZE_ID)."""
     params = {
         "protocolVersion": PROBE_PROTOCOL,
         "capabilities": {},
         "clientInfo": {"name": "effect-gateway", "version": "probe"},
     }
-    return json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": params}).encode()
+    message = {"jsonrpc": "2.0", "id": int(INITIALIZE_ID), "method": "initialize", "params": params}
+    return json.dumps(message).encode()
 
 
 INITIALIZED = b'{"jsonrpc":"2.0","method":"notifications/initialized"}'
 
 
 def probe_call(tool: str, arguments: Mapping[str, Any], key: str) -> bytes:
-    """The probe's tools/call (id 1), with the derived key wherever "{key}" stands in ``arguments``."""
+    """The probe's tools/call (id PROBE_CALL_ID), with the derived key wherever "{key}" stands in
+    ``arguments``."""
     params = {"name": tool, "arguments": _with_key(dict(arguments), key)}
-    return json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params}).encode()
+    message = {"jsonrpc": "2.0", "id": int(PROBE_CALL_ID), "method": "tools/call", "params": params}
+    return json.dumps(message).encode()
 
 
 def _with_key(value: Any, key: str) -> Any:
@@ -372,11 +391,9 @@ def framed(message: bytes, how: Framing) -> tuple[str, bytes]:
 
 def gateway_error(id_json: str, message: str, data: Mapping[str, Any]) -> bytes:
     """A JSON-RPC error answered by the gateway itself (a refusal, a wait, an operator's turn)."""
-    error = {"code": GATEWAY_ERROR, "message": message, "data": dict(data)}
-    return envelope(json.dumps({"error": error}, separators=(",", ":")).encode(), id_json)
+    return envelope(_error(GATEWAY_ERROR, message, data), id_json)
 
 
 def refused(message: Refused) -> bytes:
     """The JSON-RPC error for a message the gateway refuses to send on."""
-    error = {"code": message.code, "message": message.why}
-    return envelope(json.dumps({"error": error}, separators=(",", ":")).encode(), message.id_json)
+    return envelope(_error(message.code, message.why), message.id_json)

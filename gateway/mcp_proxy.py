@@ -22,8 +22,7 @@ from multidict import CIMultiDict
 from gateway import browser, jsonbody, mcp, problems, replies
 from gateway.body import RequestBody
 from gateway.errors import GatewayError, JsonRefused, KeySyntaxError
-from gateway.inbound import Inbound
-from gateway.keys import parse_key
+from gateway.inbound import Inbound, refuse_reserved, step_key
 from gateway.policy import UpstreamPolicy
 from gateway.runtime import RUNTIME, Runtime
 from gateway.trail import CURRENT
@@ -75,10 +74,13 @@ async def relay(
         key = _key(message, request.headers.get("Idempotency-Key"), policy)
         if key is None:
             raise problems.KeyMissing(
-                f"the tool {message.name!r} of {policy.name} has side effects, and its call needs a key: in "
-                f"params._meta[\"{mcp.KEY_META}\"] (the journal's call_tool puts the step's key there) or "
-                "an Idempotency-Key header; without one a retry would run the tool again"
+                f"the tool {message.name!r} of {policy.name} is not known to be read-only, and its call "
+                f"needs a key: in params._meta[{mcp.KEY_META!r}] (the journal's call_tool puts the step's "
+                "key there) or an Idempotency-Key header; without one a retry would run the tool again. "
+                f"A tool without side effects is named so in upstreams.{policy.name}.tools, or by the "
+                "server's annotations in a tools/list this worker has passed on"
             )
+        await refuse_reserved(policy, request.headers, query, body)
         trail = CURRENT.get()
         if trail is not None:
             trail.key_hash = runtime.log_hash.of(tenant, policy.name, key)
@@ -107,7 +109,7 @@ def _key(call: mcp.ToolCall, header: str | None, policy: UpstreamPolicy) -> str 
         )
     key = call.key if call.key is not None else header
     try:
-        return parse_key(key) if key is not None else None
+        return step_key(key, policy) if key is not None else None
     except KeySyntaxError as exc:
         raise problems.KeyMalformed(str(exc)) from None
 
@@ -182,11 +184,7 @@ async def _pass(
 
 
 def _learn(runtime: Runtime, policy: UpstreamPolicy, content_type: str, body: bytes) -> None:
-    if mcp.media_type(content_type) == "text/event-stream":
-        texts = mcp.SseReader().feed(body, final=True)
-    else:
-        texts = [body.decode("utf-8", "replace")]
-    for text in texts:
+    for text in mcp.messages_in(content_type, body):
         try:
             message: Any = jsonbody.loads(text.encode())
         except JsonRefused:

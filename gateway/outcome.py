@@ -7,6 +7,10 @@ from typing import Literal
 
 from gateway.record import StoredResponse
 
+# What an answer says of the effect where its protocol says it: an MCP server's answer to a tool call
+# does, in JSON-RPC, whatever its HTTP status ("no": the tool never ran; "maybe": it may have).
+Ran = Literal["yes", "no", "maybe"]
+
 
 @dataclass(frozen=True, slots=True)
 class Answered:
@@ -15,9 +19,9 @@ class Answered:
     status: int
     headers: tuple[tuple[str, str], ...]
     body: bytes
-    # What the answer says of the effect where its protocol says it (an MCP server's answer to a tool
-    # call, read by gateway.mcp: "no", the tool never ran); None: its HTTP status says.
-    ran: Literal["yes", "no", "maybe"] | None = None
+    # What the answer says of the effect where its protocol says it (gateway.mcp reads an MCP server's
+    # answer to a tool call); None: its HTTP status says.
+    ran: Ran | None = None
 
 
 @dataclass(frozen=True, slots=True)

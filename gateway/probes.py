@@ -189,12 +189,10 @@ class Prober:
             raise ProbeFailed(f"{who} did not answer in time") from None
         except (aiohttp.ClientError, OSError) as exc:
             raise ProbeFailed(f"{who} failed: {type(exc).__name__}: {exc}") from None
-        if answer is None or answer.ran != "yes":
-            raise ProbeFailed(
-                f"{who}: the tool {probe.tool} gave no result: {answer.stored[:200]!r}"
-                if answer
-                else f"{who}: the MCP server's answer holds no response to the tool call"
-            )
+        if answer is None:
+            raise ProbeFailed(f"{who}: the MCP server's answer holds no response to the tool call")
+        if answer.ran != "yes":
+            raise ProbeFailed(f"{who}: the tool {probe.tool} gave no result: {answer.stored[:200]!r}")
         try:
             result = jsonbody.parse(answer.stored).value["result"]
         except JsonRefused as exc:
@@ -233,7 +231,9 @@ class Prober:
             url, data=mcp.initialize_message(), headers=headers, allow_redirects=False
         ) as resp:
             body = await read_limited(resp, limit)
-            opened = mcp.answer_of(resp.status, resp.headers.get("Content-Type", ""), body or b"", "0")
+            opened = mcp.answer_of(
+                resp.status, resp.headers.get("Content-Type", ""), body or b"", mcp.INITIALIZE_ID
+            )
             if opened is None or opened.ran != "yes":
                 raise ProbeFailed(
                     f"the probe of {policy.name}: the MCP server did not open a session ({resp.status})"
@@ -257,7 +257,9 @@ class Prober:
                 body = await read_limited(resp, limit)
                 if body is None:
                     raise ProbeFailed(f"the probe of {policy.name} answered more than {limit} bytes")
-                return mcp.answer_of(resp.status, resp.headers.get("Content-Type", ""), body, "1")
+                return mcp.answer_of(
+                    resp.status, resp.headers.get("Content-Type", ""), body, mcp.PROBE_CALL_ID
+                )
         finally:
             if "Mcp-Session-Id" in headers:
                 with contextlib.suppress(aiohttp.ClientError, OSError):

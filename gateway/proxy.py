@@ -18,14 +18,13 @@ from gateway.auth import tenant_of
 from gateway.body import RequestBody, read_body
 from gateway.fingerprint import covered
 from gateway.headers import UNSTORED_RESPONSE_HEADERS
-from gateway.inbound import Inbound
-from gateway.keys import MAX_LABEL, looks_made_up, parse_key
+from gateway.inbound import OFF_LOOP_BYTES, Inbound, refuse_reserved, step_key
+from gateway.keys import MAX_LABEL
 from gateway.policy import UpstreamPolicy
 from gateway.record import StoredResponse
 from gateway.replies import Reply
 from gateway.runtime import RUNTIME, read_request_body
 from gateway.settings import Settings
-from gateway.stamp import reserved_use
 from gateway.trail import CURRENT
 from gateway.wire import RawHeadResponse
 
@@ -36,13 +35,6 @@ _ENCODED_TRICKS = re.compile(r"%(2f|5c|2e|00)", re.IGNORECASE)
 # A request target is printable ASCII (RFC 9112 section 3.2); anything else is percent-encoded by a
 # client that means it, and would be re-encoded on the way upstream, differently by each library.
 _TARGET = re.compile(r"[\x21-\x7e]*")
-
-
-# Past this size a body is parsed off the event loop: the parse then takes milliseconds, which the
-# other requests in flight should not wait for. An encoded body is always read off the loop: its size
-# says nothing of its decoded size (a kilobyte of gzip inflates to a megabyte in 2 to 3 ms here), and
-# zlib lets go of the interpreter while it inflates, so the loop runs meanwhile.
-OFF_LOOP_BYTES = 64 * 1024
 
 
 # Past this many elements, fields, containers and form escapes (counted by their separators, brackets,
@@ -135,40 +127,13 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     raw_key = request.headers.get("Idempotency-Key")
     key = None
     if raw_key is not None:
-        key = parse_key(raw_key)  # KeySyntaxError: a 400 key-malformed (replies.problem_of_error)
+        key = step_key(raw_key, policy)
         trail.key_hash = runtime.log_hash.of(tenant, policy.name, key)
-        if policy.refuse_random_keys and looks_made_up(key):
-            raise problems.KeyRandom(
-                f"{policy.name} takes step keys only, and this one ends in a UUID, as keys an SDK makes up "
-                "for a single call do; a key made up per call is new on the agent's re-run, which would do "
-                "the effect again. Send the step's key (run:step), e.g. from the journal"
-            )
-    run_id, step = _label(request, "Effect-Gateway-Run"), _label(request, "Effect-Gateway-Step")
-    trail.run_id, trail.step = run_id, step
+    run_id, step = _labels(request)
     body = await _body(request, runtime.settings, policy)
-    if len(body.raw) > OFF_LOOP_BYTES:  # searched for the stamp's name: 6 ms a megabyte
-        taken = await asyncio.to_thread(reserved_use, policy, request.headers, query, body)
-    else:
-        taken = reserved_use(policy, request.headers, query, body)
-    if taken is not None:
-        raise problems.StampReserved(
-            f"{taken} is where the gateway puts its key for {policy.name}; the request may not set it"
-        )
+    await refuse_reserved(policy, request.headers, query, body)
     result = await runtime.service.handle(
-        Inbound(
-            tenant=tenant,
-            upstream=policy,
-            method=request.method,
-            path=path,
-            query=query,
-            headers=request.headers,
-            body=body,
-            key=key,
-            wait=_wait(request, runtime.settings),
-            run_id=run_id,
-            step=step,
-            client_left=lambda: _client_left(request),
-        )
+        _inbound(request, policy, tenant, path, query, body, key, run_id, step)
     )
     reply = replies.answer(result)
     trail.replayed = reply.replayed
@@ -180,38 +145,53 @@ async def _mcp(
 ) -> web.StreamResponse:
     """A request to an MCP server: its body read as any other's, its tool calls made effects."""
     runtime = request.app[RUNTIME]
-    trail = CURRENT.get()
-    run_id, step = _label(request, "Effect-Gateway-Run"), _label(request, "Effect-Gateway-Step")
-    if trail is not None:
-        trail.run_id, trail.step = run_id, step
-
-    async def read() -> RequestBody:
-        body = await _body(request, runtime.settings, policy)
-        taken = reserved_use(policy, request.headers, query, body)
-        if taken is not None:
-            raise problems.StampReserved(
-                f"{taken} is where the gateway puts its key for {policy.name}; the call may not set it"
-            )
-        return body
+    run_id, step = _labels(request)
 
     def inbound(body: RequestBody, key: str, tool: str) -> Inbound:
-        return Inbound(
-            tenant=tenant,
-            upstream=policy,
-            method=request.method,
-            path=path,
-            query=query,
-            headers=request.headers,
-            body=body,
-            key=key,
-            wait=_wait(request, runtime.settings),
-            run_id=run_id,
-            step=step,
-            client_left=lambda: _client_left(request),
-            tool=tool,
-        )
+        return _inbound(request, policy, tenant, path, query, body, key, run_id, step, tool)
 
-    return await mcp_proxy.relay(request, policy, tenant, path, query, read, inbound)
+    return await mcp_proxy.relay(
+        request, policy, tenant, path, query, lambda: _body(request, runtime.settings, policy), inbound
+    )
+
+
+def _labels(request: web.Request) -> tuple[str | None, str | None]:
+    """The agent's run and step labels, noted on the request's trail."""
+    run_id, step = _label(request, "Effect-Gateway-Run"), _label(request, "Effect-Gateway-Step")
+    trail = CURRENT.get()
+    if trail is not None:
+        trail.run_id, trail.step = run_id, step
+    return run_id, step
+
+
+def _inbound(
+    request: web.Request,
+    policy: UpstreamPolicy,
+    tenant: str,
+    path: str,
+    query: str,
+    body: RequestBody,
+    key: str | None,
+    run_id: str | None,
+    step: str | None,
+    tool: str | None = None,
+) -> Inbound:
+    """The driver's request: what the agent sent, as read and checked here."""
+    return Inbound(
+        tenant=tenant,
+        upstream=policy,
+        method=request.method,
+        path=path,
+        query=query,
+        headers=request.headers,
+        body=body,
+        key=key,
+        wait=_wait(request, request.app[RUNTIME].settings),
+        run_id=run_id,
+        step=step,
+        client_left=lambda: _client_left(request),
+        tool=tool,
+    )
 
 
 def _client_left(request: web.Request) -> bool:

@@ -400,6 +400,11 @@ class UpstreamSettings(_Section):
                 'tool = "find_orders", arguments = { client_reference = "{key}" }, found = "...", '
                 'tools = ["place_order"] }'
             )
+        if self.probe is not None and self.stamp is None:
+            raise ValueError(
+                "probe: the probe's tool finds a call by the key stamped into its arguments: add stamp = "
+                '{ json_field = "params.arguments.client_reference" } (an argument the tool keeps)'
+            )
         if self.stamp is not None and not (
             self.stamp.json_field and self.stamp.json_field.startswith(("params.arguments.", "params._meta."))
         ):

@@ -121,8 +121,7 @@ async def _tool_answer(resp: aiohttp.ClientResponse, call: str, limit: int) -> O
                 if answer is not None:
                     resp.close()
                     return _answered(resp.status, answer)
-        texts = events.feed(b"", final=True)
-        answer = next(filter(None, (mcp.response_in(text, call) for text in texts)), None)
+        answer = mcp.first_answer(events.feed(b"", final=True), call)
     else:
         body = await read_limited(resp, limit)
         if body is None:

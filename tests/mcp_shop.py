@@ -18,6 +18,8 @@ import uvicorn
 from mcp.server.mcpserver import MCPServer
 from mcp.types import ToolAnnotations
 
+from gateway.mcp import KEY_META
+
 
 @dataclass
 class Shop:
@@ -57,10 +59,11 @@ def _server(shop: Shop) -> MCPServer:
         return order
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=True))
-    def find_orders(reference: str) -> dict[str, Any]:
-        """The orders placed with ``reference``."""
+    def find_orders(reference: str = "", client_reference: str = "") -> dict[str, Any]:
+        """The orders placed with ``reference`` (``client_reference`` is another name for it)."""
         shop.runs["find_orders"] = shop.runs.get("find_orders", 0) + 1
-        return {"orders": [o for o in shop.orders if o["reference"] == reference]}
+        wanted = reference or client_reference
+        return {"orders": [o for o in shop.orders if o["reference"] == wanted]}
 
     return server
 
@@ -113,3 +116,17 @@ async def raw_session(http: aiohttp.ClientSession, url: str) -> dict[str, str]:
     ) as resp:
         assert resp.status == 202
     return headers
+
+
+def order_call(call_id: int | str, key: str, quantity: int = 1) -> dict[str, Any]:
+    """A place_order tools/call as an MCP client sends it, its key in _meta."""
+    return {
+        "jsonrpc": "2.0",
+        "id": call_id,
+        "method": "tools/call",
+        "params": {
+            "name": "place_order",
+            "arguments": {"item": "atta", "quantity": quantity},
+            "_meta": {KEY_META: key},
+        },
+    }

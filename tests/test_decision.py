@@ -138,6 +138,8 @@ def test_in_doubt(rec: EffectRecord, policy: Policy, expected: object) -> None:
 REFUND = {"method": "POST", "path": "/orders/ord_1/refund"}
 HARMLESS_PROBED = replace(PROBED, repeat_harmless=True)
 REFUNDS_TOO = replace(PROBED, probe_routes=(*ORDERS, Route.parse("POST /orders/*/refund")))
+# An MCP server's probe finds the effects of place_order (and its routes are irrelevant to a tool call).
+TOOL_PROBED = replace(PROBED, probe_tools=("place_order",))
 
 
 @pytest.mark.parametrize(
@@ -163,6 +165,10 @@ REFUNDS_TOO = replace(PROBED, probe_routes=(*ORDERS, Route.parse("POST /orders/*
         # completed, its response purged: the probe is asked for it only on its routes, else 410
         (record(State.COMPLETED, response=None, **REFUND), PROBED, Purged()),
         (record(State.COMPLETED, response=None, **REFUND), REFUNDS_TOO, Restore()),
+        # an MCP tool call: the probe names the tools whose effects it finds, whatever the route
+        (record(State.IN_DOUBT, method="POST", path="/mcp", tool="place_order"), TOOL_PROBED, Probe()),
+        (record(State.IN_DOUBT, method="POST", path="/mcp", tool="send_email"), TOOL_PROBED, Review()),
+        (record(State.IN_DOUBT, method="POST", path="/orders", tool="send_email"), TOOL_PROBED, Review()),
     ],
 )
 def test_a_probe_is_asked_only_about_its_routes(rec: EffectRecord, policy: Policy, expected: object) -> None:

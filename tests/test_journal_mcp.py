@@ -21,10 +21,12 @@ from tests.mcp_shop import mcp_shop
 
 
 def test_the_journal_puts_the_key_where_the_gateway_reads_it() -> None:
+    """The journal names the _meta entry as the gateway does, without importing the gateway."""
     assert journal.mcp.KEY_META == mcp.KEY_META
 
 
 def test_a_steps_distinct_calls_get_distinct_keys_and_a_repeat_its_own() -> None:
+    """As the httpx client's: run:step, run:step:2 for a second distinct call, the same for a repeat."""
     from journal.journal import _current
 
     token = _current.set(StepContext("run-1", 3, "order"))

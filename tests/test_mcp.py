@@ -3,7 +3,7 @@
 A tool call with side effects runs once per key whatever the retries, across sessions (an agent's
 re-run opens a new one); its answer is replayed under the retry's own JSON-RPC id, in the framing the
 agent takes. Read-only tools pass through unrecorded. What the gateway refuses is a JSON-RPC error that
-the SDK raises as McpError.
+the SDK raises as MCPError.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import httpx2
 import pytest
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
-from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
 from gateway.audit_query import EffectFilter
 from gateway.mcp import KEY_META
 from tests.gateways import Gateway, gateway_server
-from tests.mcp_shop import Shop, mcp_shop, raw_session
+from tests.mcp_shop import Shop, mcp_shop, order_call, raw_session
 
 
 def shop_upstream(shop: Shop, **more: Any) -> dict[str, Any]:
@@ -37,7 +37,7 @@ async def session(gw: Gateway, token: str | None = None) -> AsyncIterator[Client
     its tools listed."""
     headers = {"Effect-Gateway-Token": token} if token else None
     async with (
-        create_mcp_http_client(headers=headers) as http,
+        httpx2.AsyncClient(headers=headers, timeout=30) as http,
         streamable_http_client(f"{gw.url}/shop/mcp", http_client=http) as (read, write),
         ClientSession(read, write) as mcp_session,
     ):
@@ -162,24 +162,15 @@ async def test_a_replay_carries_the_retrys_own_id_in_the_framing_it_takes(
         aiohttp.ClientSession() as http,
     ):
         url = f"{gw.url}/shop/mcp"
-        call = {
-            "jsonrpc": "2.0",
-            "method": "tools/call",
-            "params": {
-                "name": "place_order",
-                "arguments": {"item": "atta", "quantity": 1},
-                "_meta": {KEY_META: "r:1"},
-            },
-        }
         headers = await raw_session(http, url)
-        async with http.post(url, json={**call, "id": 7}, headers=headers) as resp:
+        async with http.post(url, json=order_call(7, "r:1"), headers=headers) as resp:
             assert resp.status == 200
             assert resp.content_type == "application/json"
             first = await resp.read()
         assert first.startswith(b'{"jsonrpc":"2.0","id":7,"result":')
         headers = await raw_session(http, url)
         headers["Accept"] = "text/event-stream"
-        async with http.post(url, json={**call, "id": "abc"}, headers=headers) as resp:
+        async with http.post(url, json=order_call("abc", "r:1"), headers=headers) as resp:
             assert resp.content_type == "text/event-stream"
             assert resp.headers["Idempotent-Replayed"] == "true"
             replayed = await resp.read()
@@ -205,9 +196,48 @@ async def test_malformed_messages_get_a_json_rpc_error_and_reach_nothing(dsn: st
             ('{"jsonrpc":"2.0","id":1,"id":2,"method":"tools/call","params":{"name":"place_order"}}', -32700),
             (f"[{call}]", -32600),
             ('{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{}}', -32602),
+            # a tools/call without an id is a notification: no answer, so never recorded
+            (
+                '{"jsonrpc":"2.0","method":"tools/call","params":{"name":"place_order","arguments":{}}}',
+                -32600,
+            ),
         ]:
             async with http.post(url, data=body, headers=headers) as resp:
                 assert resp.status == 200
                 answer = await resp.json()
             assert answer["error"]["code"] == code, (body, answer)
+        assert shop.runs == {}
+
+
+async def test_the_stamped_argument_is_the_gateways_on_effects_and_free_on_read_only_tools(dsn: str) -> None:
+    """With the key stamped into place_order's client_reference: an agent's place_order that sets it is
+    refused under its own id, nothing run; find_orders, read-only, may be asked about any reference."""
+    stamped = {"stamp": {"json_field": "params.arguments.client_reference"}}
+    async with mcp_shop() as shop, gateway_server(dsn, upstreams=shop_upstream(shop, **stamped)) as gw:
+        async with session(gw) as s:
+            found = await s.call_tool("find_orders", {"reference": "mine", "client_reference": "x"})
+            assert found.structured_content == {"orders": []}
+            try:
+                await s.call_tool(
+                    "place_order",
+                    {"item": "atta", "quantity": 1, "client_reference": "mine"},
+                    meta={KEY_META: "run-2:1"},
+                )
+            except MCPError as exc:
+                refused = exc
+        assert refused.error.data["type"].endswith("/stamp-reserved")
+        assert "place_order" not in shop.runs
+        placed = await place(gw, "run-2:2")
+        assert placed.structured_content["reference"].startswith("eg_"), "the gateway's key, stamped"
+
+
+async def test_keys_made_up_per_call_are_refused_where_the_upstream_takes_step_keys_only(dsn: str) -> None:
+    """refuse_random_keys holds for tool calls as for HTTP requests: a key ending in a UUID never runs."""
+    async with (
+        mcp_shop() as shop,
+        gateway_server(dsn, upstreams=shop_upstream(shop, refuse_random_keys=True)) as gw,
+    ):
+        made_up = await place(gw, "call-6f1c2a5e-8b9d-4c3e-a1f2-0d9e8c7b6a55")
+        assert isinstance(made_up, MCPError)
+        assert made_up.error.data["type"].endswith("/key-random")
         assert shop.runs == {}

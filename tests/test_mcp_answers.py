@@ -22,6 +22,7 @@ RESULT = b'{"content":[{"type":"text","text":"ok"}],"isError":false}'
     ],
 )
 def test_what_an_answer_says_of_the_call(status: int, body: bytes, ran: str) -> None:
+    """A result says the tool ran; a 'never ran' error or a 4xx that it did not; anything else, maybe."""
     answer = answer_of(status, "application/json", body, "7")
     assert answer is not None
     assert answer.ran == ran
@@ -36,6 +37,7 @@ def test_an_answer_to_another_id_or_garbage_is_no_answer() -> None:
 
 
 def test_the_result_is_stored_byte_for_byte_and_replayed_under_any_id() -> None:
+    """Whatever the spacing and order of the server's members, the result's own bytes are kept."""
     body = b'{ "jsonrpc" : "2.0", "result" :  ' + RESULT + b' , "id": 7 }'
     answer = answer_of(200, "application/json; charset=utf-8", body, "7")
     assert answer is not None

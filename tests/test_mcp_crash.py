@@ -11,23 +11,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.mcp import KEY_META
 from tests.database import effect_rows, runtime_url
 from tests.gateways import start_gateway_process
-from tests.mcp_shop import mcp_shop, raw_session
+from tests.mcp_shop import mcp_shop, order_call, raw_session
 from tests.support import PORT_ZERO
 
 pytestmark = pytest.mark.crash
-
-CALL = {
-    "jsonrpc": "2.0",
-    "method": "tools/call",
-    "params": {
-        "name": "place_order",
-        "arguments": {"item": "atta", "quantity": 2},
-        "_meta": {KEY_META: "run-3:2"},
-    },
-}
 
 # The gateway stamps its key into place_order's arguments, and find_orders lists the orders of a
 # reference: the probe's "not found" is trusted at once (the shop lists an order as it places it).
@@ -60,7 +49,7 @@ async def _call(http: aiohttp.ClientSession, url: str, call_id: int, wait: int =
     headers = await raw_session(http, url)
     if wait:
         headers["Prefer"] = f"wait={wait}"
-    async with http.post(url, json={**CALL, "id": call_id}, headers=headers) as resp:
+    async with http.post(url, json=order_call(call_id, "run-3:2", quantity=2), headers=headers) as resp:
         return await resp.json()
 
 

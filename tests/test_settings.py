@@ -377,6 +377,10 @@ MCP_PROBE = {
             'arguments must carry "{key}"',
         ),
         ({"protocol": "mcp", "probe": MCP_PROBE}, "no stamp or native_key sends it"),
+        (
+            {"protocol": "mcp", "native_key": {"header": "Idempotency-Key"}, "probe": MCP_PROBE},
+            "finds a call by the key stamped into its arguments",
+        ),
         ({"tools": {"find": "read_only"}}, 'set protocol = "mcp"'),
         ({"stamp": {"json_field": "r"}, "probe": MCP_PROBE}, 'set protocol = "mcp"'),
     ],
@@ -393,6 +397,7 @@ def test_an_mcp_upstream_that_could_not_keep_the_promise_is_refused(
 
 
 def test_an_mcp_upstream_with_a_stamp_and_a_tool_probe_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The configuration docs/mcp.md shows is accepted as it is."""
     monkeypatch.delenv("EFFECT_GATEWAY_CONFIG", raising=False)
     stamp = {"json_field": "params.arguments.client_reference"}
     settings = load_settings(

@@ -4,7 +4,7 @@
 -- same whatever the tool: "place_order" and "send_email" both POST /mcp. Recovery must know which tool
 -- an effect called, because a probe finds the effects of the tools it searches and no others (asked
 -- about an email, a search of orders finds nothing, and "not found" would send the email again); the
--- audit is filtered and read by tool as it is by route. Null for an HTTP effect.
+-- audit shows it as it shows the route. Null for an HTTP effect.
 --
 -- A nullable column without a default: adding it to the partitioned table changes the catalog alone, on
 -- Postgres 15 as on later versions, and rewrites no partition. A gateway from before it runs on beside
