@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest fuzz spin model-check chromium simulate serve demo bench bench-against bench-load bench-growth bench-memory bench-input clean
+.PHONY: test lint typecheck pytest fuzz spin model-check chromium simulate serve demo bench bench-against bench-mcp bench-load bench-growth bench-memory bench-input clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -103,6 +103,10 @@ WORKERS ?= 1
 DURATION ?= 10
 REPEAT ?= 3
 PROFILE ?=
+# An MCP tool call straight to the server and through the gateway (a new effect, a replay, a ping passed on).
+bench-mcp: $(STAMP)
+	$(BIN)/python -m bench.mcp_call
+
 bench-load: $(STAMP)
 	$(BIN)/python -m bench.gateway_load --workers $(WORKERS) --duration $(DURATION) --repeat $(REPEAT) \
 		$(if $(PROFILE),--profile $(PROFILE))

@@ -47,6 +47,8 @@ class LoadSpec:
     tag: str = "bench"
     keys: int = 1
     method: str = "POST"
+    # "{n}" in the body stands for a string unique to each request (the JSON-RPC id of an MCP call:
+    # the requests of one session may not share one).
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
     rate: float | None = None  # requests per second in all, or as fast as answers come
@@ -134,7 +136,11 @@ request = function()
   end
   headers["Effect-Gateway-Run"] = run
   headers["Effect-Gateway-Step"] = "step-" .. (counter % {STEPS_PER_RUN})
-  return wrk.format(method, path, headers, body ~= "" and body or nil)
+  local sent = body
+  if string.find(body, "{{n}}", 1, true) then
+    sent = string.gsub(body, "{{n}}", tag .. "." .. counter)
+  end
+  return wrk.format(method, path, headers, sent ~= "" and sent or nil)
 end
 {delay}
 done = function(summary, latency, requests)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import time
@@ -38,7 +39,9 @@ class Client:
         self.not_2xx = 0
         self.failed = 0
         self.fixed = [f"Host: {self.host}:{self.port}", *args.header]
-        if body:
+        # "{n}": a string unique to each request (bench.load.LoadSpec), so each has its own length.
+        self.numbered = b"{n}" in body
+        if body and not self.numbered:
             self.fixed.append(f"Content-Length: {len(body)}")
         # --target "path|Name:value|...": each run of STEPS_PER_RUN requests goes to the next in turn.
         self.targets = [
@@ -64,7 +67,11 @@ class Client:
             f"Effect-Gateway-Run: {self.run}",
             f"Effect-Gateway-Step: step-{self.counter % STEPS_PER_RUN}",
         ]
-        return ("\r\n".join(lines) + "\r\n\r\n").encode() + self.body
+        body = self.body
+        if self.numbered:
+            body = body.replace(b"{n}", f"{self.args.tag}.{os.getpid()}.{self.counter}".encode())
+            lines.append(f"Content-Length: {len(body)}")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
     async def connection(self, stop: asyncio.Event, interval: float | None, count: int | None) -> None:
         """Send on one connection until the run ends, or ``count`` requests (None: no count)."""
