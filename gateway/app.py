@@ -124,6 +124,8 @@ async def _finish_calls(app: web.Application) -> None:
     instead of aiohttp waiting that long for handlers that may still be calling their upstream.
     """
     runtime = app[RUNTIME]
+    for stream in list(runtime.streams):  # what an MCP server streams to its agents, unrecorded
+        stream.cancel()
     await runtime.service.drain(timeout=longest_lease(runtime.policies))
 
 

@@ -26,10 +26,17 @@ from gateway.outcome import Ran
 # Where an agent puts a tool call's key, inside the call's params._meta (MCP's place for metadata a
 # server does not interpret; a name with a prefix of our own, as the protocol asks of extensions).
 KEY_META = "effect-gateway/idempotency-key"
-# JSON-RPC errors that say the server did not run the call: the request was not valid JSON-RPC, named
-# no method or tool it knows, or its arguments were refused before anything ran. MCP servers answer an
-# unknown tool with -32602 (invalid params), as the protocol's own examples do.
-NOT_RUN = frozenset({-32700, -32600, -32601, -32602})
+# JSON-RPC errors that say the server did not run the call: it could not read the message as JSON-RPC,
+# or knows no such method. Not -32602 (invalid params), though servers answer an unknown tool with it:
+# the official Python SDK passes an error a tool raises through unchanged, so a tool that placed its
+# order and then raised "invalid params" would be called again. Such an answer leaves the call in
+# doubt, and a probe (or an operator) tells.
+NOT_RUN = frozenset({-32700, -32600, -32601})
+# The HTTP statuses with which the streamable HTTP transport refuses a message before reading it as
+# JSON-RPC (a bad or unknown session, an Accept or a content type it does not take, no such endpoint or
+# method, no credentials), and those that say of any HTTP request that it was not acted on. Any other
+# 4xx from an MCP endpoint may come from something that ran the tool: it leaves the call in doubt.
+NOT_READ = frozenset({400, 401, 403, 404, 405, 406, 408, 415, 425, 429})
 # The code of every error the gateway itself answers in JSON-RPC; ``data`` says which (the same problem
 # types as its HTTP answers). In the range JSON-RPC leaves to implementations.
 GATEWAY_ERROR = -32000
@@ -161,18 +168,14 @@ def answer_of(status: int, content_type: str, body: bytes, id_json: str) -> Tool
     """Read the server's HTTP answer to the call ``id_json``; None when it holds no answer to it (a
     stream that ended first, or garbage), which leaves the call in doubt.
 
-    A 4xx refused the message before it reached the tool (an unknown session is 404, as the transport
-    says); a 5xx may come after the tool ran. A JSON-RPC result, with ``isError`` or not, is the tool's
-    answer; an error in :data:`NOT_RUN` says the tool never ran, any other may come after it did.
+    A status in :data:`NOT_READ` refused the message before it reached the tool (an unknown session is
+    404, as the transport says); any other 4xx or 5xx may come after the tool ran. A JSON-RPC result,
+    with ``isError`` or not, is the tool's answer; an error in :data:`NOT_RUN` says the tool never ran,
+    any other may come after it did.
     """
-    if 400 <= status < 500:
-        return ToolAnswer(
-            "no", _error(GATEWAY_ERROR, f"the MCP server answered HTTP {status}", {"status": status})
-        )
-    if status >= 500:
-        return ToolAnswer(
-            "maybe", _error(GATEWAY_ERROR, f"the MCP server answered HTTP {status}", {"status": status})
-        )
+    if status >= 400:
+        said = _error(GATEWAY_ERROR, f"the MCP server answered HTTP {status}", {"status": status})
+        return ToolAnswer("no" if status in NOT_READ else "maybe", said)
     return first_answer(messages_in(content_type, body), id_json)
 
 
@@ -198,12 +201,12 @@ def response_in(text: str, id_json: str) -> ToolAnswer | None:
     """The answer in one JSON-RPC message to the call ``id_json``, if it is one."""
     try:
         spans = _members(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deep for the standard library's parser
         return None
     if spans is None:
         return None
     found = spans.get("id")
-    if found is None or not _same_id(found[0], id_json):
+    if found is None or not _same_id(found[0], text[found[1] : found[2]], id_json):
         return None
     for member in ("result", "error"):
         if member in spans:
@@ -217,9 +220,15 @@ def response_in(text: str, id_json: str) -> ToolAnswer | None:
     return None
 
 
-def _same_id(value: Any, id_json: str) -> bool:
-    """Whether the server's id (as json reads it) is the call's: strings by value, numbers by value."""
-    sent = json.loads(id_json)
+def _same_id(value: Any, raw: str, id_json: str) -> bool:
+    """Whether the server's id (``value`` as json reads it, ``raw`` as written) is the call's: strings by
+    value, numbers by value (1 and 1.0 are one id), or as written where Python cannot read them."""
+    if raw == id_json:
+        return True
+    try:
+        sent = json.loads(id_json)
+    except ValueError:  # a number of more digits than Python converts
+        return False
     if isinstance(value, bool) or isinstance(sent, bool):
         return False
     if isinstance(value, str) or isinstance(sent, str):
@@ -227,7 +236,15 @@ def _same_id(value: Any, id_json: str) -> bool:
     return isinstance(value, int | float) and isinstance(sent, int | float) and value == sent
 
 
-_DECODER = json.JSONDecoder(strict=True)
+class _LongNumber(str):
+    """An integer of more digits than Python converts (4,300), kept as its text."""
+
+
+def _integer(text: str) -> int | str:
+    return int(text) if len(text) < 4000 else _LongNumber(text)
+
+
+_DECODER = json.JSONDecoder(strict=True, parse_int=_integer)
 _SPACE = " \t\n\r"
 
 
@@ -281,14 +298,28 @@ class SseReader:
 
     def __init__(self) -> None:
         # A character split between two chunks is decoded once both have come.
-        self._decode = codecs.getincrementaldecoder("utf-8")("replace").decode
+        self._decode = codecs.getincrementaldecoder("utf-8")().decode
         self._pending = ""
         self._data: list[str] = []
         self._event = ""
+        self._started = False
+        # Once bytes that are not UTF-8 came, nothing after them is read: an answer stored as read must
+        # be the server's bytes, and one spelt with replacement characters would not be.
+        self.broken = False
 
     def feed(self, chunk: bytes, *, final: bool = False) -> list[str]:
         """The data of the message events that ``chunk`` completes (``final``: and of one left open)."""
-        text = self._pending + self._decode(chunk, final)
+        if self.broken:
+            return []
+        try:
+            text = self._pending + self._decode(chunk, final)
+        except UnicodeDecodeError:
+            self.broken = True
+            return []
+        if not self._started and text:
+            # A byte order mark may open the stream, and is no part of it (the SSE standard).
+            self._started = True
+            text = text.removeprefix("\ufeff")
         # A CR at the end may be the first half of a CRLF: one line end, not two.
         held = "\r" if text.endswith("\r") and not final else ""
         lines = text.removesuffix(held).replace("\r\n", "\n").replace("\r", "\n").split("\n")

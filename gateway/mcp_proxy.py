@@ -12,8 +12,10 @@ tool call is a JSON-RPC error (code -32000) whose ``data`` is the problem it wou
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +29,8 @@ from gateway.policy import UpstreamPolicy
 from gateway.runtime import RUNTIME, Runtime
 from gateway.trail import CURRENT
 from gateway.upstream import build_outbound, storable_headers
+
+T = TypeVar("T")
 
 # The most of a tools/list answer read for its annotations (a server with thousands of tools lists
 # them in pages); past it the tools keep what the operator or an earlier page said.
@@ -66,10 +70,11 @@ async def relay(
         case mcp.Refused():
             return _rpc(request, mcp.refused(message))
         case mcp.PassThrough(method=method):
-            return await _pass(request, runtime, policy, path, query, body, learn=method == "tools/list")
-    hints = runtime.tool_hints.get(policy.name, {})
+            listing = mcp.id_of(body.json.value) if method == "tools/list" else None
+            return await _pass_message(request, runtime, policy, path, query, body, listing)
+    hints = runtime.tool_hints.get((policy.name, path), {})
     if mcp.kind_of(message.name, policy.tools, hints) == "read_only":
-        return await _pass(request, runtime, policy, path, query, body)
+        return await _pass_message(request, runtime, policy, path, query, body)
     try:
         key = _key(message, request.headers.get("Idempotency-Key"), policy)
         if key is None:
@@ -99,6 +104,27 @@ async def relay(
         trail.replayed = reply.replayed
     headers = {"Idempotent-Replayed": "true"} if reply.replayed else {}
     return _rpc(request, mcp.envelope(stored, message.id_json), headers)
+
+
+async def _pass_message(
+    request: web.Request,
+    runtime: Runtime,
+    policy: UpstreamPolicy,
+    path: str,
+    query: str,
+    body: RequestBody,
+    listing: str | None = None,
+) -> web.StreamResponse:
+    """A POSTed message passed on; when the server cannot be reached, a request gets a JSON-RPC error
+    under its own id, which an MCP client raises, where the HTTP problem would be a transport error."""
+    try:
+        return await _pass(request, runtime, policy, path, query, body, listing=listing)
+    except problems.Problem as problem:
+        request_id = mcp.id_of(body.json.value) if body.json is not None else None
+        if request_id is None:
+            raise
+        _note(problem)
+        return _rpc(request, mcp.gateway_error(request_id, problem.detail, problem.body()), problem.headers)
 
 
 def _key(call: mcp.ToolCall, header: str | None, policy: UpstreamPolicy) -> str | None:
@@ -137,21 +163,22 @@ async def _pass(
     query: str,
     body: RequestBody,
     *,
-    learn: bool = False,
+    listing: str | None = None,
 ) -> web.StreamResponse:
-    """Send the request on as it came (with the upstream's credentials) and stream the answer back.
+    """Send the request on as it came (with the upstream's credentials) and stream the answer back, on
+    connections apart from the effects' (gateway.upstream.UpstreamClient.passing), for as long as the
+    agent stays.
 
-    With ``learn``, the answer is a tools/list result, and its annotations are kept for the next calls.
+    ``listing``: the id of a tools/list request, whose answer's annotations are kept for the next calls
+    to this endpoint.
     """
     headers = browser.cookieless(request.headers)
     outbound = build_outbound(policy, None, request.method, path, query, headers, body)
-    session = runtime.client.session(policy.name)
     # No total: a GET's event stream lasts as long as the session does.
     timeout = aiohttp.ClientTimeout(total=None, connect=policy.connect_timeout.total_seconds())
-    out: web.StreamResponse | None = None
-    listed: list[bytes] = []
+    relayed: list[web.StreamResponse] = []
     try:
-        async with session.request(
+        async with runtime.client.passing(policy.name).request(
             outbound.method,
             outbound.url,
             headers=outbound.headers,
@@ -159,35 +186,76 @@ async def _pass(
             timeout=timeout,
             allow_redirects=False,
         ) as resp:
-            kept = CIMultiDict(storable_headers(resp.raw_headers))
-            out = web.StreamResponse(status=resp.status, headers=kept)
+            out = web.StreamResponse(
+                status=resp.status, headers=CIMultiDict(storable_headers(resp.raw_headers))
+            )
+            relayed.append(out)
             await out.prepare(request)
-            size = 0
-            async for chunk in resp.content.iter_any():
-                await out.write(chunk)
-                size += len(chunk)
-                if learn and size <= MOST_LISTED:
-                    listed.append(chunk)
-            await out.write_eof()
-            if learn and size <= MOST_LISTED:
-                _learn(runtime, policy, resp.headers.get("Content-Type", ""), b"".join(listed))
+            relaying = _relay(resp, out, listing is not None)
+            listed = await _while_the_agent_stays(request, runtime.streams, relaying)
+            if listing is not None and listed is not None and resp.status == 200:
+                _learn(runtime, (policy.name, path), listing, resp.headers.get("Content-Type", ""), listed)
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        if out is None:
+        if not relayed:
             raise problems.UpstreamUnreachable(
                 f"{policy.name} could not be reached: {type(exc).__name__}: {exc}; nothing was recorded"
             ) from None
         # The answer was under way: the agent sees its stream end, as it would from the server.
     trail = CURRENT.get()
     if trail is not None:
-        trail.status = out.status if out is not None else None
-    return out
+        trail.status = relayed[0].status
+    return relayed[0]
 
 
-def _learn(runtime: Runtime, policy: UpstreamPolicy, content_type: str, body: bytes) -> None:
-    for text in mcp.messages_in(content_type, body):
-        try:
-            message: Any = jsonbody.loads(text.encode())
-        except JsonRefused:
-            continue
-        if isinstance(message, dict) and "result" in message:
-            runtime.tool_hints.setdefault(policy.name, {}).update(mcp.hints_of(message["result"]))
+async def _relay(resp: aiohttp.ClientResponse, out: web.StreamResponse, keep: bool) -> bytes | None:
+    """Write the server's answer to the agent as it comes; with ``keep``, return it too (None past
+    MOST_LISTED bytes)."""
+    kept: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_any():
+        await out.write(chunk)
+        size += len(chunk)
+        if keep and size <= MOST_LISTED:
+            kept.append(chunk)
+    await out.write_eof()
+    return b"".join(kept) if keep and size <= MOST_LISTED else None
+
+
+# How often a stream passed through looks whether its agent has gone. aiohttp cancels no handler when
+# a client hangs up (the gateway turns that off, so that an upstream call is never cut short): an event
+# stream the server keeps quiet would otherwise hold its connection to the server for ever.
+AGENT_CHECK_S = 1.0
+
+
+async def _while_the_agent_stays(
+    request: web.Request, streams: set[asyncio.Future[Any]], relaying: Coroutine[Any, Any, T]
+) -> T | None:
+    """Run ``relaying`` until it ends, the agent has hung up, or the gateway stops (which cancels the
+    ``streams``): None but when it ended."""
+    task = asyncio.ensure_future(relaying)
+    streams.add(task)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=AGENT_CHECK_S)
+            if done:
+                return None if task.cancelled() else task.result()
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                return None
+    finally:
+        streams.discard(task)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+def _learn(runtime: Runtime, endpoint: tuple[str, str], listing: str, content_type: str, body: bytes) -> None:
+    """Keep what the answer to the tools/list ``listing`` says of each tool, for this endpoint alone."""
+    answer = mcp.first_answer(mcp.messages_in(content_type, body), listing)
+    if answer is None or answer.ran != "yes":
+        return
+    try:
+        result = jsonbody.loads(answer.stored)["result"]
+    except JsonRefused:
+        return
+    runtime.tool_hints.setdefault(endpoint, {}).update(mcp.hints_of(result))

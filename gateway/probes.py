@@ -240,7 +240,10 @@ class Prober:
                 )
             if "Mcp-Session-Id" in resp.headers:
                 headers["Mcp-Session-Id"] = resp.headers["Mcp-Session-Id"]
-        hello = jsonbody.loads(opened.stored)["result"]  # ToolAnswer "yes": a result member, JSON
+        try:
+            hello = jsonbody.loads(opened.stored)["result"]  # ToolAnswer "yes": a result member
+        except JsonRefused as exc:
+            raise ProbeFailed(f"the probe of {policy.name}: the server's initialize result: {exc}") from None
         version = hello.get("protocolVersion") if isinstance(hello, dict) else None
         headers["MCP-Protocol-Version"] = version if isinstance(version, str) else mcp.PROBE_PROTOCOL
         try:

@@ -7,6 +7,7 @@ import functools
 import logging
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -36,8 +37,12 @@ class Runtime:
     log_hash: LogHash
     # The upstreams' HTTP sessions, for what passes through an MCP server unrecorded (gateway.mcp_proxy).
     client: UpstreamClient
-    # What each MCP upstream's tools/list annotations said of its tools, as this worker last saw them.
-    tool_hints: dict[str, dict[str, ToolKind]] = field(default_factory=dict)
+    # What an MCP endpoint's tools/list annotations said of its tools, by (upstream, path), as this
+    # worker last saw them pass.
+    tool_hints: dict[tuple[str, str], dict[str, ToolKind]] = field(default_factory=dict)
+    # The event streams passing through from MCP servers, ended when the gateway stops: a stream lasts
+    # as long as its session, and shutdown would wait out its timeout for them.
+    streams: set[asyncio.Future[Any]] = field(default_factory=set)
 
 
 RUNTIME = web.AppKey("runtime", Runtime)

@@ -147,6 +147,21 @@ async def _noop() -> None:
     return None
 
 
+def _session(policy: UpstreamPolicy, traces: list[aiohttp.TraceConfig]) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        # Shorter than any common server's idle timeout, so a pooled connection is rarely found closed
+        # by the peer; a POST on such a connection would be left in doubt.
+        connector=aiohttp.TCPConnector(limit=policy.max_connections, keepalive_timeout=10),
+        trace_configs=traces,
+        # Bodies are stored and replayed byte for byte, so they are never decoded on the way.
+        auto_decompress=False,
+        # The upstream gets the agent's headers, not aiohttp's defaults for them (Accept: */* among
+        # them): a header the agent did not send may change what the upstream does.
+        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class _Pool:
     session: aiohttp.ClientSession
@@ -169,28 +184,24 @@ class UpstreamClient:
         trace = aiohttp.TraceConfig()
         trace.on_request_headers_sent.append(_headers_sent)
         self._pools = {
-            policy.name: _Pool(
-                aiohttp.ClientSession(
-                    # Shorter than any common server's idle timeout, so a pooled connection is rarely
-                    # found closed by the peer; a POST on such a connection would be left in doubt.
-                    connector=aiohttp.TCPConnector(limit=policy.max_connections, keepalive_timeout=10),
-                    trace_configs=[trace],
-                    # Bodies are stored and replayed byte for byte, so they are never decoded on the way.
-                    auto_decompress=False,
-                    # The upstream gets the agent's headers, not aiohttp's defaults for them (Accept: */*
-                    # among them): a header the agent did not send may change what the upstream does.
-                    skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-                    cookie_jar=aiohttp.DummyCookieJar(),
-                ),
-                policy.connect_timeout.total_seconds(),
-            )
+            policy.name: _Pool(_session(policy, [trace]), policy.connect_timeout.total_seconds())
             for policy in policies
         }
+        # An MCP server's messages that pass through unrecorded (gateway.mcp_proxy) have connections of
+        # their own: an event stream holds one for as long as its session lasts, and a hundred sessions
+        # on the effects' connections would leave no connection for a tool call.
+        self._passing = {policy.name: _session(policy, []) for policy in policies if policy.protocol == "mcp"}
         self.max_response_bytes = max_response_bytes
 
     async def close(self) -> None:
         for pool in self._pools.values():
             await pool.session.close()
+        for session in self._passing.values():
+            await session.close()
+
+    def passing(self, upstream: str) -> aiohttp.ClientSession:
+        """The MCP upstream's session for what passes through unrecorded."""
+        return self._passing[upstream]
 
     def session(self, upstream: str) -> aiohttp.ClientSession:
         """The upstream's own session (probes use it too, so they count against its connections)."""

@@ -1,6 +1,7 @@
 """A shop as an MCP server (the official SDK's), on loopback port 0, for the tests of MCP tool calls.
 
 ``place_order`` has side effects and no idempotency of its own: every call it runs places an order.
+``fussy_order`` places its order and then raises "invalid params".
 ``slow_order`` places its order and then waits to answer until the test releases it.
 ``find_orders`` is read-only (annotated so) and lists the orders placed with a reference.
 """
@@ -16,7 +17,8 @@ from typing import Any
 import aiohttp
 import uvicorn
 from mcp.server.mcpserver import MCPServer
-from mcp.types import ToolAnnotations
+from mcp.shared.exceptions import MCPError
+from mcp.types import INVALID_PARAMS, ToolAnnotations
 
 from gateway.mcp import KEY_META
 
@@ -57,6 +59,15 @@ def _server(shop: Shop) -> MCPServer:
         shop.started.set()
         await shop.release.wait()
         return order
+
+    @server.tool()
+    def fussy_order(item: str) -> dict[str, Any]:
+        """Place an order, then raise "invalid params" (which the SDK passes on as the call's error)."""
+        shop.runs["fussy_order"] = shop.runs.get("fussy_order", 0) + 1
+        shop.orders.append(
+            {"id": f"ord_{len(shop.orders) + 1}", "item": item, "quantity": 1, "reference": ""}
+        )
+        raise MCPError(INVALID_PARAMS, f"{item!r} is not sold by the kilo")
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=True))
     def find_orders(reference: str = "", client_reference: str = "") -> dict[str, Any]:

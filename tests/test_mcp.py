@@ -241,3 +241,66 @@ async def test_keys_made_up_per_call_are_refused_where_the_upstream_takes_step_k
         assert isinstance(made_up, MCPError)
         assert made_up.error.data["type"].endswith("/key-random")
         assert shop.runs == {}
+
+
+async def test_an_error_that_may_come_after_the_tool_ran_is_never_sent_again(dsn: str) -> None:
+    """fussy_order places its order and then raises "invalid params", which the SDK passes on: the call
+    is left in doubt, and its retries wait for an operator (no probe) instead of ordering again."""
+    async with mcp_shop() as shop, gateway_server(dsn, upstreams=shop_upstream(shop)) as gw:
+        answers = []
+        for _ in range(3):
+            async with session(gw) as s:
+                try:
+                    answers.append(await s.call_tool("fussy_order", {"item": "atta"}, meta={KEY_META: "r:9"}))
+                except MCPError as exc:
+                    answers.append(exc)
+        assert shop.runs["fussy_order"] == 1
+        [effect] = await gw.runtime.store.find(EffectFilter(upstream="shop"))
+        assert effect.state.value == "needs_review"
+        assert all(isinstance(a, MCPError) for a in answers)
+
+
+async def test_an_event_stream_an_agent_left_holds_no_connection_a_tool_call_needs(dsn: str) -> None:
+    """With one connection to the server allowed, an agent's event stream (a GET the server keeps open)
+    takes none of the effects' connections, and once the agent hangs up the gateway lets it go, so a new
+    session (whose messages pass through on that one connection) can start."""
+    async with (
+        mcp_shop() as shop,
+        gateway_server(dsn, upstreams=shop_upstream(shop, max_connections=1)) as gw,
+    ):
+        url = f"{gw.url}/shop/mcp"
+        async with aiohttp.ClientSession() as http:
+            headers = await raw_session(http, url)
+            stream = await http.get(url, headers={**headers, "Accept": "text/event-stream"})
+            assert stream.status == 200
+            # While the stream is open, on the stream's one connection: a tool call has its own.
+            async with http.post(url, json=order_call(1, "run-4:1"), headers=headers) as resp:
+                placed = await resp.read()
+            assert b'"result"' in placed
+        # The agent has gone: its stream is let go within a second or two, and a new session starts.
+        await asyncio.sleep(2.5)
+        assert not gw.runtime.streams
+        async with aiohttp.ClientSession() as http:
+            headers = await raw_session(http, url)
+            async with http.post(url, json=order_call(1, "run-4:2"), headers=headers) as resp:
+                assert b'"result"' in await resp.read()
+        assert shop.runs["place_order"] == 2
+
+
+async def test_when_the_server_cannot_be_reached_requests_get_json_rpc_errors(dsn: str) -> None:
+    """initialize gets a JSON-RPC error under its own id (which a client raises), not an HTTP 502; a tool
+    call gets one too, and stays safe to send again."""
+    upstreams = {"shop": {"base_url": "http://127.0.0.1:9", "protocol": "mcp", "connect_timeout": "1s"}}
+    async with gateway_server(dsn, upstreams=upstreams) as gw, aiohttp.ClientSession() as http:
+        url = f"{gw.url}/shop/mcp"
+        hello = {"jsonrpc": "2.0", "id": 3, "method": "initialize", "params": {}}
+        async with http.post(url, json=hello, headers={"Accept": "application/json"}) as resp:
+            assert resp.status == 200
+            answer = await resp.json()
+        assert answer["id"] == 3
+        assert answer["error"]["data"]["type"].endswith("/upstream-unreachable")
+        async with http.post(url, json=order_call(4, "r:1"), headers={"Accept": "application/json"}) as resp:
+            called = await resp.json()
+        assert called["id"] == 4
+        [effect] = await gw.runtime.store.find(EffectFilter(upstream="shop"))
+        assert effect.state.value == "retryable"
