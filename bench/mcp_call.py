@@ -28,9 +28,9 @@ from pathlib import Path
 
 from bench.harness import at_start, conditions, gateway_command, running, start_server, work_dir
 from bench.load import LoadResult, LoadSpec, generator_description, run
+from gateway.mcp import PROBE_PROTOCOL, initialize_message
 
 REPLAY_KEYS = 1000
-PROTOCOL = "2025-06-18"
 ORDER = {"name": "place_order", "arguments": {"items": ["atta", "toor dal"], "run_id": "bench"}}
 
 
@@ -51,18 +51,16 @@ def _post(url: str, message: dict[str, object], headers: dict[str, str]) -> tupl
 def open_session(url: str) -> dict[str, str]:
     """An MCP session at ``url`` (initialize, then initialized): the headers its messages carry."""
     accept = {"Accept": "application/json, text/event-stream"}
-    hello = {
-        "jsonrpc": "2.0",
-        "id": 0,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": PROTOCOL,
-            "capabilities": {},
-            "clientInfo": {"name": "bench", "version": "1"},
-        },
+    request = urllib.request.Request(
+        url, data=initialize_message(), headers={**accept, "Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        headers = resp.headers
+    session = {
+        **accept,
+        "Mcp-Session-Id": headers["Mcp-Session-Id"] or "",
+        "MCP-Protocol-Version": PROBE_PROTOCOL,
     }
-    _, headers, _ = _post(url, hello, accept)
-    session = {**accept, "Mcp-Session-Id": headers["Mcp-Session-Id"] or "", "MCP-Protocol-Version": PROTOCOL}
     _post(url, {"jsonrpc": "2.0", "method": "notifications/initialized"}, session)
     return session
 

@@ -71,10 +71,10 @@ async def relay(
             return _rpc(request, mcp.refused(message))
         case mcp.PassThrough(method=method):
             listing = mcp.id_of(body.json.value) if method == "tools/list" else None
-            return await _pass_message(request, runtime, policy, path, query, body, listing)
+            return await _pass(request, runtime, policy, path, query, body, listing=listing)
     hints = runtime.tool_hints.get((policy.name, path), {})
     if mcp.kind_of(message.name, policy.tools, hints) == "read_only":
-        return await _pass_message(request, runtime, policy, path, query, body)
+        return await _pass(request, runtime, policy, path, query, body)
     try:
         key = _key(message, request.headers.get("Idempotency-Key"), policy)
         if key is None:
@@ -104,27 +104,6 @@ async def relay(
         trail.replayed = reply.replayed
     headers = {"Idempotent-Replayed": "true"} if reply.replayed else {}
     return _rpc(request, mcp.envelope(stored, message.id_json), headers)
-
-
-async def _pass_message(
-    request: web.Request,
-    runtime: Runtime,
-    policy: UpstreamPolicy,
-    path: str,
-    query: str,
-    body: RequestBody,
-    listing: str | None = None,
-) -> web.StreamResponse:
-    """A POSTed message passed on; when the server cannot be reached, a request gets a JSON-RPC error
-    under its own id, which an MCP client raises, where the HTTP problem would be a transport error."""
-    try:
-        return await _pass(request, runtime, policy, path, query, body, listing=listing)
-    except problems.Problem as problem:
-        request_id = mcp.id_of(body.json.value) if body.json is not None else None
-        if request_id is None:
-            raise
-        _note(problem)
-        return _rpc(request, mcp.gateway_error(request_id, problem.detail, problem.body()), problem.headers)
 
 
 def _key(call: mcp.ToolCall, header: str | None, policy: UpstreamPolicy) -> str | None:
@@ -197,9 +176,16 @@ async def _pass(
                 _learn(runtime, (policy.name, path), listing, resp.headers.get("Content-Type", ""), listed)
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         if not relayed:
-            raise problems.UpstreamUnreachable(
+            unreachable = problems.UpstreamUnreachable(
                 f"{policy.name} could not be reached: {type(exc).__name__}: {exc}; nothing was recorded"
-            ) from None
+            )
+            # A request gets a JSON-RPC error under its own id, which an MCP client raises, where the
+            # HTTP problem would be a transport error; a GET or a notification gets the problem.
+            request_id = mcp.id_of(body.json.value) if body.json is not None else None
+            if request_id is None:
+                raise unreachable from None
+            _note(unreachable)
+            return _rpc(request, mcp.gateway_error(request_id, unreachable.detail, unreachable.body()))
         # The answer was under way: the agent sees its stream end, as it would from the server.
     trail = CURRENT.get()
     if trail is not None:

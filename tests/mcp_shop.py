@@ -20,7 +20,7 @@ from mcp.server.mcpserver import MCPServer
 from mcp.shared.exceptions import MCPError
 from mcp.types import INVALID_PARAMS, ToolAnnotations
 
-from gateway.mcp import KEY_META
+from gateway.mcp import KEY_META, PROBE_PROTOCOL, initialize_message
 
 
 @dataclass
@@ -103,24 +103,15 @@ async def mcp_shop(*, json_response: bool = False) -> AsyncIterator[Shop]:
 async def raw_session(http: aiohttp.ClientSession, url: str) -> dict[str, str]:
     """An MCP session opened by hand at ``url`` (initialize, then initialized): the headers its later
     messages carry."""
-    hello = {
-        "jsonrpc": "2.0",
-        "id": 0,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": "2025-06-18",
-            "capabilities": {},
-            "clientInfo": {"name": "t", "version": "1"},
-        },
-    }
     accept = {"Accept": "application/json, text/event-stream"}
-    async with http.post(url, json=hello, headers=accept) as resp:
+    hello = {**accept, "Content-Type": "application/json"}
+    async with http.post(url, data=initialize_message(), headers=hello) as resp:
         assert resp.status == 200, await resp.text()
         await resp.read()
         headers = {
             **accept,
             "Mcp-Session-Id": resp.headers["Mcp-Session-Id"],
-            "MCP-Protocol-Version": "2025-06-18",
+            "MCP-Protocol-Version": PROBE_PROTOCOL,
         }
     async with http.post(
         url, json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers

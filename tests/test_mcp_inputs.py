@@ -137,22 +137,17 @@ def world(postgres_dsn: str) -> Iterator[World]:
         w.url = f"{gw.url}/shop/mcp"
 
     asyncio.run_coroutine_threadsafe(start(), w.loop).result(60)
-    hello = {
-        "jsonrpc": "2.0",
-        "id": 0,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": "2025-06-18",
-            "capabilities": {},
-            "clientInfo": {"name": "t", "version": "1"},
-        },
-    }
     accept = {"Accept": "application/json, text/event-stream"}
-    opened = requests.post(w.url, json=hello, headers=accept, timeout=10)
+    opened = requests.post(
+        w.url,
+        data=mcp.initialize_message(),
+        headers={**accept, "Content-Type": "application/json"},
+        timeout=10,
+    )
     w.headers = {
         **accept,
         "Mcp-Session-Id": opened.headers["Mcp-Session-Id"],
-        "MCP-Protocol-Version": "2025-06-18",
+        "MCP-Protocol-Version": mcp.PROBE_PROTOCOL,
     }
     requests.post(
         w.url, json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=w.headers, timeout=10
