@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from gateway import attempts, decision, operators, probing, problems, replies, service, states
+from gateway import attempts, decision, mcp, operators, probing, problems, replies, service, states
 from gateway.decision import Policy, Resend, Settlement
 from gateway.endings import Ending, Unanswered, Unrecorded
 from gateway.errors import ProbeFailed
@@ -316,6 +316,17 @@ def _operator_unfenced() -> contextlib.AbstractContextManager[None]:
     return patched((operators, "resolve", resolve))
 
 
+def _mcp_errors_never_ran() -> contextlib.AbstractContextManager[None]:
+    real = mcp.answer_of
+
+    def answer_of(status: int, content_type: str, body: bytes, id_json: str) -> mcp.ToolAnswer | None:
+        # Any error status from an MCP server is taken to say the tool never ran.
+        read = real(status, content_type, body, id_json)
+        return mcp.ToolAnswer("no", read.stored) if read is not None and status >= 400 else read
+
+    return patched((mcp, "answer_of", answer_of))
+
+
 MUTATIONS = [
     Mutation(
         "doubt-not-sticky",
@@ -393,6 +404,11 @@ MUTATIONS = [
         "operator-during-lease",
         "resolution and the store's resolve both let an operator resolve while a lease runs",
         _operator_during_lease(store_too=True),
+    ),
+    Mutation(
+        "mcp-errors-never-ran",
+        "mcp.answer_of takes any error status from an MCP server to say the tool never ran",
+        _mcp_errors_never_ran,
     ),
     Mutation(
         "operator-during-lease-decision-only",

@@ -20,8 +20,9 @@ import asyncio
 import json
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
+from gateway import mcp
 from gateway.errors import ProbeFailed
 from gateway.outcome import Answered, NoAnswer, NotSent, Outcome
 from gateway.policy import UpstreamPolicy
@@ -135,11 +136,34 @@ class SimUpstream:
 
     def _answer(self, n: int, scope: Scope) -> StoredResponse:
         body = {"id": f"{self.name}-{n}", "ref": f"{scope[0]}/{scope[2]}", "upstream": self.name}
-        return StoredResponse(201, JSON, json.dumps(body, separators=(",", ":")).encode())
+        text = json.dumps(body, separators=(",", ":"))
+        if self.policy.protocol == "mcp":
+            # A tool's result, as the gateway stores it (gateway.mcp): what its search finds, too.
+            result = json.dumps({"content": [{"type": "text", "text": text}], "isError": False})
+            return StoredResponse(200, mcp.STORED_HEADERS, f'{{"result":{result}}}'.encode())
+        return StoredResponse(201, JSON, text.encode())
+
+    def _fields(self, outbound: Outbound) -> dict[str, Any]:
+        """The request's own fields: its JSON body's, or an MCP tool call's arguments."""
+        doc: dict[str, Any] = json.loads(outbound.body)
+        return doc["params"]["arguments"] if self.policy.protocol == "mcp" else doc
+
+    def _as_sent(self, outbound: Outbound, outcome: Outcome) -> Outcome:
+        """An HTTP answer as an MCP server would give it, read by the gateway's own reader (gateway.mcp):
+        a result under the call's id for a 2xx, the status alone for any other."""
+        if self.policy.protocol != "mcp" or not isinstance(outcome, Answered) or outbound.answer_to is None:
+            return outcome
+        message = b""
+        if outcome.status < 300:
+            message = b'{"jsonrpc":"2.0","id":' + outbound.answer_to.encode() + b"," + outcome.body[1:]
+        read = mcp.answer_of(outcome.status, "application/json", message, outbound.answer_to)
+        if read is None:
+            return NoAnswer("the MCP server's answer holds no response to the call")
+        return Answered(outcome.status, mcp.STORED_HEADERS, read.stored, ran=read.ran)
 
     def scope_of(self, outbound: Outbound) -> Scope:
         """The simulator's label of the effect (not the gateway's key: a request carries it in its body)."""
-        ref = json.loads(outbound.body)["ref"]
+        ref = self._fields(outbound)["ref"]
         tenant, _, key = ref.partition("/")
         return (tenant, self.name, key)
 
@@ -150,8 +174,10 @@ class SimUpstream:
     def _stamped_key(self, outbound: Outbound) -> str | None:
         if self.policy.stamp is None:
             return None
-        stamped: str | None = json.loads(outbound.body).get(self.policy.stamp[1])
-        return stamped
+        doc: Any = json.loads(outbound.body)
+        for name in self.policy.stamp[1].split("."):
+            doc = doc.get(name) if isinstance(doc, dict) else None
+        return doc if isinstance(doc, str) else None
 
     # --- a request, from arrival to its end (run in the world's context: no gateway stops it) ------
 
@@ -166,6 +192,8 @@ class SimUpstream:
         back = net.between(*NET)
 
         def answer(at: float, outcome: Outcome) -> None:
+            outcome = self._as_sent(outbound, outcome)
+
             def deliver() -> None:
                 call.over = True
                 if not reply.done():

@@ -114,8 +114,9 @@ class Setup:
         lines = [f"{self.gateways} gateway(s), {len(self.clients)} client(s), retention {self.retention}"]
         for kind, p in self.upstreams:
             d = p.decision
+            spoken = " over MCP" if p.protocol == "mcp" else ""
             lines.append(
-                f"upstream {p.name}: {kind.value}; timeout {p.timeout.total_seconds():g}s, lease "
+                f"upstream {p.name}: {kind.value}{spoken}; timeout {p.timeout.total_seconds():g}s, lease "
                 f"{d.lease.total_seconds():g}s"
                 + (f", key TTL {d.native_key_ttl.total_seconds():g}s" if d.native_key_ttl else "")
                 + (f", probe horizon {d.probe_horizon.total_seconds():g}s" if d.probe_horizon else "")
@@ -142,24 +143,37 @@ def draw_setup(everything: Choices) -> Setup:
         # How long its search takes to list an effect: none, under a lease, about one, several. Drawn
         # from a stream of its own, so that a schedule recorded before searches lagged replays as it did.
         search_lag = timedelta(seconds=everything["lag"].pick(SEARCH_LAGS))
+        # An MCP server's tool instead of an HTTP API, a third of the time: drawn from a stream of its own,
+        # so that a schedule recorded before there were MCP upstreams replays as it did (all HTTP).
+        mcp = everything["protocol"].chance(333)
+        probed = kind in (Kind.PROBED, Kind.STRIPE)
+        probe = ProbeSettings(
+            path="/orders/search?ref={key}",
+            found="items.0",
+            status=201,
+            horizon=probe_horizon,
+            lag=search_lag,
+            routes=["POST /orders"],
+        )
+        if mcp:
+            probe = ProbeSettings(
+                path="/mcp",
+                tool="find_orders",
+                arguments={"client_reference": "{key}"},
+                found="structuredContent.orders.0",
+                horizon=probe_horizon,
+                lag=search_lag,
+                tools=["place_order"],
+            )
+        stamp = "params.arguments.client_reference" if mcp else "client_reference"
         cfg = UpstreamSettings(
             base_url=f"http://{name}.sim",
             timeout=timeout,
             native_key=NativeKeySettings(ttl=memory) if kind in (Kind.NATIVE, Kind.STRIPE) else None,
-            stamp=StampSettings(json_field="client_reference")
-            if kind in (Kind.PROBED, Kind.STRIPE)
-            else None,
-            probe=ProbeSettings(
-                path="/orders/search?ref={key}",
-                found="items.0",
-                status=201,
-                horizon=probe_horizon,
-                lag=search_lag,
-                routes=["POST /orders"],
-            )
-            if kind in (Kind.PROBED, Kind.STRIPE)
-            else None,
+            stamp=StampSettings(json_field=stamp) if probed else None,
+            probe=probe if probed else None,
             repeat_harmless=kind is Kind.HARMLESS,
+            protocol="mcp" if mcp else "http",
         )
         upstreams.append((kind, upstream_policy(name, cfg, grace)))
     tenants = ["t1", "t2"][: 1 + choices.below(2)]
@@ -284,6 +298,7 @@ class Tally:
     requests: int = 0
     effects: int = 0
     crashes: int = 0
+    calls: int = 0  # MCP tool calls made: each request's JSON-RPC id
 
 
 class World:
@@ -429,20 +444,31 @@ class World:
 
     def inbound(self, scope: Scope, wait: float) -> Inbound:
         tenant, upstream, key = scope
-        raw = json.dumps({"item": key, "ref": f"{tenant}/{key}"}, separators=(",", ":")).encode()
+        fields = {"item": key, "ref": f"{tenant}/{key}"}
         policy = self.upstreams[upstream].policy
+        tool = None
+        doc: dict[str, Any] = fields
+        path = "/orders"
+        if policy.protocol == "mcp":
+            # A tools/call, with an id of the request's own (a retry is another request).
+            self.tally.calls += 1
+            params = {"name": "place_order", "arguments": fields}
+            doc = {"jsonrpc": "2.0", "id": self.tally.calls, "method": "tools/call", "params": params}
+            tool, path = "place_order", "/mcp"
+        raw = json.dumps(doc, separators=(",", ":")).encode()
         # Parsed as the gateway's edge parses it (strictly, and for a JSON stamp's path).
         body = read_body(raw, "application/json", policy.json_stamp_path)
         return Inbound(
             tenant=tenant,
             upstream=policy,
             method="POST",
-            path="/orders",
+            path=path,
             query="",
             headers={"Content-Type": "application/json"},
             body=body,
             key=key,
             wait=wait,
+            tool=tool,
         )
 
     async def request(

@@ -42,6 +42,7 @@ CAUGHT_AT = {
     "operator-unfenced": 5178,
     "operator-during-lease": 1,
     "operator-during-lease-decision-only": 53,
+    "mcp-errors-never-ran": 37,
 }
 
 
