@@ -16,7 +16,7 @@ import asyncpg
 import pytest
 from aiohttp import web
 
-import gateway.proxy
+import gateway.inbound
 from gateway import jsonbody, urlencoded
 from tests.database import effect_rows
 from tests.gateways import Gateway, gateway_server
@@ -293,13 +293,13 @@ async def test_a_large_body_is_searched_for_the_stamps_name_off_the_event_loop(
 ) -> None:
     """A large body is searched for a field named as the form stamp off the event loop's thread."""
     threads: list[threading.Thread] = []
-    reserved_use = gateway.proxy.reserved_use
+    reserved_use = gateway.inbound.reserved_use
 
     def spy(*args: Any) -> str | None:
         threads.append(threading.current_thread())
         return reserved_use(*args)
 
-    monkeypatch.setattr(gateway.proxy, "reserved_use", spy)
+    monkeypatch.setattr(gateway.inbound, "reserved_use", spy)
     cfg = {"pay": {"base_url": upstream.url, "stamp": {"form_field": "metadata[idempotency_key]"}}}
     async with gateway_server(dsn, upstreams=cfg) as gw:
         status, _ = await send(http, f"{gw.url}/pay/charges", b"amount=1&note=" + b"x" * 100_000, FORM)
