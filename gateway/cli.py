@@ -46,7 +46,7 @@ from gateway.probes import Prober, load_python_probe
 from gateway.record import EffectRecord, StoredResponse
 from gateway.schema import grant_to, migrate, ready
 from gateway.seams import AuditReads
-from gateway.settings import Settings, load_settings
+from gateway.settings import Settings, database_hosts, load_settings
 from gateway.store import Store, opened
 from gateway.upstream import UpstreamClient
 
@@ -73,10 +73,11 @@ def describe_database(settings: Settings) -> str:
     """Where the data lives, without the password: for messages that must say which database was used."""
     if settings.database_url is None:
         return f"the embedded Postgres in {settings.data_dir.resolve()}"
-    url = urlsplit(settings.database_url.get_secret_value())
-    where = url.hostname or parse_qs(url.query).get("host", ["the local socket"])[0]
-    port = f":{url.port}" if url.port else ""
-    return f"Postgres database {url.path.lstrip('/') or '(default)'} on {where}{port}"
+    dsn = settings.database_url.get_secret_value()
+    url = urlsplit(dsn)
+    hosts = [f"{host}:{port}" if port else host for host, port in database_hosts(dsn) if host]
+    where = ", ".join(hosts) or parse_qs(url.query).get("host", ["the local socket"])[0]
+    return f"Postgres database {url.path.lstrip('/') or '(default)'} on {where}"
 
 
 @contextlib.contextmanager

@@ -105,13 +105,28 @@ def resolve_secret(value: object) -> SecretStr:
 Secret = Annotated[SecretStr, BeforeValidator(resolve_secret)]
 
 
+def database_hosts(url: str) -> list[tuple[str, int | None]]:
+    """The hosts of a postgresql:// URL, each with its port: one, or several for a primary and its
+    standbys (``host1:5432,host2:5432``, which asyncpg tries in turn, as libpq does). Raises ValueError
+    for a URL that is not postgresql:// or a port that is not a number."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("postgresql", "postgres"):
+        raise ValueError("must be a postgresql://user:password@host:port/database URL")
+    hosts: list[tuple[str, int | None]] = []
+    for named in parts.netloc.rpartition("@")[2].split(","):
+        host, colon, port = named.rpartition(":") if not named.endswith("]") else (named, "", "")
+        if not colon:
+            host, port = named, ""
+        if port and not port.isdigit():
+            raise ValueError(f"the port of {named!r} is not a number")
+        hosts.append((host.strip("[]"), int(port) if port else None))
+    return hosts
+
+
 def _postgres_url(value: SecretStr | None) -> SecretStr | None:
     """A URL asyncpg can use, checked here so that a typo is a bad setting rather than a failed connection."""
     if value is not None:
-        url = urlsplit(value.get_secret_value())
-        if url.scheme not in ("postgresql", "postgres"):
-            raise ValueError("must be a postgresql://user:password@host:port/database URL")
-        _ = url.port  # raises ValueError for a port that is not a number
+        database_hosts(value.get_secret_value())
     return value
 
 

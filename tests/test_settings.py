@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.cli import describe_database
 from gateway.errors import ConfigError
 from gateway.settings import load_settings, parse_duration
 
@@ -329,12 +330,25 @@ def test_commands_that_need_only_the_database_need_no_secrets(tmp_path: Path) ->
 
 @pytest.mark.parametrize(
     ("url", "why"),
-    [("postgres://u@db:port/x", "Port could not be cast"), ("db.example:5432", "postgresql://")],
+    [
+        ("postgres://u@db:port/x", "the port of 'db:port' is not a number"),
+        ("postgres://u@a:5432,b:x/x", "the port of 'b:x' is not a number"),
+        ("db.example:5432", "postgresql://"),
+    ],
 )
 def test_a_malformed_database_url_is_a_bad_setting(url: str, why: str) -> None:
     """A database_url asyncpg cannot use is refused at load, naming the setting, not at the first connect."""
     with pytest.raises(ConfigError, match=f"bad setting database_url: .*{why}"):
         load_settings(None, database_url=url)
+
+
+def test_a_database_url_may_name_a_primary_and_its_standbys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A URL of several hosts, as Patroni's and managed services' failover setups give it, is accepted,
+    and the command line names every host (never the password)."""
+    monkeypatch.delenv("EFFECT_GATEWAY_CONFIG", raising=False)
+    url = "postgresql://gw:secret@pg1:5432,pg2:5433/effects?target_session_attrs=read-write"
+    settings = load_settings(None, database_url=url)
+    assert describe_database(settings) == "Postgres database effects on pg1:5432, pg2:5433"
 
 
 MCP_PROBE = {
