@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest fuzz spin model-check chromium simulate serve demo bench bench-against bench-mcp bench-load bench-growth bench-memory bench-input clean
+.PHONY: test lint typecheck pytest fuzz spin model-check chromium postgres15 failover simulate serve demo bench bench-against bench-mcp bench-load bench-growth bench-memory bench-input clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,7 @@ typecheck: $(STAMP)
 # PYTEST_WORKERS=0 runs them in this process, one after another.
 # The CPUs this process may use (a container's limit, not the host's cores), where the system says.
 PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(2 * len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2 * (os.cpu_count() or 1))')
-pytest: $(STAMP) chromium
+pytest: $(STAMP) chromium postgres15
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 # The property tests with thousands of examples each, and schemathesis with hundreds per operation
@@ -68,6 +68,27 @@ chromium:
 		echo "$(CHROMIUM) is missing and cannot be installed here (needs root and apt-get):" \
 			"tests/test_audit_browser.py will fail; install Debian's chromium"; \
 	fi
+
+# tests/test_failover.py runs a primary and a standby of Debian's Postgres 15. CI runs as root on Debian,
+# so it is installed here when missing, without the cluster the package would otherwise make and start
+# (every test stops what it started: CI leaves no server running).
+PG15 := /usr/lib/postgresql/15/bin/postgres
+postgres15:
+	@if [ -x $(PG15) ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian's postgresql-15 for the failover tests"; \
+		mkdir -p /etc/postgresql-common; \
+		grep -qs '^create_main_cluster' /etc/postgresql-common/createcluster.conf || \
+			echo 'create_main_cluster = false' >> /etc/postgresql-common/createcluster.conf; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql-15 >/dev/null; \
+	else \
+		echo "$(PG15) is missing and cannot be installed here (needs root and apt-get):" \
+			"tests/test_failover.py will fail; install Debian's postgresql-15"; \
+	fi
+
+# Failover under load, the long form: several failovers, many agents (make test runs one, with 40).
+failover: $(STAMP) postgres15
+	FAILOVERS=$(or $(FAILOVERS),5) AGENTS=$(or $(AGENTS),300) $(BIN)/pytest -q -s -p no:randomly tests/test_failover.py
 
 # The deterministic simulator (sim/README.md): the real EffectService against simulated parts, for
 # SIM_SECONDS across fresh seeds, then the exhaustive model check (model/README.md); non-zero on any

@@ -1,0 +1,168 @@
+"""Failover under load: the gateway's Postgres is a primary streaming synchronously to a standby, and
+agents send effects with retries while the primary is killed (SIGKILL) and the standby promoted.
+
+Nothing may be done twice and no answer lost: every key's effect reaches the upstream once, every
+agent ends with its 201, and a further retry replays it. Meanwhile the gateway answers 503 (nothing
+sent) and comes back on the new primary by itself: its database URL names both servers, with
+target_session_attrs=read-write. `make test` runs one failover; `make failover` several, longer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway.schema import migrate
+from tests.database import grant_runtime
+from tests.gateways import gateway_server
+from tests.replicas import Pair, installed, replicated
+from tests.upstreams import Upstream
+
+pytestmark = pytest.mark.crash
+
+# The failovers, the agents and how long each sends: FAILOVERS=3 AGENTS=200 in `make failover`.
+FAILOVERS = int(os.environ.get("FAILOVERS", "1"))
+AGENTS = int(os.environ.get("AGENTS", "40"))
+SEARCH = {
+    "path": "/orders/search?ref={key}",
+    "found": "items.0",
+    "status": 201,
+    "lag": "0s",
+    "routes": ["POST /orders"],
+}
+
+
+@dataclass
+class Tally:
+    statuses: Counter[str] = field(default_factory=Counter)
+    answers: dict[str, bytes] = field(default_factory=dict)
+    # When the gateway last answered a new effect, and each outage: from a kill to the next 201.
+    outages: list[float] = field(default_factory=list)
+
+
+@pytest.fixture
+def folder() -> Iterator[Path]:
+    """A folder the servers' system user may enter (pytest's own are root's alone)."""
+    why = installed()
+    if why is not None:
+        pytest.fail(why)
+    path = Path(tempfile.mkdtemp(prefix="effect-gateway-failover-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+async def _agent(http: aiohttp.ClientSession, url: str, key: str, tally: Tally) -> None:
+    """One effect, retried until it is answered 201, then once more (a replay)."""
+    body = json.dumps({"order": key}).encode()
+    headers = {"Idempotency-Key": key, "Content-Type": "application/json", "Prefer": "wait=5"}
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            async with http.post(f"{url}/shop/orders", data=body, headers=headers) as resp:
+                answer = await resp.read()
+                tally.statuses[str(resp.status)] += 1
+        except aiohttp.ClientError as exc:
+            tally.statuses[type(exc).__name__] += 1
+            await asyncio.sleep(0.1)
+            continue
+        if resp.status == 201:
+            tally.answers[key] = answer
+            return
+        assert resp.status in (409, 503), (key, resp.status, answer)
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{key} was never answered")
+
+
+async def _later(seconds: float, then: Coroutine[Any, Any, None]) -> None:
+    await asyncio.sleep(seconds)
+    await then
+
+
+async def _slow_order(request: web.Request) -> web.Response:
+    """The shop places the order at once (the upstream records the call) and answers 0.3 s later."""
+    await asyncio.sleep(0.3)
+    return web.json_response({"placed": json.loads(await request.read())["order"]}, status=201)
+
+
+async def _fail_over(pair: Pair, gateway_url: str, tally: Tally, http: aiohttp.ClientSession) -> None:
+    """Kill the primary and promote the standby; then time until a new effect is answered again."""
+    killed = time.monotonic()
+    await asyncio.to_thread(pair.fail_over)
+    probe = json.dumps({"order": f"probe-{killed}"}).encode()
+    headers = {"Content-Type": "application/json", "Idempotency-Key": f"probe-{killed}", "Prefer": "wait=5"}
+    while True:
+        try:
+            async with http.post(f"{gateway_url}/shop/orders", data=probe, headers=headers) as resp:
+                if resp.status == 201:
+                    tally.outages.append(time.monotonic() - killed)
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.05)
+
+
+async def test_effects_survive_failovers_with_nothing_done_twice_and_no_answer_lost(
+    folder: Path, upstream: Upstream
+) -> None:
+    upstream.serve_search(field_name="client_reference")
+    upstream.routes["/orders"] = _slow_order
+    with replicated(folder, sync=True) as pair:
+        await migrate(pair.url)
+        await grant_runtime(pair.url)
+        shop = {
+            "base_url": upstream.url,
+            "timeout": "2s",
+            "stamp": {"json_field": "client_reference"},
+            "probe": SEARCH,
+        }
+        tally = Tally()
+        async with (
+            gateway_server(pair.url, upstreams={"shop": shop}, lease_grace="500ms") as gw,
+            aiohttp.ClientSession() as http,
+        ):
+            keys = [f"run-{i}:1" for i in range(AGENTS)]
+            # The agents start one after another over the failovers, so that each failover finds
+            # effects claimed, sent (the shop takes 0.3 s) and being recorded.
+            spacing = FAILOVERS * 1.5 / AGENTS
+            agents = [
+                asyncio.create_task(_later(i * spacing, _agent(http, gw.url, key, tally)))
+                for i, key in enumerate(keys)
+            ]
+            for _ in range(FAILOVERS):
+                await asyncio.sleep(0.7)
+                await _fail_over(pair, gw.url, tally, http)
+            await asyncio.gather(*agents)
+            # Every key once more: each a replay of its first answer.
+            for key in keys:
+                async with http.post(
+                    f"{gw.url}/shop/orders",
+                    data=json.dumps({"order": key}).encode(),
+                    headers={"Idempotency-Key": key, "Content-Type": "application/json"},
+                ) as resp:
+                    assert (resp.status, await resp.read()) == (201, tally.answers[key]), key
+        done = Counter(json.loads(call.body)["order"] for call in upstream.effects("/orders"))
+    twice = [key for key in keys if done[key] > 1]
+    never = [key for key in keys if done[key] == 0]
+    print(
+        f"\nfailover: {AGENTS} agents, {FAILOVERS} failover(s); answers {dict(tally.statuses)}; "
+        f"without service {', '.join(f'{s:.2f}s' for s in tally.outages)}"
+    )
+    assert twice == []
+    assert never == []
+    assert len(tally.answers) == AGENTS
