@@ -242,5 +242,7 @@ def _error_format(request: web.Request) -> ErrorFormat:
 
 async def ready(request: web.Request) -> web.Response:
     """Up (200) when this worker serves and Postgres answers, for a load balancer or an orchestrator."""
-    await request.app[RUNTIME].store.ping()  # down (503) when the store is
+    store = request.app[RUNTIME].store
+    await store.ping()  # down (503) when the store is
+    store.continuity.refuse_if_lost()  # and when it has forgotten this worker's writes
     return web.json_response({"status": "ok"})

@@ -52,6 +52,10 @@ class BodyUnreadable(GatewayError):
         self.effect_id = effect_id
 
 
+class WritesLost(StoreUnavailable):
+    """The database has forgotten writes this gateway committed (gateway.continuity): no new effect."""
+
+
 class StoreRejected(GatewayError):
     """Postgres is up but refused a statement (data it cannot hold); retrying it cannot help."""
 

@@ -219,6 +219,10 @@ class StoreDown(Problem):
     status, type, title = 503, "store-unavailable", "The effect store is unavailable"
 
 
+class WritesLost(Problem):
+    status, type, title = 503, "database-lost-writes", "The database has lost writes this gateway made"
+
+
 class UpstreamTimeout(Problem):
     status, type, title = 504, "upstream-timeout", "The upstream did not answer in time"
 

@@ -41,6 +41,7 @@ from gateway.errors import (
     StoreRejected,
     StoreUnavailable,
     UnsupportedCoding,
+    WritesLost,
 )
 from gateway.outcome import Answered, NoAnswer, NotSent, Outcome
 from gateway.policy import UpstreamPolicy
@@ -214,6 +215,8 @@ def problem_of_error(exc: GatewayError) -> problems.Problem:
     sent; a failure after sending is an ending of the driver's (:class:`Unrecorded`), never one of these.
     """
     match exc:
+        case WritesLost():
+            return problems.WritesLost(f"{exc}; nothing was sent")
         case StoreUnavailable():
             return problems.StoreDown(f"{exc}; nothing was sent", headers={"Retry-After": "1"})
         case StoreRejected():

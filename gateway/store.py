@@ -38,6 +38,7 @@ from gateway.audit_query import (
     find_statement,
 )
 from gateway.batches import Batches
+from gateway.continuity import Continuity
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, PrivilegesMissing, StoreRejected, StoreUnavailable
 from gateway.pg_failures import FAILURES, connecting, kind
@@ -138,7 +139,12 @@ class Store:
     """The effect tables. One Postgres implementation; tests run it against a real server."""
 
     def __init__(
-        self, pool: asyncpg.Pool, limits: StoreLimits, dsn: str, telemetry: Telemetry | None = None
+        self,
+        pool: asyncpg.Pool,
+        limits: StoreLimits,
+        dsn: str,
+        telemetry: Telemetry | None = None,
+        continuity: Continuity | None = None,
     ) -> None:
         self._pool = pool
         self._limits = limits
@@ -146,6 +152,7 @@ class Store:
         self._telemetry = telemetry or Telemetry()
         self._retention_left = False  # said once: this role leaves the retention to the tables' owner
         self._claims = Batches(self._claim_many, distinct=phases.claim_batch_key, size=phases.claim_size)
+        self.continuity = continuity or Continuity()
         self._settles = Batches(self._settle_many, distinct=phases.settle_batch_key, size=phases.settle_size)
 
     @classmethod
@@ -159,12 +166,20 @@ class Store:
         telemetry: Telemetry | None = None,
     ) -> Self:
         limits = limits or StoreLimits()
+        # Every connection the pool opens first checks that the database still holds what this worker
+        # wrote: after a failover, they are all new.
+        continuity = Continuity()
+
+        async def init(conn: asyncpg.Connection) -> None:
+            await _init_connection(conn)
+            await continuity.check(conn)
+
         with connecting():
             pool = await asyncpg.create_pool(
                 dsn,
                 min_size=min_size,
                 max_size=max_size,
-                init=_init_connection,
+                init=init,
                 reset=_keep_session,
                 # A statement per month of the audit and per day of bodies (partitions.within), each
                 # prepared once per connection: about nine per month still written, one per day of
@@ -174,7 +189,7 @@ class Store:
                 server_settings=session_settings(limits),
                 command_timeout=limits.answer,
             )
-        return cls(pool, limits, dsn, telemetry)
+        return cls(pool, limits, dsn, telemetry, continuity)
 
     async def close(self) -> None:
         try:
@@ -289,6 +304,7 @@ class Store:
         audit row was archived (its partition detached). The insert is committed before it returns: the
         claim is durable before the request leaves. Claims that arrive together share a statement.
         """
+        self.continuity.refuse_if_lost()
         with self._telemetry.statement("claim"):
             record = await self._claims.write((new, lease))
             if record is not None:
@@ -342,7 +358,18 @@ class Store:
             return await self._settles.write(settling)
 
     async def _claim_many(self, claims: Sequence[tuple[NewEffect, timedelta]]) -> list[EffectRecord | None]:
-        return await self._attempts(lambda conn: phases.claim_many(conn, claims))
+        async def claim(conn: Conn) -> list[EffectRecord | None]:
+            # Checked on the connection each try is given, which has just checked the database (a new
+            # one after a failover): a claim retried across a failover must not land in a database
+            # that forgot this worker's writes.
+            self.continuity.refuse_if_lost()
+            made = await phases.claim_many(conn, claims)
+            for record in made:
+                if record is not None:
+                    self.continuity.wrote(record)
+            return made
+
+        return await self._attempts(claim)
 
     async def _settle_many(self, settles: Sequence[phases.Settling]) -> list[EffectRecord | None]:
         return await self._attempts(lambda conn: phases.settle_many(conn, settles))

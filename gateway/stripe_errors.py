@@ -73,6 +73,8 @@ SHAPES: dict[str, StripeShape] = {
     # A retry after Retry-After can tell; stripe-python's own retries may come sooner and be told again.
     "probe-too-soon": StripeShape(503, "api_error", retry=True),
     "store-unavailable": StripeShape(503, "api_error", retry=True),
+    # An operator must reconcile first: retrying cannot help until then.
+    "database-lost-writes": StripeShape(503, "api_error", retry=False),
     "upstream-timeout": StripeShape(504, "api_error", retry=True),
 }
 

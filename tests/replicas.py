@@ -203,6 +203,29 @@ def _set_sync(primary: Server, on: bool) -> None:
     )
 
 
+def backup(primary: Server, name: str) -> Server:
+    """A base backup of ``primary`` as it is now, to start later as a primary of its own: a restore to
+    this point."""
+    server = Server(name, primary.data.parent / name)
+    _run(
+        [
+            str(BIN / "pg_basebackup"),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(primary.port),
+            "-U",
+            "postgres",
+            "-D",
+            str(server.data),
+            "-X",
+            "stream",
+            "--checkpoint=fast",
+        ]
+    )
+    return server
+
+
 @contextlib.contextmanager
 def replicated(folder: Path, *, sync: bool = True) -> Iterator[Pair]:
     """A primary and a standby streaming from it (synchronous commit to the standby when ``sync``)."""

@@ -28,7 +28,7 @@ from aiohttp import web
 from gateway.schema import migrate
 from tests.database import grant_runtime
 from tests.gateways import gateway_server
-from tests.replicas import Pair, installed, replicated
+from tests.replicas import Pair, backup, installed, replicated
 from tests.upstreams import Upstream
 
 pytestmark = pytest.mark.crash
@@ -166,3 +166,58 @@ async def test_effects_survive_failovers_with_nothing_done_twice_and_no_answer_l
     assert twice == []
     assert never == []
     assert len(tally.answers) == AGENTS
+
+
+async def test_a_database_that_lost_writes_is_noticed_and_no_lost_claim_is_sent_again(
+    folder: Path, upstream: Upstream
+) -> None:
+    """The primary dies and a backup taken before the last claims comes up in its place (as a restore to
+    an earlier point does, or a standby that had not received them): the key of a lost claim would look
+    new and be sent again. The gateway finds its newest claim missing on its new connections, and
+    refuses every new effect (503 database-lost-writes, readiness down) instead: the lost keys' effects
+    stay at one each."""
+    with replicated(folder, sync=False) as pair:
+        await migrate(pair.url)
+        await grant_runtime(pair.url)
+        shop = {"base_url": upstream.url, "timeout": "2s"}
+        async with (
+            # No answers kept in memory: every retry reads the database, as after a restart.
+            gateway_server(
+                pair.url, upstreams={"shop": shop}, lease_grace="500ms", replay_cache_bytes=0
+            ) as gw,
+            aiohttp.ClientSession() as http,
+        ):
+
+            async def order(key: str) -> tuple[int, dict[str, Any]]:
+                headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+                body = json.dumps({"order": key}).encode()
+                async with http.post(f"{gw.url}/shop/orders", data=body, headers=headers) as resp:
+                    return resp.status, json.loads(await resp.read())
+
+            assert (await order("kept:1"))[0] == 201
+            restored = await asyncio.to_thread(backup, pair.primary, "restored")
+            for key in ("lost:1", "lost:2"):
+                assert (await order(key))[0] == 201
+            # The primary and its standby go; the backup comes up where the standby was.
+            pair.primary.kill()
+            pair.standby.stop()
+            restored.port = pair.standby.port
+            await asyncio.to_thread(restored.start)
+            try:
+                refused: list[dict[str, Any]] = []
+                deadline = time.monotonic() + 30
+                while len(refused) < 3 and time.monotonic() < deadline:
+                    for key in ("lost:1", "lost:2", "new:1"):
+                        status, problem = await order(key)
+                        assert status == 503, (key, status, problem)  # never sent again
+                        if problem["type"].endswith("/database-lost-writes"):
+                            refused.append(problem)
+                    await asyncio.sleep(0.2)
+                assert len(refused) >= 3, "the lost writes were noticed"
+                async with http.get(f"{gw.url}/_gateway/health") as resp:
+                    assert resp.status == 503
+                    assert "no longer holds effect" in (await resp.json())["detail"]
+            finally:
+                restored.stop()
+    done = Counter(json.loads(call.body)["order"] for call in upstream.effects())
+    assert done == {"kept:1": 1, "lost:1": 1, "lost:2": 1}

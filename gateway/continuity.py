@@ -1,0 +1,61 @@
+"""Whether the database still holds what this gateway wrote: checked on every new connection.
+
+A database can forget committed writes: a failover to a standby that had not yet received them (an
+asynchronous one, or a synchronous one that was not in sync), a restore of a backup to an earlier
+point. A claim it forgot is the one failure the gateway cannot see on its own: a retry of that key
+looks new, and the effect would be sent a second time. So each worker remembers the newest effect it
+claimed, and every connection the pool opens (after a failover they are all new) first looks that
+effect up. Once it is missing, the worker refuses every new effect (503 ``database-lost-writes``)
+until it is restarted, which an operator does after reconciling (docs/operations.md, "Backups and
+lost writes").
+
+What this cannot see: writes lost by a database this worker never wrote to, writes older than its
+newest claim that are lost while the newest survives (a restore cannot do that, a partial loss could),
+and any loss across a restart of the worker, which forgets what it wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+
+import asyncpg
+
+from gateway.errors import WritesLost
+from gateway.record import EffectRecord
+
+log = logging.getLogger("effect_gateway")
+
+
+class Continuity:
+    def __init__(self) -> None:
+        self.newest: tuple[int, datetime] | None = None
+        self.lost: str | None = None
+
+    def wrote(self, record: EffectRecord) -> None:
+        """Remember ``record``, just claimed (committed), if it is the newest this worker claimed."""
+        if self.newest is None or record.id > self.newest[0]:
+            self.newest = (record.id, record.created_at)
+
+    def refuse_if_lost(self) -> None:
+        """Raise WritesLost once the database has been found to have forgotten this worker's writes."""
+        if self.lost is not None:
+            raise WritesLost(self.lost)
+
+    async def check(self, conn: asyncpg.Connection) -> None:
+        """Look up the newest effect this worker claimed, on a connection just opened."""
+        if self.newest is None or self.lost is not None:
+            return
+        effect_id, created_at = self.newest
+        found = await conn.fetchval(
+            "select exists (select from effects where id = $1 and created_at = $2)", effect_id, created_at
+        )
+        if not found:
+            self.lost = (
+                f"the database no longer holds effect {effect_id}, which this gateway claimed at "
+                f"{created_at.isoformat()}: it has lost committed writes (a failover to a standby that had "
+                "not received them, or a restore to an earlier point), and a retry of a lost claim would "
+                "look new and be sent again; new effects are refused until an operator has reconciled "
+                "and restarts the gateway (see docs/operations.md, Backups and lost writes)"
+            )
+            log.error("%s", self.lost)
