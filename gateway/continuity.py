@@ -22,9 +22,36 @@ from datetime import datetime
 import asyncpg
 
 from gateway.errors import WritesLost
+from gateway.partitions import AnyConn
 from gateway.record import EffectRecord
 
 log = logging.getLogger("effect_gateway")
+
+
+# Whether a failover could lose a commit: Postgres waits for no standby before it says a commit is done.
+_DURABILITY = """
+    select current_setting('synchronous_standby_names') = '' as no_standby,
+           current_setting('synchronous_commit') in ('off', 'local') as not_waited
+"""
+
+
+async def failover_warning(conn: AnyConn) -> str | None:
+    """What a failover could lose, in words for the health route; None when commits wait for a
+    synchronous standby."""
+    row = await conn.fetchrow(_DURABILITY)
+    assert row is not None  # one row, always
+    if not (row["no_standby"] or row["not_waited"]):
+        return None
+    why = (
+        "synchronous_standby_names is empty"
+        if row["no_standby"]
+        else "synchronous_commit does not wait for the standby"
+    )
+    return (
+        f"Postgres confirms a commit before any standby has it ({why}): a failover to a standby could "
+        "lose claims the gateway has acted on, which it would then send again (unless the service "
+        "replicates its storage synchronously); see docs/operations.md, Backups and lost writes"
+    )
 
 
 class Continuity:

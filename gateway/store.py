@@ -38,7 +38,7 @@ from gateway.audit_query import (
     find_statement,
 )
 from gateway.batches import Batches
-from gateway.continuity import Continuity
+from gateway.continuity import Continuity, failover_warning
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, PrivilegesMissing, StoreRejected, StoreUnavailable
 from gateway.pg_failures import FAILURES, connecting, kind
@@ -520,6 +520,10 @@ class Store:
             await self._catch_up_partitions()
             ahead = await self._run("partitions_ahead", partitions.ahead)
         return ahead
+
+    async def failover_warning(self) -> str | None:
+        """What a failover of this Postgres could lose (gateway.continuity.failover_warning)."""
+        return await self._run("failover_warning", failover_warning)
 
     async def ping(self) -> None:
         """Whether Postgres answers (health), without touching the effect tables."""

@@ -26,7 +26,7 @@ import pytest
 from aiohttp import web
 
 from gateway.schema import migrate
-from tests.database import grant_runtime
+from tests.database import grant_runtime, runtime_url
 from tests.gateways import gateway_server
 from tests.replicas import Pair, backup, installed, replicated
 from tests.upstreams import Upstream
@@ -43,6 +43,10 @@ SEARCH = {
     "lag": "0s",
     "routes": ["POST /orders"],
 }
+
+
+ADMIN = {"token": "failover-admin-token"}
+AS_ADMIN = {"Authorization": f"Bearer {ADMIN['token']}"}
 
 
 @dataclass
@@ -133,9 +137,19 @@ async def test_effects_survive_failovers_with_nothing_done_twice_and_no_answer_l
         }
         tally = Tally()
         async with (
-            gateway_server(pair.url, upstreams={"shop": shop}, lease_grace="500ms") as gw,
+            gateway_server(
+                pair.url,
+                upstreams={"shop": shop},
+                lease_grace="500ms",
+                admin=ADMIN,
+                database_url=runtime_url(pair.url),
+            ) as gw,
             aiohttp.ClientSession() as http,
         ):
+            async with http.get(f"{gw.admin_url}/_gateway/health", headers=AS_ADMIN) as resp:
+                health = await resp.json()
+            assert "effects" in health, "read as the admin"
+            assert not any("confirms a commit" in w for w in health.get("warnings", [])), health
             keys = [f"run-{i}:1" for i in range(AGENTS)]
             # The agents start one after another over the failovers, so that each failover finds
             # effects claimed, sent (the shop takes 0.3 s) and being recorded.
@@ -183,7 +197,12 @@ async def test_a_database_that_lost_writes_is_noticed_and_no_lost_claim_is_sent_
         async with (
             # No answers kept in memory: every retry reads the database, as after a restart.
             gateway_server(
-                pair.url, upstreams={"shop": shop}, lease_grace="500ms", replay_cache_bytes=0
+                pair.url,
+                upstreams={"shop": shop},
+                lease_grace="500ms",
+                replay_cache_bytes=0,
+                admin=ADMIN,
+                database_url=runtime_url(pair.url),
             ) as gw,
             aiohttp.ClientSession() as http,
         ):
@@ -195,6 +214,11 @@ async def test_a_database_that_lost_writes_is_noticed_and_no_lost_claim_is_sent_
                     return resp.status, json.loads(await resp.read())
 
             assert (await order("kept:1"))[0] == 201
+            # Asynchronous: the operators are told a failover could lose commits.
+            async with http.get(f"{gw.admin_url}/_gateway/health", headers=AS_ADMIN) as resp:
+                health = await resp.json()
+            assert health["status"] == "warning", health
+            assert any("synchronous_standby_names is empty" in w for w in health["warnings"]), health
             restored = await asyncio.to_thread(backup, pair.primary, "restored")
             for key in ("lost:1", "lost:2"):
                 assert (await order(key))[0] == 201
