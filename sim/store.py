@@ -751,6 +751,10 @@ class SimStore:
     async def ping(self) -> None:
         await self._statement("ping", lambda: None)
 
+    async def failover_warning(self) -> str | None:
+        # One simulated database, with no standby a failover could go to: nothing it could lose.
+        return await self._statement("failover_warning", lambda: None)
+
     async def maintain(
         self, retention: timedelta, progress: partitions.Progress = partitions._quiet, *, purge: bool = False
     ) -> list[partitions.Partition]:
