@@ -78,10 +78,7 @@ async def health(request: web.Request) -> web.Response:
     }
     if viewer is None:  # every tenant's rows go into the same partitions: the admin's to look after
         doc["partitions"] = {"days_left": round(ahead.days_left, 2)}
-        warnings = [ahead.warning()]
-        # The embedded Postgres has no standby to fail over to: nothing to warn of there.
-        if runtime.settings.database_url is not None:
-            warnings.append(await runtime.store.failover_warning())
+        warnings = [ahead.warning(), await runtime.store.failover_warning()]
         found = [warning for warning in warnings if warning is not None]
         if found:
             doc["status"] = "warning"

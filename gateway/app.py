@@ -242,7 +242,7 @@ def _error_format(request: web.Request) -> ErrorFormat:
 
 async def ready(request: web.Request) -> web.Response:
     """Up (200) when this worker serves and Postgres answers, for a load balancer or an orchestrator."""
-    store = request.app[RUNTIME].store
-    await store.ping()  # down (503) when the store is
-    store.continuity.refuse_if_lost()  # and when it has forgotten this worker's writes
+    # Not down when the database has lost writes: an orchestrator would restart the worker for it, and
+    # nothing would be gained (the refusal is kept in the database, gateway.continuity).
+    await request.app[RUNTIME].store.ping()  # down (503) when the store is
     return web.json_response({"status": "ok"})

@@ -5,13 +5,16 @@ asynchronous one, or a synchronous one that was not in sync), a restore of a bac
 point. A claim it forgot is the one failure the gateway cannot see on its own: a retry of that key
 looks new, and the effect would be sent a second time. So each worker remembers the newest effect it
 claimed, and every connection the pool opens (after a failover they are all new) first looks that
-effect up. Once it is missing, the worker refuses every new effect (503 ``database-lost-writes``)
-until it is restarted, which an operator does after reconciling (docs/operations.md, "Backups and
-lost writes").
+effect up. Once it is missing, the worker raises an alarm in the database (migration 019), and every
+worker of every gateway that sees it, on its next new connection or its next start, refuses every new
+effect (503 ``database-lost-writes``) until an operator has reconciled and deleted it
+(docs/operations.md, "Backups and lost writes").
 
-What this cannot see: writes lost by a database this worker never wrote to, writes older than its
-newest claim that are lost while the newest survives (a restore cannot do that, a partial loss could),
-and any loss across a restart of the worker, which forgets what it wrote.
+What this cannot see: a loss noticed by no worker (none had claimed anything the database forgot, or
+the workers that had were restarted before their next connection); this worker's outcomes and
+take-overs committed after its newest claim (those fall back to in-doubt handling: a probe, or an
+operator); and a database swapped under connections that stay open (a proxy that keeps client
+connections across a failover).
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from gateway.record import EffectRecord
 log = logging.getLogger("effect_gateway")
 
 
-# Whether a failover could lose a commit: Postgres waits for no standby before it says a commit is done.
+# Whether a failover could lose a commit: a standby streams from this server (every role sees the rows
+# of pg_stat_replication), and Postgres waits for none before it says a commit is done.
 _DURABILITY = """
-    select current_setting('synchronous_standby_names') = '' as no_standby,
+    select exists (select from pg_stat_replication) as streams,
+           current_setting('synchronous_standby_names') = '' as no_standby,
            current_setting('synchronous_commit') in ('off', 'local') as not_waited
 """
 
@@ -40,8 +45,8 @@ async def failover_warning(conn: AnyConn) -> str | None:
     synchronous standby."""
     row = await conn.fetchrow(_DURABILITY)
     assert row is not None  # one row, always
-    if not (row["no_standby"] or row["not_waited"]):
-        return None
+    if not row["streams"] or not (row["no_standby"] or row["not_waited"]):
+        return None  # no standby to fail over to (or a service's own, out of sight), or one in sync
     why = (
         "synchronous_standby_names is empty"
         if row["no_standby"]
@@ -70,19 +75,33 @@ class Continuity:
             raise WritesLost(self.lost)
 
     async def check(self, conn: asyncpg.Connection) -> None:
-        """Look up the newest effect this worker claimed, on a connection just opened."""
-        if self.newest is None or self.lost is not None:
+        """On a connection just opened: heed an alarm raised by any worker, else look up the newest
+        effect this worker claimed, and raise the alarm when it is missing."""
+        if self.lost is not None:
+            return
+        raised = await conn.fetchval("select detail from effect_gateway_alarms where kind = 'lost-writes'")
+        if raised is not None:
+            self.lost = raised
+            return
+        if self.newest is None:
             return
         effect_id, created_at = self.newest
         found = await conn.fetchval(
             "select exists (select from effects where id = $1 and created_at = $2)", effect_id, created_at
         )
-        if not found:
-            self.lost = (
-                f"the database no longer holds effect {effect_id}, which this gateway claimed at "
-                f"{created_at.isoformat()}: it has lost committed writes (a failover to a standby that had "
-                "not received them, or a restore to an earlier point), and a retry of a lost claim would "
-                "look new and be sent again; new effects are refused until an operator has reconciled "
-                "and restarts the gateway (see docs/operations.md, Backups and lost writes)"
-            )
-            log.error("%s", self.lost)
+        if found:
+            return
+        self.lost = (
+            f"the database no longer holds effect {effect_id}, which a gateway claimed at "
+            f"{created_at.isoformat()}: it has lost committed writes (a failover to a standby that had "
+            "not received them, or a restore to an earlier point), and a retry of a lost claim would "
+            "look new and be sent again; new effects are refused until an operator has reconciled and "
+            "deleted the alarm (see docs/operations.md, Backups and lost writes)"
+        )
+        log.error("%s", self.lost)
+        # Every other worker and gateway, and this one after a restart, refuse from the row on.
+        await conn.execute(
+            "insert into effect_gateway_alarms (kind, detail) values ('lost-writes', $1) "
+            "on conflict (kind) do nothing",
+            self.lost,
+        )

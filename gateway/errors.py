@@ -52,8 +52,9 @@ class BodyUnreadable(GatewayError):
         self.effect_id = effect_id
 
 
-class WritesLost(StoreUnavailable):
-    """The database has forgotten writes this gateway committed (gateway.continuity): no new effect."""
+class WritesLost(GatewayError):
+    """The database has forgotten writes a gateway committed (gateway.continuity): no new effect until
+    an operator has reconciled. Not an outage: retrying cannot help."""
 
 
 class StoreRejected(GatewayError):

@@ -219,7 +219,7 @@ class StoreDown(Problem):
     status, type, title = 503, "store-unavailable", "The effect store is unavailable"
 
 
-class WritesLost(Problem):
+class DatabaseLostWrites(Problem):
     status, type, title = 503, "database-lost-writes", "The database has lost writes this gateway made"
 
 

@@ -216,7 +216,7 @@ def problem_of_error(exc: GatewayError) -> problems.Problem:
     """
     match exc:
         case WritesLost():
-            return problems.WritesLost(f"{exc}; nothing was sent")
+            return problems.DatabaseLostWrites(f"{exc}; nothing was sent")
         case StoreUnavailable():
             return problems.StoreDown(f"{exc}; nothing was sent", headers={"Retry-After": "1"})
         case StoreRejected():

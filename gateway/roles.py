@@ -42,6 +42,8 @@ RUNTIME_PRIVILEGES = (
     # The secret that derived keys are made with (migration 002), and the schema's version, checked at start.
     Privilege("table", "effect_gateway_secrets", ("select",)),
     Privilege("table", "effect_gateway_migrations", ("select",)),
+    # A worker that finds the database lost its writes raises the alarm that stops every other one.
+    Privilege("table", "effect_gateway_alarms", ("select", "insert")),
     # nextval() of the effects' ids
     Privilege("sequence", "effect_ids", ("usage",)),
     Privilege("function", "effect_key_digest(text)", ("execute",)),

@@ -94,7 +94,8 @@ async def empty_effects(dsn: str) -> None:
     conn = await asyncpg.connect(dsn)
     try:
         await conn.execute(
-            "truncate effects, effect_keys, effect_bodies, open_effects; alter sequence effect_ids restart"
+            "truncate effects, effect_keys, effect_bodies, open_effects, effect_gateway_alarms; "
+            "alter sequence effect_ids restart"
         )
     finally:
         await conn.close()

@@ -1,0 +1,87 @@
+"""A database that forgot writes a gateway committed is noticed, and nothing it forgot is sent again.
+
+Here the loss is made by hand on the test database (the owner deletes a claim, as a restore to an
+earlier point would have lost it, and ends the gateway's connections, as a failover does); the
+failover tests (tests/test_failover.py) make it with a real backup brought up in the primary's place.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import asyncpg
+import pytest
+
+from tests.database import runtime_role
+from tests.gateways import Gateway, gateway_server
+from tests.upstreams import Upstream
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def _order(http: aiohttp.ClientSession, gw: Gateway, key: str) -> tuple[int, dict[str, Any]]:
+    headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    body = json.dumps({"order": key}).encode()
+    async with http.post(f"{gw.url}/shop/orders", data=body, headers=headers) as resp:
+        return resp.status, json.loads(await resp.read())
+
+
+async def _forget(dsn: str, key: str) -> None:
+    """Lose the claim of ``key`` and end the gateway's connections, as a restore and a failover do."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        effect_id = await conn.fetchval("select id from effects where key = $1", key)
+        await conn.execute("delete from effect_bodies where effect_id = $1", effect_id)
+        await conn.execute("delete from open_effects where id = $1", effect_id)
+        await conn.execute("delete from effect_keys where effect_id = $1", effect_id)
+        await conn.execute("delete from effects where id = $1", effect_id)
+        await conn.execute(
+            "select pg_terminate_backend(pid) from pg_stat_activity where usename = $1", runtime_role()[0]
+        )
+    finally:
+        await conn.close()
+
+
+async def _until_lost_writes(http: aiohttp.ClientSession, gw: Gateway, key: str) -> dict[str, Any]:
+    """The answer to ``key`` once the gateway has reconnected: never a new effect."""
+    for _ in range(20):
+        status, problem = await _order(http, gw, key)
+        assert status == 503, (key, status, problem)
+        if problem["type"].endswith("/database-lost-writes"):
+            return problem
+    raise AssertionError("the lost write was never noticed")
+
+
+async def test_a_forgotten_claim_stops_new_effects_for_every_gateway_until_the_alarm_is_cleared(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """The retry of a forgotten claim, and any new key, are refused (503 database-lost-writes), also by
+    a gateway started afterwards, until the owner deletes the alarm; then new effects go again. The
+    health route a liveness probe asks stays up meanwhile (a restart would change nothing)."""
+    shop = {"shop": {"base_url": upstream.url, "timeout": "2s"}}
+    async with gateway_server(dsn, upstreams=shop, replay_cache_bytes=0) as gw:
+        assert (await _order(http, gw, "lost:1"))[0] == 201
+        await _forget(dsn, "lost:1")
+        problem = await _until_lost_writes(http, gw, "lost:1")
+        assert "no longer holds effect" in problem["detail"]
+        await _until_lost_writes(http, gw, "new:1")
+        async with http.get(f"{gw.url}/_gateway/health") as resp:
+            assert resp.status == 200
+    async with gateway_server(dsn, upstreams=shop, replay_cache_bytes=0) as restarted:
+        await _until_lost_writes(http, restarted, "new:1")
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("delete from effect_gateway_alarms")  # the operator has reconciled
+    finally:
+        await conn.close()
+    async with gateway_server(dsn, upstreams=shop, replay_cache_bytes=0) as cleared:
+        assert (await _order(http, cleared, "new:1"))[0] == 201
+    orders = [json.loads(call.body)["order"] for call in upstream.effects()]
+    assert orders == ["lost:1", "new:1"]
