@@ -304,7 +304,16 @@ class Store:
         audit row was archived (its partition detached). The insert is committed before it returns: the
         claim is durable before the request leaves. Claims that arrive together share a statement.
         """
-        self.continuity.refuse_if_lost()
+        if self.continuity.lost is not None:
+            # Once the database has lost writes, a key it still holds is answered as before (a replay,
+            # a wait, the recovery of a record that sends nothing); a key it does not is refused.
+            try:
+                held = await self._attempts(lambda conn: phases.holder_of_key(conn, new))
+            except StoreRejected:  # the key is not on record
+                held = None
+            if held is not None:
+                return held, False
+            self.continuity.refuse_if_lost()
         with self._telemetry.statement("claim"):
             record = await self._claims.write((new, lease))
             if record is not None:
@@ -334,6 +343,10 @@ class Store:
         """
 
         async def op(conn: Conn) -> EffectRecord | None:
+            if sends:
+                # A take-over that sends could repeat what the lost writes had recorded (a re-send that
+                # completed after the point the database went back to): refused, on each try.
+                self.continuity.refuse_if_lost()
             taken = await phases.reclaim(
                 conn, record, move, lease, reason, sends=sends, renew=renew, carriers=carriers
             )

@@ -95,6 +95,14 @@ async def _agent(http: aiohttp.ClientSession, url: str, key: str, tally: Tally) 
     raise AssertionError(f"{key} was never answered")
 
 
+async def _in_sync(pair: Pair) -> bool:
+    conn = await asyncpg.connect(pair.primary.dsn)
+    try:
+        return await conn.fetchval("select sync_state from pg_stat_replication") == "sync"
+    finally:
+        await conn.close()
+
+
 async def _later(seconds: float, then: Coroutine[Any, Any, None]) -> None:
     await asyncio.sleep(seconds)
     await then
@@ -162,6 +170,7 @@ async def test_effects_survive_failovers_with_nothing_done_twice_and_no_answer_l
             ]
             for _ in range(FAILOVERS):
                 await asyncio.sleep(0.7)
+                assert await _in_sync(pair), "the standby confirms each commit before the kill"
                 await _fail_over(pair, gw.url, tally, http)
             await asyncio.gather(*agents)
             # Every key once more: each a replay of its first answer.

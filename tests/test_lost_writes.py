@@ -63,15 +63,20 @@ async def test_a_forgotten_claim_stops_new_effects_for_every_gateway_until_the_a
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession
 ) -> None:
     """The retry of a forgotten claim, and any new key, are refused (503 database-lost-writes), also by
-    a gateway started afterwards, until the owner deletes the alarm; then new effects go again. The
-    health route a liveness probe asks stays up meanwhile (a restart would change nothing)."""
+    a gateway started afterwards, until the owner deletes the alarm; then new effects go again. A key
+    the database still holds is replayed meanwhile, and the health route a liveness probe asks stays
+    up (a restart would change nothing)."""
     shop = {"shop": {"base_url": upstream.url, "timeout": "2s"}}
     async with gateway_server(dsn, upstreams=shop, replay_cache_bytes=0) as gw:
+        kept = await _order(http, gw, "kept:1")
+        assert kept[0] == 201
         assert (await _order(http, gw, "lost:1"))[0] == 201
         await _forget(dsn, "lost:1")
         problem = await _until_lost_writes(http, gw, "lost:1")
         assert "no longer holds effect" in problem["detail"]
         await _until_lost_writes(http, gw, "new:1")
+        # A key the database still holds is answered as before: a replay of its first answer.
+        assert await _order(http, gw, "kept:1") == kept
         async with http.get(f"{gw.url}/_gateway/health") as resp:
             assert resp.status == 200
     async with gateway_server(dsn, upstreams=shop, replay_cache_bytes=0) as restarted:
@@ -84,4 +89,4 @@ async def test_a_forgotten_claim_stops_new_effects_for_every_gateway_until_the_a
     async with gateway_server(dsn, upstreams=shop, replay_cache_bytes=0) as cleared:
         assert (await _order(http, cleared, "new:1"))[0] == 201
     orders = [json.loads(call.body)["order"] for call in upstream.effects()]
-    assert orders == ["lost:1", "new:1"]
+    assert orders == ["kept:1", "lost:1", "new:1"]
