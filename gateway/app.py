@@ -243,6 +243,6 @@ def _error_format(request: web.Request) -> ErrorFormat:
 async def ready(request: web.Request) -> web.Response:
     """Up (200) when this worker serves and Postgres answers, for a load balancer or an orchestrator."""
     # Not down when the database has lost writes: an orchestrator would restart the worker for it, and
-    # nothing would be gained (the refusal is kept in the database, gateway.continuity).
+    # nothing would be gained (the refusal is kept in the database, gateway.lost_writes).
     await request.app[RUNTIME].store.ping()  # down (503) when the store is
     return web.json_response({"status": "ok"})

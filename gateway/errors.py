@@ -53,7 +53,7 @@ class BodyUnreadable(GatewayError):
 
 
 class WritesLost(GatewayError):
-    """The database has forgotten writes a gateway committed (gateway.continuity): no new effect until
+    """The database has forgotten writes a gateway committed (gateway.lost_writes): no new effect until
     an operator has reconciled. Not an outage: retrying cannot help."""
 
 

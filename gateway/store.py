@@ -38,9 +38,9 @@ from gateway.audit_query import (
     find_statement,
 )
 from gateway.batches import Batches
-from gateway.continuity import Continuity, failover_warning
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, PrivilegesMissing, StoreRejected, StoreUnavailable
+from gateway.lost_writes import LostWrites, failover_warning
 from gateway.pg_failures import FAILURES, connecting, kind
 from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
 from gateway.rows import (
@@ -143,8 +143,8 @@ class Store:
         pool: asyncpg.Pool,
         limits: StoreLimits,
         dsn: str,
+        lost_writes: LostWrites,
         telemetry: Telemetry | None = None,
-        continuity: Continuity | None = None,
     ) -> None:
         self._pool = pool
         self._limits = limits
@@ -152,7 +152,7 @@ class Store:
         self._telemetry = telemetry or Telemetry()
         self._retention_left = False  # said once: this role leaves the retention to the tables' owner
         self._claims = Batches(self._claim_many, distinct=phases.claim_batch_key, size=phases.claim_size)
-        self.continuity = continuity or Continuity()
+        self.lost_writes = lost_writes
         self._settles = Batches(self._settle_many, distinct=phases.settle_batch_key, size=phases.settle_size)
 
     @classmethod
@@ -168,11 +168,11 @@ class Store:
         limits = limits or StoreLimits()
         # Every connection the pool opens first checks that the database still holds what this worker
         # wrote: after a failover, they are all new.
-        continuity = Continuity()
+        lost_writes = LostWrites()
 
         async def init(conn: asyncpg.Connection) -> None:
             await _init_connection(conn)
-            await continuity.check(conn)
+            await lost_writes.check(conn)
 
         with connecting():
             pool = await asyncpg.create_pool(
@@ -189,7 +189,7 @@ class Store:
                 server_settings=session_settings(limits),
                 command_timeout=limits.answer,
             )
-        return cls(pool, limits, dsn, telemetry, continuity)
+        return cls(pool, limits, dsn, lost_writes, telemetry)
 
     async def close(self) -> None:
         try:
@@ -304,7 +304,7 @@ class Store:
         audit row was archived (its partition detached). The insert is committed before it returns: the
         claim is durable before the request leaves. Claims that arrive together share a statement.
         """
-        if self.continuity.lost is not None:
+        if self.lost_writes.lost is not None:
             # Once the database has lost writes, a key it still holds is answered as before (a replay,
             # a wait, the recovery of a record that sends nothing); a key it does not is refused.
             try:
@@ -313,7 +313,7 @@ class Store:
                 held = None
             if held is not None:
                 return held, False
-            self.continuity.refuse_if_lost()
+            self.lost_writes.refuse_if_lost()
         with self._telemetry.statement("claim"):
             record = await self._claims.write((new, lease))
             if record is not None:
@@ -346,7 +346,7 @@ class Store:
             if sends:
                 # A take-over that sends could repeat what the lost writes had recorded (a re-send that
                 # completed after the point the database went back to): refused, on each try.
-                self.continuity.refuse_if_lost()
+                self.lost_writes.refuse_if_lost()
             taken = await phases.reclaim(
                 conn, record, move, lease, reason, sends=sends, renew=renew, carriers=carriers
             )
@@ -375,11 +375,11 @@ class Store:
             # Checked on the connection each try is given, which has just checked the database (a new
             # one after a failover): a claim retried across a failover must not land in a database
             # that forgot this worker's writes.
-            self.continuity.refuse_if_lost()
+            self.lost_writes.refuse_if_lost()
             made = await phases.claim_many(conn, claims)
             for record in made:
                 if record is not None:
-                    self.continuity.wrote(record)
+                    self.lost_writes.wrote(record)
             return made
 
         return await self._attempts(claim)
@@ -535,7 +535,7 @@ class Store:
         return ahead
 
     async def failover_warning(self) -> str | None:
-        """What a failover of this Postgres could lose (gateway.continuity.failover_warning)."""
+        """What a failover of this Postgres could lose (gateway.lost_writes.failover_warning)."""
         return await self._run("failover_warning", failover_warning)
 
     async def ping(self) -> None:

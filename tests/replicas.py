@@ -43,6 +43,14 @@ def _run(argv: list[str]) -> None:
         raise RuntimeError(f"{' '.join(argv[:2])} failed ({done.returncode}): {done.stderr.strip()}")
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as listed:
+            return [int(child) for child in listed.read().split()]
+    except FileNotFoundError:
+        return []
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -95,10 +103,15 @@ class Server:
         raise RuntimeError(f"{self.name} did not accept connections within {START_TIMEOUT:g}s")
 
     def kill(self) -> None:
-        """SIGKILL the postmaster, as a machine that dies; its backends notice and exit."""
+        """SIGKILL every process of the server at once, as a machine that dies (the postmaster alone
+        would leave its backends to notice and exit a moment later)."""
         assert self.proc is not None
-        # The postmaster by its own pid: run as root, self.proc is runuser, which waits for it.
-        self._kill_postmaster(signal.SIGKILL)
+        # By their own pids: run as root, self.proc is runuser, which waits for the postmaster.
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+            for pid in (*_children(postmaster), postmaster):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         self.proc.wait(10)
 
     def _kill_postmaster(self, sig: signal.Signals) -> None:
@@ -158,24 +171,14 @@ def _folder(path: Path) -> Path:
     return path
 
 
+def _base_backup(primary: Server, data: Path, *more: str) -> None:
+    """``primary`` as it is now, copied to ``data`` with the WAL it needs to start."""
+    where = ["-h", "127.0.0.1", "-p", str(primary.port), "-U", "postgres"]
+    _run([str(BIN / "pg_basebackup"), *where, "-D", str(data), "-X", "stream", "--checkpoint=fast", *more])
+
+
 def _standby_of(primary: Server, standby: Server) -> None:
-    _run(
-        [
-            str(BIN / "pg_basebackup"),
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(primary.port),
-            "-U",
-            "postgres",
-            "-D",
-            str(standby.data),
-            "-R",
-            "-X",
-            "stream",
-            "--checkpoint=fast",
-        ]
-    )
+    _base_backup(primary, standby.data, "-R")  # -R: a standby of it
     with open(standby.data / "postgresql.auto.conf", "a") as conf:
         conf.write(
             f"primary_conninfo = 'host=127.0.0.1 port={primary.port} user=postgres "
@@ -185,44 +188,16 @@ def _standby_of(primary: Server, standby: Server) -> None:
 
 def _set_sync(primary: Server, on: bool) -> None:
     names = "'*'" if on else "''"
-    _run(
-        [
-            str(BIN / "psql"),
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(primary.port),
-            "-U",
-            "postgres",
-            "-qAt",
-            "-c",
-            f"alter system set synchronous_standby_names = {names}",
-            "-c",
-            "select pg_reload_conf()",
-        ]
-    )
+    where = ["-h", "127.0.0.1", "-p", str(primary.port), "-U", "postgres"]
+    change = f"alter system set synchronous_standby_names = {names}"
+    _run([str(BIN / "psql"), *where, "-qAt", "-c", change, "-c", "select pg_reload_conf()"])
 
 
 def backup(primary: Server, name: str) -> Server:
     """A base backup of ``primary`` as it is now, to start later as a primary of its own: a restore to
     this point."""
     server = Server(name, primary.data.parent / name)
-    _run(
-        [
-            str(BIN / "pg_basebackup"),
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(primary.port),
-            "-U",
-            "postgres",
-            "-D",
-            str(server.data),
-            "-X",
-            "stream",
-            "--checkpoint=fast",
-        ]
-    )
+    _base_backup(primary, server.data)
     return server
 
 

@@ -30,20 +30,14 @@ from gateway.schema import migrate
 from tests.database import grant_runtime, runtime_url
 from tests.gateways import gateway_server
 from tests.replicas import Pair, backup, installed, replicated
-from tests.upstreams import Upstream
+from tests.upstreams import ORDER_SEARCH, Upstream
 
 pytestmark = pytest.mark.crash
 
 # The failovers and the agents: `make failover` sets FAILOVERS=5 AGENTS=300.
 FAILOVERS = int(os.environ.get("FAILOVERS", "1"))
 AGENTS = int(os.environ.get("AGENTS", "40"))
-SEARCH = {
-    "path": "/orders/search?ref={key}",
-    "found": "items.0",
-    "status": 201,
-    "lag": "0s",
-    "routes": ["POST /orders"],
-}
+SEARCH = ORDER_SEARCH
 
 
 ADMIN = {"token": "failover-admin-token"}

@@ -18,18 +18,12 @@ from aiohttp import web
 
 from tests.database import effect_rows
 from tests.gateways import gateway_server
-from tests.upstreams import Upstream
+from tests.upstreams import ORDER_SEARCH, Upstream
 
 STAMP = {"json_field": "client_reference"}
 # The shop's order search, as examples/gateway.toml's: it finds orders, and names them as its routes. Its
 # "not found" is trusted at once (lag 0s), so that a wrong trust shows in the first retry.
-SEARCH = {
-    "path": "/orders/search?ref={key}",
-    "found": "items.0",
-    "status": 201,
-    "lag": "0s",
-    "routes": ["POST /orders"],
-}
+SEARCH = ORDER_SEARCH
 
 
 @pytest.fixture

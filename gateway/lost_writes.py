@@ -59,7 +59,9 @@ async def failover_warning(conn: AnyConn) -> str | None:
     )
 
 
-class Continuity:
+class LostWrites:
+    """This worker's newest claim, and the loss of writes once one is found."""
+
     def __init__(self) -> None:
         self.newest: tuple[int, datetime] | None = None
         self.lost: str | None = None
