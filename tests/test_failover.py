@@ -37,7 +37,7 @@ pytestmark = pytest.mark.crash
 # The failovers and the agents: `make failover` sets FAILOVERS=5 AGENTS=300.
 FAILOVERS = int(os.environ.get("FAILOVERS", "1"))
 AGENTS = int(os.environ.get("AGENTS", "40"))
-SEARCH = ORDER_SEARCH
+SEARCH = {**ORDER_SEARCH, "lag": "0s"}
 
 
 ADMIN = {"token": "failover-admin-token"}

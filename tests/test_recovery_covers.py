@@ -23,7 +23,7 @@ from tests.upstreams import ORDER_SEARCH, Upstream
 STAMP = {"json_field": "client_reference"}
 # The shop's order search, as examples/gateway.toml's: it finds orders, and names them as its routes. Its
 # "not found" is trusted at once (lag 0s), so that a wrong trust shows in the first retry.
-SEARCH = ORDER_SEARCH
+SEARCH = {**ORDER_SEARCH, "lag": "0s"}
 
 
 @pytest.fixture

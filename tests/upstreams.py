@@ -26,17 +26,6 @@ ORDER_SEARCH = {
 }
 
 
-# The probe of the test upstream's order search (Upstream.serve_search): it finds orders, and names them
-# as its routes. Its "not found" is trusted at once (lag 0s): the search lists an order as it is placed.
-ORDER_SEARCH = {
-    "path": "/orders/search?ref={key}",
-    "found": "items.0",
-    "status": 201,
-    "lag": "0s",
-    "routes": ["POST /orders"],
-}
-
-
 @dataclass
 class Call:
     method: str
