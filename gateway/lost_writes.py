@@ -20,11 +20,10 @@ connections across a failover).
 from __future__ import annotations
 
 import logging
-from datetime import datetime
-
-import asyncpg
+import uuid
 
 from gateway.errors import WritesLost
+from gateway.keys import key_digest
 from gateway.partitions import AnyConn
 from gateway.record import EffectRecord
 
@@ -63,42 +62,57 @@ class LostWrites:
     """This worker's newest claim, and the loss of writes once one is found."""
 
     def __init__(self) -> None:
-        self.newest: tuple[int, datetime] | None = None
+        # The newest claim: its id, and its key as effect_keys holds it (kept when a month of the
+        # audit is archived).
+        self.newest: tuple[int, str, str, uuid.UUID] | None = None
         self.lost: str | None = None
 
     def wrote(self, record: EffectRecord) -> None:
         """Remember ``record``, just claimed (committed), if it is the newest this worker claimed."""
         if self.newest is None or record.id > self.newest[0]:
-            self.newest = (record.id, record.created_at)
+            self.newest = (record.id, record.tenant, record.upstream, key_digest(record.key))
 
     def refuse_if_lost(self) -> None:
-        """Raise WritesLost once the database has been found to have forgotten this worker's writes."""
+        """Raise WritesLost once the database has been found to have forgotten writes."""
         if self.lost is not None:
             raise WritesLost(self.lost)
 
-    async def check(self, conn: asyncpg.Connection) -> None:
-        """On a connection just opened: heed an alarm raised by any worker, else look up the newest
-        effect this worker claimed, and raise the alarm when it is missing."""
-        if self.lost is not None:
-            return
+    async def heed(self, conn: AnyConn) -> None:
+        """Take up the alarm as the database holds it: raised by any worker, or deleted by an operator
+        who has reconciled (then this worker's newest claim, gone for good, is no longer looked for)."""
         raised = await conn.fetchval("select detail from effect_gateway_alarms where kind = 'lost-writes'")
         if raised is not None:
             self.lost = raised
+        elif self.lost is not None:
+            self.lost, self.newest = None, None
+
+    async def check(self, conn: AnyConn) -> None:
+        """On a connection just opened: heed the alarm, else look up the newest claim this worker made,
+        and raise the alarm when the database no longer holds it."""
+        await self.heed(conn)
+        if self.lost is not None or self.newest is None:
             return
-        if self.newest is None:
+        # A standby still replaying (a URL naming several hosts, without target_session_attrs) is not
+        # the database to judge: it may simply not have the claim yet.
+        if await conn.fetchval("select pg_is_in_recovery()"):
             return
-        effect_id, created_at = self.newest
+        effect_id, tenant, upstream, digest = self.newest
         found = await conn.fetchval(
-            "select exists (select from effects where id = $1 and created_at = $2)", effect_id, created_at
+            "select exists (select from effect_keys where digest = $1 and tenant = $2 and upstream = $3 "
+            "and effect_id = $4)",
+            digest,
+            tenant,
+            upstream,
+            effect_id,
         )
         if found:
             return
         self.lost = (
-            f"the database no longer holds effect {effect_id}, which a gateway claimed at "
-            f"{created_at.isoformat()}: it has lost committed writes (a failover to a standby that had "
-            "not received them, or a restore to an earlier point), and a retry of a lost claim would "
-            "look new and be sent again; new effects are refused until an operator has reconciled and "
-            "deleted the alarm (see docs/operations.md, Backups and lost writes)"
+            f"the database no longer holds effect {effect_id}, which a gateway claimed: it has lost "
+            "committed writes (a failover to a standby that had not received them, or a restore to an "
+            "earlier point), and a retry of a lost claim would look new and be sent again; new effects "
+            "are refused until an operator has reconciled and deleted the alarm (see "
+            "docs/operations.md, Backups and lost writes)"
         )
         log.error("%s", self.lost)
         # Every other worker and gateway, and this one after a restart, refuse from the row on.

@@ -94,6 +94,9 @@ async def claim_many(conn: Conn, claims: Sequence[tuple[NewEffect, timedelta]]) 
             -- other in one order, where in the order their requests came they could deadlock.
             insert into effect_keys (digest, tenant, upstream, effect_id, created_at)
             select digest, tenant, upstream, nextval('effect_ids'), now() from c
+            -- Nothing new while the database is known to have lost writes (gateway.lost_writes): a
+            -- worker that has not heard yet claims nothing, and finds the alarm when it asks why.
+            where not exists (select from effect_gateway_alarms)
             order by digest, tenant, upstream
             on conflict do nothing
             returning digest, tenant, upstream, effect_id, created_at

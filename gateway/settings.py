@@ -113,12 +113,19 @@ def database_hosts(url: str) -> list[tuple[str, int | None]]:
     if parts.scheme not in ("postgresql", "postgres"):
         raise ValueError("must be a postgresql://user:password@host:port/database URL")
     hosts: list[tuple[str, int | None]] = []
-    for named in parts.netloc.rpartition("@")[2].split(","):
+    named_hosts = parts.netloc.rpartition("@")[2].split(",")
+    for named in named_hosts:
         host, colon, port = named.rpartition(":") if not named.endswith("]") else (named, "", "")
         if not colon:
             host, port = named, ""
-        if port and not port.isdigit():
-            raise ValueError(f"the port of {named!r} is not a number")
+        # Never the text itself: a password with an unescaped "#" or "/" ends up here.
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(
+                "a host's port is not a number from 1 to 65535 (a password with @, :, / or # must be "
+                "percent-encoded)"
+            )
+        if not host and len(named_hosts) > 1:
+            raise ValueError("a host of the list is empty")
         hosts.append((host.strip("[]"), int(port) if port else None))
     return hosts
 

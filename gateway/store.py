@@ -318,7 +318,13 @@ class Store:
             record = await self._claims.write((new, lease))
             if record is not None:
                 return record, True
-            return await self._attempts(lambda conn: phases.holder_of_key(conn, new)), False
+            try:
+                return await self._attempts(lambda conn: phases.holder_of_key(conn, new)), False
+            except StoreRejected:
+                # Not inserted, and not on record: the alarm another worker raised held the claim back.
+                await self._attempts(self.lost_writes.heed)
+                self.lost_writes.refuse_if_lost()
+                raise
 
     async def reclaim(
         self,

@@ -90,3 +90,42 @@ async def test_a_forgotten_claim_stops_new_effects_for_every_gateway_until_the_a
         assert (await _order(http, cleared, "new:1"))[0] == 201
     orders = [json.loads(call.body)["order"] for call in upstream.effects()]
     assert orders == ["kept:1", "lost:1", "new:1"]
+
+
+async def test_a_gateway_that_reconnected_before_the_alarm_heeds_it_at_its_next_claim(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """Two gateways: the one whose claim was lost raises the alarm; the other, back on the database
+    before that and with nothing of its own lost, refuses the lost key's retry all the same (the claim
+    statement itself heeds the alarm), where it sent it a second time. Once the operator deletes the
+    alarm, both send new effects again."""
+    shop = {"shop": {"base_url": upstream.url, "timeout": "2s"}}
+    async with (
+        gateway_server(dsn, upstreams=shop, replay_cache_bytes=0) as noticing,
+        gateway_server(dsn, upstreams=shop, replay_cache_bytes=0) as other,
+    ):
+        assert (await _order(http, noticing, "lost:1"))[0] == 201
+        assert (await _order(http, other, "other:1"))[0] == 201
+        await _forget(dsn, "lost:1")
+        for _ in range(5):  # the other gateway back on the database, its own claim still there
+            if (await _order(http, other, "other:1"))[0] == 201:
+                break
+        await _until_lost_writes(http, noticing, "lost:1")
+        await _until_lost_writes(http, other, "lost:1")
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute("delete from effect_gateway_alarms")  # the operator has reconciled
+            await conn.execute(
+                "select pg_terminate_backend(pid) from pg_stat_activity where usename = $1", runtime_role()[0]
+            )
+        finally:
+            await conn.close()
+        for gw, key in ((noticing, "after:1"), (other, "after:2")):
+            for _ in range(5):  # each back on the database, the alarm gone
+                status, _ = await _order(http, gw, key)
+                if status == 201:
+                    break
+            assert status == 201, key
+    orders = [json.loads(call.body)["order"] for call in upstream.effects()]
+    assert orders.count("lost:1") == 1
+    assert orders == ["lost:1", "other:1", "after:1", "after:2"]

@@ -331,8 +331,10 @@ def test_commands_that_need_only_the_database_need_no_secrets(tmp_path: Path) ->
 @pytest.mark.parametrize(
     ("url", "why"),
     [
-        ("postgres://u@db:port/x", "the port of 'db:port' is not a number"),
-        ("postgres://u@a:5432,b:x/x", "the port of 'b:x' is not a number"),
+        ("postgres://u@db:port/x", "a host's port is not a number"),
+        ("postgres://u@a:5432,b:x/x", "a host's port is not a number"),
+        ("postgres://u@a:99999/x", "from 1 to 65535"),
+        ("postgres://u@a,,b/x", "a host of the list is empty"),
         ("db.example:5432", "postgresql://"),
     ],
 )
