@@ -88,6 +88,21 @@ def carries(doc: Any, key: str) -> bool:
     return False  # a number (kept as its literal bytes), true, false or null
 
 
+def _effect_in(doc: Any, found_at: str, derived_key: str, no_list: str, who: str, hint: str) -> Any | None:
+    """The effect a search's answer ``doc`` lists at ``found_at``, or None where its list is there and
+    ends first; raises ProbeFailed for an answer that is no such list (``no_list`` says so) or an item
+    that does not carry the key (``hint`` says what to check)."""
+    try:
+        found = dig(doc, found_at)
+    except NotASearchAnswer as exc:
+        raise ProbeFailed(f"{no_list}: {exc}") from None
+    if found is not None and not carries(found, derived_key):
+        # A search that ignores a filter it does not know (a typo in probe.path, an API that changed)
+        # lists other effects: the first may be another tenant's, and this one may never have happened.
+        raise ProbeFailed(f"{who} found an item at {found_at!r} that does not carry the effect's key: {hint}")
+    return found
+
+
 class Prober:
     """Probes go through the upstream's own connections, and their answers obey max_response_bytes.
 
@@ -159,22 +174,17 @@ class Prober:
             raise ProbeFailed(
                 f"the probe of {policy.name} answered something that is not JSON: {exc}"
             ) from None
-        try:
-            found = dig(doc, found_at)
-        except NotASearchAnswer as exc:
-            raise ProbeFailed(
-                f"the probe of {policy.name} answered {status} without the list probe.found = {found_at!r} "
-                f"looks into: {exc}"
-            ) from None
+        found = _effect_in(
+            doc,
+            found_at,
+            derived_key,
+            f"the probe of {policy.name} answered {status} without the list probe.found = {found_at!r} "
+            "looks into",
+            f"the probe of {policy.name}",
+            "does probe.path filter by {key}?",
+        )
         if found is None:
             return None
-        if not carries(found, derived_key):
-            # A search that ignores a filter it does not know (a typo in probe.path, an API that changed)
-            # lists other effects: the first may be another tenant's, and this one may never have happened.
-            raise ProbeFailed(
-                f"the probe of {policy.name} found an item at {found_at!r} that does not carry the "
-                "effect's key: does probe.path filter by {key}?"
-            )
         return self._stored(http.status, jsonbody.compact(found).encode(), f"the probe of {policy.name}")
 
     async def _tool_call(
@@ -199,20 +209,16 @@ class Prober:
             raise ProbeFailed(f"{who}: the tool's result is not JSON: {exc}") from None
         if isinstance(result, dict) and result.get("isError") is True:
             raise ProbeFailed(f"{who}: the tool {probe.tool} answered an error result")
-        try:
-            found = dig(result, probe.found)
-        except NotASearchAnswer as exc:
-            raise ProbeFailed(
-                f"{who}: the result of {probe.tool} has no list where probe.found = {probe.found!r} "
-                f"looks: {exc}"
-            ) from None
+        found = _effect_in(
+            result,
+            probe.found,
+            derived_key,
+            f"{who}: the result of {probe.tool} has no list where probe.found = {probe.found!r} looks",
+            who,
+            "do the probe's arguments filter by {key}?",
+        )
         if found is None:
             return None
-        if not carries(found, derived_key):
-            raise ProbeFailed(
-                f"{who} found an item at {probe.found!r} that does not carry the effect's key: do the "
-                "probe's arguments filter by {key}?"
-            )
         return self._stored(200, mcp.found_as_result(jsonbody.compact(found)), who)
 
     async def _tool_session(
