@@ -1,26 +1,26 @@
-"""Whether the database still holds what this gateway wrote: checked on every new connection.
+"""Whether the database still holds what this gateway wrote: checked in every claim.
 
 A database can forget committed writes: a failover to a standby that had not yet received them (an
 asynchronous one, or a synchronous one that was not in sync), a restore of a backup to an earlier
 point. A claim it forgot is the one failure the gateway cannot see on its own: a retry of that key
 looks new, and the effect would be sent a second time. So each worker remembers the newest effect it
-claimed, and every connection the pool opens (after a failover they are all new) first looks that
-effect up. Once it is missing, the worker raises an alarm in the database (migration 019), and every
-worker of every gateway that sees it, on its next new connection or its next start, refuses every new
-effect (503 ``database-lost-writes``) until an operator has reconciled and deleted it
-(docs/operations.md, "Backups and lost writes").
+claimed (its witness), and the claim statement inserts nothing unless the database still holds it;
+every connection the pool opens looks it up too. Once it is missing, the worker raises an alarm in
+the database (migration 019), and every worker of every gateway, whose claims the statement also
+holds back while the alarm is there, refuses every new effect (503 ``database-lost-writes``) until an
+operator has reconciled and deleted it (docs/operations.md, "Backups and lost writes"). The claim
+checks it, not only a new connection: a pooler keeps the gateway's connections across a failover.
 
 What this cannot see: a loss noticed by no worker (none had claimed anything the database forgot, or
-the workers that had were restarted before their next connection); this worker's outcomes and
-take-overs committed after its newest claim (those fall back to in-doubt handling: a probe, or an
-operator); and a database swapped under connections that stay open (a proxy that keeps client
-connections across a failover).
+the workers that had were restarted since); and this worker's outcomes and take-overs committed after
+its newest claim (those fall back to in-doubt handling: a probe, or an operator).
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from typing import NamedTuple
 
 from gateway.errors import WritesLost
 from gateway.keys import key_digest
@@ -58,19 +58,28 @@ async def failover_warning(conn: AnyConn) -> str | None:
     )
 
 
+class Witness(NamedTuple):
+    """A claim the database must still hold: its id, and its key as effect_keys holds it (kept when a
+    month of the audit is archived)."""
+
+    effect_id: int
+    tenant: str
+    upstream: str
+    digest: uuid.UUID
+
+
 class LostWrites:
     """This worker's newest claim, and the loss of writes once one is found."""
 
     def __init__(self) -> None:
-        # The newest claim: its id, and its key as effect_keys holds it (kept when a month of the
-        # audit is archived).
-        self.newest: tuple[int, str, str, uuid.UUID] | None = None
+        # The newest claim this worker made: every claim and every new connection look it up.
+        self.newest: Witness | None = None
         self.lost: str | None = None
 
     def wrote(self, record: EffectRecord) -> None:
         """Remember ``record``, just claimed (committed), if it is the newest this worker claimed."""
         if self.newest is None or record.id > self.newest[0]:
-            self.newest = (record.id, record.tenant, record.upstream, key_digest(record.key))
+            self.newest = Witness(record.id, record.tenant, record.upstream, key_digest(record.key))
 
     def refuse_if_lost(self) -> None:
         """Raise WritesLost once the database has been found to have forgotten writes."""

@@ -21,6 +21,7 @@ from gateway.audit_query import RECORD_COLUMNS
 from gateway.decision import Settlement
 from gateway.errors import StoreRejected
 from gateway.keys import key_digest
+from gateway.lost_writes import Witness
 from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
 from gateway.rows import Conn, head_bytes, read_with_response, record_of, reread
 from gateway.states import State, Transition
@@ -76,13 +77,18 @@ _CLAIMS = """
 """
 
 
-async def claim_many(conn: Conn, claims: Sequence[tuple[NewEffect, timedelta]]) -> list[EffectRecord | None]:
+async def claim_many(
+    conn: Conn, claims: Sequence[tuple[NewEffect, timedelta]], witness: Witness | None = None
+) -> list[EffectRecord | None]:
     """The statement of :meth:`gateway.store.Store.claim`, for many new effects at once.
 
     Returns each claim's new record, in their order, or None where its key was taken already:
     :func:`holder_of_key` reads that one. No two claims may share a key (:func:`claim_batch_key`).
+    ``witness``: an effect this worker claimed before (gateway.lost_writes); nothing is claimed when
+    the database no longer holds it, nor while the lost-writes alarm is raised.
     """
     columns = _as_columns(_claim_row(new, lease) for new, lease in claims)
+    effect_id, tenant, upstream, digest = witness or (None, None, None, None)
     # One round trip for all of them. A key taken already is read by statements of their own, which
     # find its partitions first: a read joined into this statement would lock every partition of the
     # audit on each claim (see partitions.within). They also run after this statement, so they see
@@ -96,7 +102,12 @@ async def claim_many(conn: Conn, claims: Sequence[tuple[NewEffect, timedelta]]) 
             select digest, tenant, upstream, nextval('effect_ids'), now() from c
             -- Nothing new while the database is known to have lost writes (gateway.lost_writes): a
             -- worker that has not heard yet claims nothing, and finds the alarm when it asks why.
+            -- Nor once it has forgotten the witness, this worker's newest claim: checked here, in
+            -- every claim, and not only on new connections, which a pooler keeps across a failover.
             where not exists (select from effect_gateway_alarms)
+              and ($19::bigint is null or exists (
+                  select from effect_keys w
+                  where w.digest = $22 and w.tenant = $20 and w.upstream = $21 and w.effect_id = $19))
             order by digest, tenant, upstream
             on conflict do nothing
             returning digest, tenant, upstream, effect_id, created_at
@@ -122,6 +133,10 @@ async def claim_many(conn: Conn, claims: Sequence[tuple[NewEffect, timedelta]]) 
         from e
         """,
         *columns,
+        effect_id,
+        tenant,
+        upstream,
+        digest,
     )
     made = {(r["tenant"], r["upstream"], r["key"]): record_of(r, response=True) for r in rows}
     return [made.get(claim_batch_key(claim)) for claim in claims]

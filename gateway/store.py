@@ -321,8 +321,9 @@ class Store:
             try:
                 return await self._attempts(lambda conn: phases.holder_of_key(conn, new)), False
             except StoreRejected:
-                # Not inserted, and not on record: the alarm another worker raised held the claim back.
-                await self._attempts(self.lost_writes.heed)
+                # Not inserted, and not on record: the alarm another worker raised held the claim back,
+                # or the database has forgotten this worker's newest claim (raise the alarm then).
+                await self._attempts(self.lost_writes.check)
                 self.lost_writes.refuse_if_lost()
                 raise
 
@@ -378,11 +379,10 @@ class Store:
 
     async def _claim_many(self, claims: Sequence[tuple[NewEffect, timedelta]]) -> list[EffectRecord | None]:
         async def claim(conn: Conn) -> list[EffectRecord | None]:
-            # Checked on the connection each try is given, which has just checked the database (a new
-            # one after a failover): a claim retried across a failover must not land in a database
-            # that forgot this worker's writes.
+            # Checked at each try: a claim retried across a failover must not land in a database that
+            # forgot this worker's writes (the statement itself looks its witness up).
             self.lost_writes.refuse_if_lost()
-            made = await phases.claim_many(conn, claims)
+            made = await phases.claim_many(conn, claims, self.lost_writes.newest)
             for record in made:
                 if record is not None:
                     self.lost_writes.wrote(record)

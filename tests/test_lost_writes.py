@@ -33,8 +33,9 @@ async def _order(http: aiohttp.ClientSession, gw: Gateway, key: str) -> tuple[in
         return resp.status, json.loads(await resp.read())
 
 
-async def _forget(dsn: str, key: str) -> None:
-    """Lose the claim of ``key`` and end the gateway's connections, as a restore and a failover do."""
+async def _forget(dsn: str, key: str, *, end_connections: bool = True) -> None:
+    """Lose the claim of ``key`` and end the gateway's connections, as a restore and a failover do
+    (a pooler in front keeps the gateway's connections: ``end_connections=False``)."""
     conn = await asyncpg.connect(dsn)
     try:
         effect_id = await conn.fetchval("select id from effects where key = $1", key)
@@ -42,9 +43,11 @@ async def _forget(dsn: str, key: str) -> None:
         await conn.execute("delete from open_effects where id = $1", effect_id)
         await conn.execute("delete from effect_keys where effect_id = $1", effect_id)
         await conn.execute("delete from effects where id = $1", effect_id)
-        await conn.execute(
-            "select pg_terminate_backend(pid) from pg_stat_activity where usename = $1", runtime_role()[0]
-        )
+        if end_connections:
+            await conn.execute(
+                "select pg_terminate_backend(pid) from pg_stat_activity where usename = $1",
+                runtime_role()[0],
+            )
     finally:
         await conn.close()
 
@@ -129,3 +132,20 @@ async def test_a_gateway_that_reconnected_before_the_alarm_heeds_it_at_its_next_
     orders = [json.loads(call.body)["order"] for call in upstream.effects()]
     assert orders.count("lost:1") == 1
     assert orders == ["lost:1", "other:1", "after:1", "after:2"]
+
+
+async def test_a_loss_under_connections_kept_open_is_caught_by_the_next_claim(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """A pooler keeps the gateway's connections across a failover, so no new connection looks for the
+    lost claim: the claim statement itself does. The first retry of the forgotten key is refused, and
+    the shop sees it once."""
+    shop = {"shop": {"base_url": upstream.url, "timeout": "2s"}}
+    async with gateway_server(dsn, upstreams=shop, replay_cache_bytes=0) as gw:
+        assert (await _order(http, gw, "lost:1"))[0] == 201
+        await _forget(dsn, "lost:1", end_connections=False)
+        status, problem = await _order(http, gw, "lost:1")
+        assert (status, problem["type"].rsplit("/", 1)[-1]) == (503, "database-lost-writes")
+        assert "no longer holds effect" in problem["detail"]
+    orders = [json.loads(call.body)["order"] for call in upstream.effects()]
+    assert orders == ["lost:1"]
