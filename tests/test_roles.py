@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import asyncpg
@@ -27,7 +29,7 @@ from gateway import store as store_module
 from gateway.schema import migrate, migration_files, ready
 from gateway.store import opened
 from tests import test_cli
-from tests.database import effect_rows, grant_runtime, runtime_role, runtime_url
+from tests.database import effect_rows, grant_runtime, other_database, runtime_role, runtime_url
 from tests.gateways import gateway_server, start_gateway_process
 from tests.support import ROOT
 from tests.test_cli import Done, cli, in_thread, one_line_error
@@ -71,7 +73,8 @@ async def _fetchval(dsn: str, sql: str, *args: Any) -> Any:
 def _config(tmp_path: Path, database_url: str, upstream: str, workers: int = 1) -> Path:
     config = tmp_path / "gateway.toml"
     config.write_text(
-        f'database_url = "{database_url}"\nlisten = "127.0.0.1:0"\nworkers = {workers}\n'
+        f'database_url = "{database_url}"\nlisten = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n'
+        f"workers = {workers}\n"
         f'[upstreams.shop]\nbase_url = "{upstream}"\n'
     )
     return config
@@ -462,3 +465,53 @@ async def test_gateways_making_a_missing_day_at_once_all_find_it_made(postgres_d
             for conn in (owner, *sessions):
                 await conn.close()
     assert set(outcomes) == {"made"}, outcomes
+
+
+async def test_an_owner_that_is_no_superuser_migrates_grants_and_purges_as_on_a_managed_service(
+    postgres_dsn: str,
+    upstream: Upstream,
+    http: aiohttp.ClientSession,
+    tmp_path: Path,
+    run: Callable[..., Done],
+) -> None:
+    """The owner a managed service gives: an ordinary role (not a superuser, no CREATEROLE, CREATEDB or
+    REPLICATION) that owns its database. It migrates, with no extension, grants the runtime role, and
+    purges; the gateway serves as the runtime role. The runtime role's grants are checked above."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    owner, database = f"effect_gateway_test_owner_{worker}", f"managed_{worker}"
+    admin = await asyncpg.connect(postgres_dsn)
+    try:
+        await admin.execute(f"drop database if exists {database} with (force)")
+        await admin.execute(f"drop role if exists {owner}")
+        await admin.execute(f"create role {owner} login password 'owner-of-the-tests' nocreaterole")
+        await admin.execute(f"create database {database} owner {owner}")
+        parts = urlsplit(other_database(postgres_dsn, database))
+        where = parts.netloc.rpartition("@")[2]
+        owner_url = urlunsplit(parts._replace(netloc=f"{owner}:owner-of-the-tests@{where}"))
+        config = tmp_path / "owner.toml"
+        config.write_text(f'database_url = "{owner_url}"\n')
+        granted = await in_thread(run, "migrate", "--grant-to", runtime_role()[0], config=config)
+        assert granted.status == 0, granted.err
+        conn = await asyncpg.connect(owner_url)
+        try:
+            held = await conn.fetchrow(
+                "select rolsuper, rolcreaterole, rolcreatedb, rolreplication from pg_roles "
+                "where rolname = current_user"
+            )
+            assert held is not None
+            assert not any(held.values())
+            assert await conn.fetch("select extname from pg_extension where extname <> 'plpgsql'") == []
+        finally:
+            await conn.close()
+        shop = {"shop": {"base_url": upstream.url}}
+        async with gateway_server(owner_url, upstreams=shop) as gw:
+            first = await order(http, gw.url, "managed:1")
+            assert first[0] == 201
+            assert (await order(http, gw.url, "managed:1"))[2] == first[2]
+        purged = await in_thread(run, "purge", config=config)
+        assert purged.status == 0, purged.err
+        assert len(upstream.effects()) == 1
+    finally:
+        await admin.execute(f"drop database if exists {database} with (force)")
+        await admin.execute(f"drop role if exists {owner}")
+        await admin.close()
