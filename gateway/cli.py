@@ -46,8 +46,8 @@ from gateway.probes import Prober, load_python_probe
 from gateway.record import EffectRecord, StoredResponse
 from gateway.schema import grant_to, migrate, ready
 from gateway.seams import AuditReads
-from gateway.settings import Settings, database_hosts, load_settings
-from gateway.store import Store, opened
+from gateway.settings import Settings, database_hosts, load_settings, pooler_url
+from gateway.store import Store, StoreLimits, opened, session_settings
 from gateway.upstream import UpstreamClient
 
 log = logging.getLogger("effect_gateway")
@@ -73,22 +73,29 @@ def describe_database(settings: Settings) -> str:
     """Where the data lives, without the password: for messages that must say which database was used."""
     if settings.database_url is None:
         return f"the embedded Postgres in {settings.data_dir.resolve()}"
-    dsn = settings.database_url.get_secret_value()
-    url = urlsplit(dsn)
+    direct = settings.database_direct_url or settings.database_url
+    url = urlsplit(direct.get_secret_value())
+    where = f"Postgres database {url.path.lstrip('/') or '(default)'} on {_hosts(direct.get_secret_value())}"
+    if (pooler := pooler_url(settings)) is not None:
+        where += f", the workers through the pooler on {_hosts(pooler)}"
+    return where
+
+
+def _hosts(dsn: str) -> str:
     hosts = [f"{host}:{port}" if port else host for host, port in database_hosts(dsn) if host]
-    where = ", ".join(hosts) or parse_qs(url.query).get("host", ["the local socket"])[0]
-    return f"Postgres database {url.path.lstrip('/') or '(default)'} on {where}"
+    return ", ".join(hosts) or parse_qs(urlsplit(dsn).query).get("host", ["the local socket"])[0]
 
 
 @contextlib.contextmanager
 def database(settings: Settings, *, create: bool = True) -> Iterator[str]:
-    """The DSN to use: ``database_url``, or the embedded Postgres in ``data_dir`` for as long as needed.
+    """The DSN of Postgres itself: ``database_direct_url`` when the workers go through a pooler, else
+    ``database_url``, or the embedded Postgres in ``data_dir`` for as long as needed.
 
     ``create=False`` (commands that read effects) refuses to make a new, empty embedded database: one that
     is not there means the command runs with another configuration than the gateway did.
     """
-    if settings.database_url is not None:
-        yield settings.database_url.get_secret_value()
+    if (given := settings.database_direct_url or settings.database_url) is not None:
+        yield given.get_secret_value()
         return
     server = EmbeddedPostgres(settings.data_dir)
     if not create and not server.pgdata.exists():
@@ -194,8 +201,12 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
     async def run(dsn: str) -> list[str]:
         applied = await migrate_reporting(dsn, progress)
         if args.grant_to is not None:
-            await grant_to(dsn, args.grant_to)
+            # Behind a pooler the role's own defaults are the only settings its sessions get.
+            session = session_settings(StoreLimits.of(settings)) if pooler_url(settings) else None
+            await grant_to(dsn, args.grant_to, session)
             progress(f"granted {args.grant_to} what serve needs (docs/operations.md, Database roles)")
+            if session:
+                progress(f"and made the session settings the defaults of {args.grant_to}, for the pooler")
         return applied
 
     with database(settings) as dsn:

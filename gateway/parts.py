@@ -22,7 +22,7 @@ from gateway.policy import UpstreamPolicy, upstream_policies
 from gateway.probes import Prober
 from gateway.runtime import Runtime
 from gateway.service import EffectService
-from gateway.settings import Settings
+from gateway.settings import Settings, pooler_url
 from gateway.store import Store, StoreLimits
 from gateway.telemetry import Observed
 from gateway.tracing import Tracer
@@ -35,7 +35,8 @@ log = logging.getLogger("effect_gateway")
 async def running(
     settings: Settings, dsn: str, *, metrics_dir: str | None = None, tracer_provider: Any = None
 ) -> AsyncIterator[Runtime]:
-    """Start the gateway's parts on the Postgres at ``dsn`` (already running); stop them on the way out.
+    """Start the gateway's parts on the Postgres at ``dsn`` (already running; the workers' connections
+    go through the pooler of ``settings`` when it names one); stop them on the way out.
 
     ``metrics_dir``: the directory its worker processes share their metrics in (gateway.metrics), or
     None for metrics of its own. ``tracer_provider``: an OpenTelemetry TracerProvider for its spans,
@@ -46,7 +47,11 @@ async def running(
     policies = upstream_policies(settings)
     telemetry = Observed(Metrics(policies, metrics_dir), Tracer(tracer_provider))
     store = await Store.connect(
-        dsn, max_size=settings.pool_size, limits=store_limits(settings), telemetry=telemetry
+        dsn,
+        pooler=pooler_url(settings),
+        max_size=settings.pool_size,
+        limits=StoreLimits.of(settings),
+        telemetry=telemetry,
     )
     client = UpstreamClient(policies.values(), settings.max_response_bytes, telemetry)
     prober = Prober(client)
@@ -101,9 +106,3 @@ async def _maintain_periodically(store: Store, settings: Settings) -> None:
         except Exception:  # a periodic job must outlive any one failure; the next round tries again
             log.exception("retention failed")
         await asyncio.sleep(settings.purge_interval.total_seconds())
-
-
-def store_limits(settings: Settings) -> StoreLimits:
-    return StoreLimits(
-        acquire=settings.pool_timeout, statement=settings.statement_timeout, lock=settings.lock_timeout
-    )

@@ -70,6 +70,13 @@ def cannot_connect(exc: BaseException) -> StoreUnavailable:
     cannot help, else :class:`StoreUnavailable`."""
     if isinstance(exc, LOGIN_REFUSED):
         return LoginRefused(f"Postgres refused the connection: {exc} (check database_url)")
+    if "unsupported startup parameter" in str(exc):
+        # PgBouncer's answer to the settings sent at login, which it cannot pass on.
+        return LoginRefused(
+            f"the pooler at database_url refused the connection: {exc} (set database_direct_url to "
+            "Postgres itself, and the gateway sends nothing a pooler cannot pass on: docs/operations.md, "
+            "Poolers)"
+        )
     return StoreUnavailable(f"cannot connect to Postgres: {exc}")
 
 

@@ -8,13 +8,13 @@ runs no DDL when it is, so that serve can run with a role of reads and writes on
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from importlib import resources
 
 import asyncpg
 
-from gateway import partitions, roles
+from gateway import partitions, pooling, roles
 from gateway.errors import (
     NoSuchRole,
     PrivilegesMissing,
@@ -150,8 +150,12 @@ async def _grant_them(conn: asyncpg.Connection, lacking: list[str]) -> str:
     )
 
 
-async def grant_to(dsn: str, role: str) -> None:
-    """Grant ``role`` what serving needs (roles.RUNTIME_PRIVILEGES); run by the owner, after migrating."""
+async def grant_to(dsn: str, role: str, session: Mapping[str, str] | None = None) -> None:
+    """Grant ``role`` what serving needs (roles.RUNTIME_PRIVILEGES); run by the owner, after migrating.
+
+    ``session``: settings to make the defaults of ``role``'s sessions, for a gateway behind a pooler
+    (gateway.pooling).
+    """
     async with _connected(dsn) as conn:
         if not await conn.fetchval("select exists (select from pg_roles where rolname = $1)", role):
             raise NoSuchRole(
@@ -164,6 +168,17 @@ async def grant_to(dsn: str, role: str) -> None:
                 f"cannot grant {role} what serving needs ({exc}): run this as the owner of the tables "
                 f"({await roles.owner_of_tables(conn)})"
             ) from None
+        if session:
+            try:
+                await pooling.set_role_defaults(conn, role, session)
+            except asyncpg.exceptions.InsufficientPrivilegeError as exc:
+                statements = "; ".join(
+                    pooling.role_defaults(role, await conn.fetchval("select current_database()"), session)
+                )
+                raise PrivilegesMissing(
+                    f"granted, but cannot set the session defaults of {role} that a pooler needs ({exc}): "
+                    f"run as a role that may (a superuser, or one with CREATEROLE): {statements}"
+                ) from None
 
 
 async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[str]:

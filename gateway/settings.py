@@ -130,6 +130,14 @@ def database_hosts(url: str) -> list[tuple[str, int | None]]:
     return hosts
 
 
+def pooler_url(settings: Settings) -> str | None:
+    """The URL of the pooler the workers' connections go through (database_url when database_direct_url
+    is given too), or None when they go to Postgres itself."""
+    if settings.database_direct_url is None or settings.database_url is None:
+        return None
+    return settings.database_url.get_secret_value()
+
+
 def _postgres_url(value: SecretStr | None) -> SecretStr | None:
     """A URL asyncpg can use, checked here so that a typo is a bad setting rather than a failed connection."""
     if value is not None:
@@ -463,6 +471,13 @@ class Settings(BaseSettings):
     # The workers' event loop: "uvloop" (the extra `fast`), "asyncio", or "auto": uvloop when installed.
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     database_url: Annotated[SecretStr | None, AfterValidator(_postgres_url)] = None
+    # Postgres itself (or a pooler in session mode), when database_url goes through a pooler such as
+    # PgBouncer. The workers' pool then goes through the pooler with nothing a pooler in transaction
+    # mode would lose between transactions (no named prepared statements, no settings sent at login),
+    # and whatever holds a session-level lock goes here: the migrations, the partitions' upkeep, the
+    # commands. Such a lock taken through a transaction pooler stays on a server connection that
+    # other clients then use.
+    database_direct_url: Annotated[SecretStr | None, AfterValidator(_postgres_url)] = None
     data_dir: Path = Path(".effect-gateway")
     retention: Duration = timedelta(days=7)
     # How often serve drops bodies past the retention; an hour keeps the table small without busy work.
@@ -590,6 +605,11 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Settings:
         listen_host(self.listen)  # raises with a clear message
+        if self.database_direct_url is not None and self.database_url is None:
+            raise ValueError(
+                "database_direct_url is set without database_url: give database_url the pooler's URL, "
+                "or drop database_direct_url to connect to Postgres directly"
+            )
         if self.request_head_timeout <= timedelta(0) or self.request_body_timeout <= timedelta(0):
             raise ValueError("request_head_timeout and request_body_timeout must be positive")
         for name in self.upstreams:

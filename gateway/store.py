@@ -23,12 +23,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Self, TypeVar
+from typing import TYPE_CHECKING, Self, TypeVar
 
 import asyncpg
 import asyncpg.pool
 
-from gateway import partitions, phases, roles
+from gateway import partitions, phases, pooling, roles
 from gateway.audit_query import (
     EXACT_OPEN_COUNT,
     OPEN_STATES,
@@ -55,6 +55,9 @@ from gateway.rows import (
 from gateway.states import State, Transition
 from gateway.telemetry import Telemetry
 
+if TYPE_CHECKING:
+    from gateway.settings import Settings
+
 log = logging.getLogger("effect_gateway")
 T = TypeVar("T")
 
@@ -69,6 +72,13 @@ class StoreLimits:
     statement: timedelta = timedelta(seconds=10)
     # Waiting for a row lock: rows are locked for one statement at a time, never across a call.
     lock: timedelta = timedelta(seconds=2)
+
+    @classmethod
+    def of(cls, settings: Settings) -> StoreLimits:
+        """The limits ``settings`` give."""
+        return cls(
+            acquire=settings.pool_timeout, statement=settings.statement_timeout, lock=settings.lock_timeout
+        )
 
     @property
     def answer(self) -> float | None:
@@ -160,23 +170,38 @@ class Store:
         cls,
         dsn: str,
         *,
+        pooler: str | None = None,
         min_size: int = 2,
         max_size: int = 20,
         limits: StoreLimits | None = None,
         telemetry: Telemetry | None = None,
     ) -> Self:
+        """The store on Postgres at ``dsn``; its pool through ``pooler`` (a URL) when given.
+
+        Behind a pooler the pool's connections hold nothing between transactions that the pooler could
+        hand to another client: statements are not prepared by name, and the session's settings are the
+        role's defaults (gateway.pooler), not sent at login. ``dsn`` keeps what needs a session of its
+        own (the partitions' upkeep).
+        """
         limits = limits or StoreLimits()
+        settings = session_settings(limits)
         # Every connection the pool opens first checks that the database still holds what this worker
-        # wrote: after a failover, they are all new.
+        # wrote: after a failover, they are all new (unless a pooler keeps them: the claims check too).
         lost_writes = LostWrites()
+        warned = False
 
         async def init(conn: asyncpg.Connection) -> None:
+            nonlocal warned
             await _init_connection(conn)
             await lost_writes.check(conn)
+            if pooler is not None and not warned:
+                if (wrong := await pooling.warning(conn, settings)) is not None:
+                    log.warning("%s", wrong)
+                warned = True
 
         with connecting():
             pool = await asyncpg.create_pool(
-                dsn,
+                pooler or dsn,
                 min_size=min_size,
                 max_size=max_size,
                 init=init,
@@ -184,9 +209,10 @@ class Store:
                 # A statement per month of the audit and per day of bodies (partitions.within), each
                 # prepared once per connection: about nine per month still written, one per day of
                 # bodies kept (a week by default, months for some), and fifty others. Each holds its
-                # plan in that connection's backend, a few KB.
-                statement_cache_size=512,
-                server_settings=session_settings(limits),
+                # plan in that connection's backend, a few KB. None behind a pooler: a statement
+                # prepared on one server connection is unknown to the next.
+                statement_cache_size=0 if pooler else 512,
+                server_settings=None if pooler else settings,
                 command_timeout=limits.answer,
             )
         return cls(pool, limits, dsn, lost_writes, telemetry)
@@ -304,6 +330,10 @@ class Store:
         audit row was archived (its partition detached). The insert is committed before it returns: the
         claim is durable before the request leaves. Claims that arrive together share a statement.
         """
+        if self.lost_writes.lost is not None:
+            # Has an operator deleted the alarm? Asked at each refused claim, not only on a new
+            # connection, which a pooler may never open: one read of a table of at most one row.
+            await self._attempts(self.lost_writes.heed)
         if self.lost_writes.lost is not None:
             # Once the database has lost writes, a key it still holds is answered as before (a replay,
             # a wait, the recovery of a record that sends nothing); a key it does not is refused.

@@ -16,6 +16,7 @@ from playwright.async_api import Browser, async_playwright
 from gateway.embedded import EmbeddedPostgres
 from gateway.schema import migrate
 from tests.database import empty_effects, grant_runtime, worker_database
+from tests.poolers import pgbouncer
 from tests.support import CRASH_MATRIX, FUZZ_COUNTS, SCREENSHOTS
 from tests.upstreams import Upstream, upstream_server
 
@@ -95,6 +96,25 @@ def postgres_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             embedded.stop()
         elif given and worker:
             asyncio.run(worker_database(given, worker, drop=True))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_pooler(request: pytest.FixtureRequest) -> Iterator[None]:
+    """With TEST_POOLER=pgbouncer (``make test-pgbouncer``), every gateway of tests.gateways on the
+    test server goes through PgBouncer in transaction mode (tests.poolers.suite_pooler_for)."""
+    wanted = os.environ.get("TEST_POOLER")
+    if not wanted:
+        yield
+        return
+    if wanted != "pgbouncer":
+        raise pytest.UsageError(f"TEST_POOLER={wanted!r}: the one pooler the suite knows is pgbouncer")
+    behind = request.getfixturevalue("postgres_dsn")
+    with pgbouncer(behind) as url:
+        os.environ["TEST_POOLER_URL"], os.environ["TEST_POOLER_BEHIND"] = url, behind
+        try:
+            yield
+        finally:
+            del os.environ["TEST_POOLER_URL"], os.environ["TEST_POOLER_BEHIND"]
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from gateway.app import runners
 from gateway.runtime import RUNTIME, Runtime
 from gateway.settings import load_settings
 from tests.database import runtime_url
+from tests.poolers import suite_pooler_for
 from tests.support import ROOT
 
 
@@ -28,12 +29,18 @@ class Gateway:
 
 
 @asynccontextmanager
-async def gateway_server(dsn: str, tracer_provider: Any = None, **settings: Any) -> AsyncIterator[Gateway]:
+async def gateway_server(
+    dsn: str, tracer_provider: Any = None, *, pooler: str | None = None, **settings: Any
+) -> AsyncIterator[Gateway]:
     """The real gateway on 127.0.0.1, both listeners on port 0, on the test Postgres as the runtime role.
 
     ``dsn``: the owner's URL of a migrated database, whose runtime role was granted (grant_runtime).
-    ``tracer_provider``: an OpenTelemetry TracerProvider to receive its spans.
+    ``tracer_provider``: an OpenTelemetry TracerProvider to receive its spans. ``pooler``: the URL its
+    workers' connections go through (tests.poolers), by default the suite's when it runs behind one
+    (``make test-pgbouncer``).
     """
+    if pooler := pooler or suite_pooler_for(dsn):
+        settings |= {"database_url": pooler, "database_direct_url": runtime_url(dsn)}
     configured = load_settings(None, listen="127.0.0.1:0", admin_listen="127.0.0.1:0", **settings)
     async with runners(configured, runtime_url(dsn), tracer_provider=tracer_provider) as both:
         await web.TCPSite(both.proxy, "127.0.0.1", 0).start()

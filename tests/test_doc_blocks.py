@@ -18,7 +18,8 @@ That is what ``make serve`` starts on its fixed ports, so a block runs here as a
 - ``json verdict``: an operator's verdict, accepted by the resolve route for an effect awaiting one.
 - ``text output``, right after a ``python`` or ``sh`` block: what that block prints (``...``: any text).
 - ``text transitions``: the state table of gateway/states.py. ``ini postgresql.conf``: the Postgres
-  settings the embedded server applies, each a real one.
+  settings the embedded server applies, each a real one. ``sql role-defaults``: the statements that
+  make the session settings a role's defaults behind a pooler (gateway.pooling).
 
 A block in another language, or with labels its rule does not know, fails naming its page and line.
 """
@@ -42,8 +43,9 @@ import asyncpg
 import pytest
 
 from agent_example.playground import TRY
-from gateway import embedded, states
+from gateway import embedded, pooling, states
 from gateway.settings import load_settings
+from gateway.store import StoreLimits, session_settings
 from tests.doc_blocks import (
     PAGES,
     ROOT,
@@ -176,6 +178,14 @@ def check_ini(unit: Unit, world: World) -> None:
     assert set(shown) <= asyncio.run(known())
 
 
+def check_sql(unit: Unit, _world: World) -> None:
+    """``sql role-defaults``: the statements gateway.pooling gives for the default settings, for the role
+    gateway_runtime in the database effects (a gateway's warning shows the same)."""
+    require_labels(unit, ("role-defaults",))
+    wanted = pooling.role_defaults("gateway_runtime", "effects", session_settings(StoreLimits()))
+    assert unit.block.text.strip() == ";\n".join(wanted) + ";"
+
+
 LANGUAGES: dict[str, Callable[[Unit, World], None]] = {
     "python": run_python,
     "sh": run_shell,
@@ -184,6 +194,7 @@ LANGUAGES: dict[str, Callable[[Unit, World], None]] = {
     "json": check_json,
     "text": check_text,
     "ini": check_ini,
+    "sql": check_sql,
 }
 
 UNITS = units(every_block())
