@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit, urlunsplit
 
+from gateway.settings import database_hosts
 from tests.database import runtime_role
 from tests.replicas import free_port
 
@@ -36,10 +37,11 @@ def installed() -> str | None:
 
 
 def _server(dsn: str) -> tuple[str, int]:
-    """Where PgBouncer reaches the test server: a host or a socket folder, and a port."""
-    parts = urlsplit(dsn)
-    socket_folder = parse_qs(parts.query).get("host", [None])[0]
-    return socket_folder or parts.hostname or "127.0.0.1", parts.port or 5432
+    """Where PgBouncer reaches the test server: a host or a socket folder, and a port (the first of a
+    URL that names several)."""
+    socket_folder = parse_qs(urlsplit(dsn).query).get("host", [None])[0]
+    host, port = database_hosts(dsn)[0]
+    return socket_folder or host or "127.0.0.1", port or 5432
 
 
 def suite_pooler_for(dsn: str) -> str | None:
@@ -87,6 +89,9 @@ auth_type = trust
 auth_file = {folder}/users.txt
 pool_mode = {mode}
 default_pool_size = {server_connections}
+; a second, not 15, before logging in again to a server that refused: the tests that take the
+; database away for a moment expect it back as soon as it is
+server_login_retry = 1
 max_client_conn = 1000
 ; what asyncpg sends at login and PgBouncer would otherwise refuse
 ignore_startup_parameters = extra_float_digits
