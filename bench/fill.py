@@ -57,7 +57,7 @@ _ROWS = f"""
 """
 
 KEY_COLUMNS: dict[str, str] = {
-    "digest": "effect_key_digest(g.key)",
+    "scope": "effect_key_digest(g.key)",
     "tenant": "g.tenant",
     "upstream": "g.upstream",
     "effect_id": "g.id",
@@ -68,6 +68,7 @@ KEY_COLUMNS: dict[str, str] = {
 AUDIT_COLUMNS: dict[str, str] = {
     "id": "g.id",
     "created_at": "g.created_at",
+    "scope": "effect_key_digest(g.key)",
     "tenant": "g.tenant",
     "upstream": "g.upstream",
     "key": "g.key",
@@ -101,6 +102,7 @@ OPEN_COLUMNS: dict[str, str] = {
     "state": "g.state",
     "id": "g.id",
     "created_at": "g.created_at",
+    "scope": "effect_key_digest(g.key)",
     "tenant": "g.tenant",
     "upstream": "g.upstream",
 }
@@ -108,6 +110,7 @@ OPEN_COLUMNS: dict[str, str] = {
 # Column -> SQL over g and b (the row's bodies); one row per request, and one per response on record.
 BODY_COLUMNS: dict[str, str] = {
     "effect_id": "g.id",
+    "scope": "effect_key_digest(g.key)",
     "stored_at": f"case when r.kind = 'request' then g.created_at else g.created_at + {ANSWERED_AFTER} end",
     "kind": "r.kind",
     "headers": "case when r.kind = 'request' then b.request_headers else b.response_headers end",

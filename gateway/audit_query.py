@@ -20,7 +20,7 @@ RECORD_COLUMNS = """
     e.id, e.created_at, e.tenant, e.upstream, e.key, e.derived_key, e.method, e.path, e.query,
     e.fingerprint, e.state, e.attempt, e.may_have_sent, e.lease_expires_at, e.response_status,
     e.response_at, e.recovered_by, e.run_id, e.step, e.first_sent_at, e.last_sent_at, e.completed_at,
-    e.replays, e.keyless, e.key_carriers, e.send_lease, e.tool, clock_timestamp() as read_at
+    e.replays, e.keyless, e.key_carriers, e.send_lease, e.tool, e.scope, clock_timestamp() as read_at
 """
 
 
@@ -138,14 +138,16 @@ def _listed_state(where: EffectFilter) -> State | None:
 # of the join: joined plainly, Postgres guesses the join at one row (nothing tells it that every open
 # effect has exactly one audit row), so the page's limit stops nothing early, and with a backlog it
 # hashed the whole audit for every page instead.
-_AUDIT_ROW = "select * from effects a where a.id = o.id and a.created_at = o.created_at limit 1"
+_AUDIT_ROW = (
+    "select * from effects a where a.id = o.id and a.created_at = o.created_at and a.scope = o.scope limit 1"
+)
 
 
 def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
     """A page of the audit, newest first; only the filters given reach the SQL (so indexes apply).
 
-    A key is found through effect_keys (its digest leads that table's index); an open state is listed
-    from open_effects (its key is (state, id): the page is a range of it; a tenant's, a range of
+    A key is found through effect_keys (its digest, the scope, leads that table's index); an open state
+    is listed from open_effects (its key is (state, id): the page is a range of it; a tenant's, a range of
     open_effects_by_tenant; an upstream's, of open_effects_waiting_by_upstream; a tenant's at one
     upstream, of open_effects_waiting_by_tenant_upstream; pending ones at an upstream, the pending range
     of the key or of the tenant's index, kept by upstream); either is joined to the audit rows and read
@@ -190,14 +192,17 @@ def find_statement(where: EffectFilter) -> tuple[str, list[Any]]:
         if value is not None:
             clauses.append(f"{column} = {arg(value)}")
     if where.key is not None:
-        clauses.append(f"k.digest = effect_key_digest(${len(args)})")
+        clauses.append(f"k.scope = effect_key_digest(${len(args)})")
     if where.since is not None:
         clauses.append(f"{holder}.created_at >= {arg(where.since)}")
     if where.until is not None:
         clauses.append(f"{holder}.created_at < {arg(where.until)}")
     where_sql = " where " + " and ".join(clauses) if clauses else ""
     if where.key is not None:
-        source = "effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at"
+        source = (
+            "effect_keys k join effects e on e.id = k.effect_id and e.created_at = k.created_at "
+            "and e.scope = k.scope"
+        )
     elif listed is not None:
         source = f"open_effects o cross join lateral ({_AUDIT_ROW}) e"
     else:

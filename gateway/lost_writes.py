@@ -65,7 +65,7 @@ class Witness(NamedTuple):
     effect_id: int
     tenant: str
     upstream: str
-    digest: uuid.UUID
+    scope: uuid.UUID
 
 
 class LostWrites:
@@ -105,11 +105,11 @@ class LostWrites:
         # the database to judge: it may simply not have the claim yet.
         if await conn.fetchval("select pg_is_in_recovery()"):
             return
-        effect_id, tenant, upstream, digest = self.newest
+        effect_id, tenant, upstream, scope = self.newest
         found = await conn.fetchval(
-            "select exists (select from effect_keys where digest = $1 and tenant = $2 and upstream = $3 "
+            "select exists (select from effect_keys where scope = $1 and tenant = $2 and upstream = $3 "
             "and effect_id = $4)",
-            digest,
+            scope,
             tenant,
             upstream,
             effect_id,

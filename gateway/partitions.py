@@ -303,7 +303,7 @@ async def _drop(conn: AnyConn, part: Partition, progress: Progress) -> None:
     found = await conn.fetchrow(
         f"""
         select array_agg(o.id), array_agg(o.created_at) from open_effects o
-        where exists (select from "{part.name}" b where b.effect_id = o.id)
+        where exists (select from "{part.name}" b where b.effect_id = o.id and b.scope = o.scope)
         """
     )
     assert found is not None  # an aggregate without group by returns its one row
@@ -333,16 +333,17 @@ def carry_statement(day: str) -> str:
         with open as (
             select * from unnest($1::bigint[], $2::timestamptz[]) as o(id, created_at)
         ), day as (
-            select b.effect_id, b.stored_at, b.kind, b.headers, b.coding, b.content, o.created_at,
+            select b.effect_id, b.scope, b.stored_at, b.kind, b.headers, b.coding, b.content, o.created_at,
                    b.kind = 'request'
                    or (b.stored_at = e.response_at and b.stored_at >= coalesce(e.last_sent_at, e.created_at))
                        as kept
             from "{day}" b
             join open o on o.id = b.effect_id
-            join effects e on e.id = o.id and e.created_at = o.created_at and e.state <> 'completed'
+            join effects e on e.id = o.id and e.created_at = o.created_at and e.scope = b.scope
+                and e.state <> 'completed'
         ), moved as (
-            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
-            select effect_id, now(), kind, headers, coding, content from day where kept
+            insert into effect_bodies (effect_id, scope, stored_at, kind, headers, coding, content)
+            select effect_id, scope, now(), kind, headers, coding, content from day where kept
             on conflict do nothing
             returning effect_id
         ), pointed as (
@@ -352,7 +353,7 @@ def carry_statement(day: str) -> str:
                                                     then now() end
             from day d
             where d.kind = 'response' and e.id = d.effect_id and e.created_at = d.created_at
-              and e.response_at = d.stored_at and e.state <> 'completed'
+              and e.scope = d.scope and e.response_at = d.stored_at and e.state <> 'completed'
             returning e.id
         )
         select count(*) from moved

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from gateway import packing, partitions
@@ -22,16 +22,17 @@ from gateway.decision import Settlement
 from gateway.errors import StoreRejected
 from gateway.keys import key_digest
 from gateway.lost_writes import Witness
-from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
+from gateway.record import EffectRecord, KeyCarriers, NewEffect, RowKey, StoredResponse
 from gateway.rows import Conn, head_bytes, read_with_response, record_of, reread
 from gateway.states import State, Transition
 
 
-def _fenced(record: EffectRecord) -> str:
+def _fenced(record: EffectRecord, scope: int) -> str:
     """The where clause of a write fenced on the attempt and state ``record`` was read in ($1 to $4),
-    kept to its month of the audit."""
+    naming its scope (``$scope``) and kept to its month of the audit."""
     month = partitions.in_month(record.created_at)
-    return f"where id = $1 and created_at = $2 and attempt = $3 and state = $4 and {month}"
+    fence = "id = $1 and created_at = $2 and attempt = $3 and state = $4"
+    return f"where {fence} and scope = ${scope} and {month}"
 
 
 async def _one(conn: Conn, sql: str, *args: Any) -> EffectRecord | None:
@@ -60,10 +61,11 @@ def _open_moved(source: str, target: str) -> str:
     return f"""
         o_gone as (
             delete from open_effects o using e
-            where {target} = 'completed' and o.state = {source} and o.id = e.id
+            where {target} = 'completed' and o.state = {source} and o.id = e.id and o.scope = e.scope
         ), o_moved as (
             update open_effects o set state = {target} from e
             where {target} <> 'completed' and {target} <> {source} and o.state = {source} and o.id = e.id
+              and o.scope = e.scope
         )"""
 
 
@@ -73,7 +75,7 @@ _CLAIMS = """
            $8::text[], $9::bytea[], $10::bytea[], $11::interval[], $12::text[], $13::text[],
            $14::boolean[], $15::text[], $16::jsonb[], $17::uuid[], $18::text[])
         as c(tenant, upstream, key, derived_key, method, path, query, fingerprint, headers, content,
-             lease, run_id, step, keyless, coding, key_carriers, digest, tool)
+             lease, run_id, step, keyless, coding, key_carriers, scope, tool)
 """
 
 
@@ -88,7 +90,7 @@ async def claim_many(
     the database no longer holds it, nor while the lost-writes alarm is raised.
     """
     columns = _as_columns(_claim_row(new, lease) for new, lease in claims)
-    effect_id, tenant, upstream, digest = witness or (None, None, None, None)
+    effect_id, tenant, upstream, scope = witness or (None, None, None, None)
     # One round trip for all of them. A key taken already is read by statements of their own, which
     # find its partitions first: a read joined into this statement would lock every partition of the
     # audit on each claim (see partitions.within). They also run after this statement, so they see
@@ -98,8 +100,8 @@ async def claim_many(
         with c as ({_CLAIMS}), k as (
             -- In the key's order in every worker: two batches that share keys then wait for each
             -- other in one order, where in the order their requests came they could deadlock.
-            insert into effect_keys (digest, tenant, upstream, effect_id, created_at)
-            select digest, tenant, upstream, nextval('effect_ids'), now() from c
+            insert into effect_keys (scope, tenant, upstream, effect_id, created_at)
+            select scope, tenant, upstream, nextval('effect_ids'), now() from c
             -- Nothing new while the database is known to have lost writes (gateway.lost_writes): a
             -- worker that has not heard yet claims nothing, and finds the alarm when it asks why.
             -- Nor once it has forgotten the witness, this worker's newest claim: checked here, in
@@ -107,27 +109,27 @@ async def claim_many(
             where not exists (select from effect_gateway_alarms)
               and ($19::bigint is null or exists (
                   select from effect_keys w
-                  where w.digest = $22 and w.tenant = $20 and w.upstream = $21 and w.effect_id = $19))
-            order by digest, tenant, upstream
+                  where w.scope = $22 and w.tenant = $20 and w.upstream = $21 and w.effect_id = $19))
+            order by scope, tenant, upstream
             on conflict do nothing
-            returning digest, tenant, upstream, effect_id, created_at
+            returning scope, tenant, upstream, effect_id, created_at
         ), n as (
-            select * from k join c using (digest, tenant, upstream)
+            select * from k join c using (scope, tenant, upstream)
         ), e as (
-            insert into effects (id, created_at, tenant, upstream, key, derived_key, method, path,
+            insert into effects (id, created_at, scope, tenant, upstream, key, derived_key, method, path,
                 query, fingerprint, state, lease_expires_at, first_sent_at, last_sent_at, run_id,
                 step, keyless, key_carriers, send_lease, tool)
-            select effect_id, created_at, tenant, upstream, key, derived_key, method, path, query,
+            select effect_id, created_at, scope, tenant, upstream, key, derived_key, method, path, query,
                 fingerprint, 'pending', now() + lease, now(), now(), run_id, step, keyless,
                 key_carriers, lease, tool
             from n
             returning *
         ), b as (
-            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
-            select effect_id, created_at, 'request', headers, coding, content from n
+            insert into effect_bodies (effect_id, scope, stored_at, kind, headers, coding, content)
+            select effect_id, scope, created_at, 'request', headers, coding, content from n
         ), o as (
-            insert into open_effects (state, id, created_at, tenant, upstream)
-            select 'pending', effect_id, created_at, tenant, upstream from n
+            insert into open_effects (state, id, scope, created_at, tenant, upstream)
+            select 'pending', effect_id, scope, created_at, tenant, upstream from n
         )
         select {RECORD_COLUMNS}, null::bytea as r_headers, null::bytea as r_content, null as r_coding
         from e
@@ -136,7 +138,7 @@ async def claim_many(
         effect_id,
         tenant,
         upstream,
-        digest,
+        scope,
     )
     made = {(r["tenant"], r["upstream"], r["key"]): record_of(r, response=True) for r in rows}
     return [made.get(claim_batch_key(claim)) for claim in claims]
@@ -189,8 +191,8 @@ async def holder_of_key(conn: Conn, new: NewEffect) -> EffectRecord | None:
     audit was archived (detached)."""
     known = await conn.fetchrow(
         """
-        select effect_id, created_at from effect_keys
-        where digest = $3::uuid and tenant = $1 and upstream = $2
+        select effect_id, created_at, scope from effect_keys
+        where scope = $3::uuid and tenant = $1 and upstream = $2
         """,
         new.tenant,
         new.upstream,
@@ -200,10 +202,11 @@ async def holder_of_key(conn: Conn, new: NewEffect) -> EffectRecord | None:
         # The insert found the key taken, and keys are never deleted.
         raise StoreRejected(f"the key {new.key!r} was taken but is not on record")
     row = await conn.fetchrow(
-        f"select {RECORD_COLUMNS} from effects e "
-        f"where e.id = $1 and e.created_at = $2 and {partitions.in_month(known['created_at'])}",
+        f"select {RECORD_COLUMNS} from effects e where e.id = $1 and e.created_at = $2 and e.scope = $3 "
+        f"and {partitions.in_month(known['created_at'])}",
         known["effect_id"],
         known["created_at"],
+        known["scope"],
     )
     if row is None:
         return None
@@ -243,7 +246,7 @@ async def reclaim(
                 send_lease = case when $6 then $5::interval else send_lease end,
                 key_carriers = case when $6 then $9::jsonb else key_carriers end,
                 history = history || {_stamped(7)}
-            {_fenced(record)}
+            {_fenced(record, 10)}
             returning {RECORD_COLUMNS}
         ), {_open_moved("$4", "'pending'")}
         select * from e
@@ -257,6 +260,7 @@ async def reclaim(
         _event("reclaimed", attempt=record.attempt + 1, reason=reason, was=record.state.value),
         renew,
         carriers.as_json() if carriers is not None else None,
+        record.scope,
     )
 
 
@@ -321,6 +325,7 @@ def _settle_row(one: Settling) -> tuple[Any, ...]:
             note=one.note,
         )[0],
         coding,
+        record.scope,
     )
 
 
@@ -344,9 +349,9 @@ async def _settle_in(conn: Conn, month: str, settles: list[Settling]) -> dict[in
         with s as (
             select * from unnest($1::bigint[], $2::timestamptz[], $3::integer[], $4::text[], $5::text[],
                                  $6::boolean[], $7::boolean[], $8::integer[], $9::bytea[], $10::bytea[],
-                                 $11::text[], $12::jsonb[], $13::text[])
+                                 $11::text[], $12::jsonb[], $13::text[], $14::uuid[])
                 as s(id, created_at, attempt, source, target, may_have_sent, ends_lease, status, headers,
-                     content, recovered_by, event, coding)
+                     content, recovered_by, event, coding, scope)
         ), e as (
             update effects e set
                 state = s.target,
@@ -360,14 +365,16 @@ async def _settle_in(conn: Conn, month: str, settles: list[Settling]) -> dict[in
                 history = e.history || jsonb_build_array(s.event || jsonb_build_object('at', now()))
             from s
             -- "any" lets the plan look each row up by its key: joined to s alone, a generic plan may
-            -- hash the whole month's partition instead (it cannot know how many rows s holds).
-            where e.id = any($1::bigint[]) and e.created_at = any($2::timestamptz[])
-              and e.id = s.id and e.created_at = s.created_at
+            -- hash the whole month's partition instead (it cannot know how many rows s holds). Not
+            -- the creation times: with them the audit's index by time served as well, and it leaves
+            -- the scope out of the lookup (the month's bounds below bound the times anyway).
+            where e.id = any($1::bigint[]) and e.scope = any($14::uuid[])
+              and e.id = s.id and e.created_at = s.created_at and e.scope = s.scope
               and e.attempt = s.attempt and e.state = s.source and {month}
             returning {RECORD_COLUMNS}, s.source
         ), stored as (
-            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
-            select s.id, now(), 'response', s.headers, s.coding, s.content
+            insert into effect_bodies (effect_id, scope, stored_at, kind, headers, coding, content)
+            select s.id, s.scope, now(), 'response', s.headers, s.coding, s.content
             from e join s on s.id = e.id
             where s.headers is not null
         ), {_open_moved("e.source", "e.state")}
@@ -382,10 +389,11 @@ async def note_fenced(conn: Conn, record: EffectRecord, saw: str) -> None:
     """The statement of :meth:`gateway.store.Store.note_fenced`."""
     await conn.execute(
         f"update effects e set history = history || {_stamped(3)} "
-        f"where id = $1 and created_at = $2 and {partitions.in_month(record.created_at)}",
+        f"where id = $1 and created_at = $2 and scope = $4 and {partitions.in_month(record.created_at)}",
         record.id,
         record.created_at,
         _event("fenced", attempt=record.attempt, saw=saw),
+        record.scope,
     )
 
 
@@ -401,7 +409,7 @@ async def send_to_review(conn: Conn, record: EffectRecord, move: Transition, why
             update effects e set state = 'needs_review',
                 lease_expires_at = least(lease_expires_at, now()),
                 history = history || {_stamped(5)}
-            {_fenced(record)}
+            {_fenced(record, 6)}
             returning {RECORD_COLUMNS}
         ), {_open_moved("$4", "'needs_review'")}
         select * from e
@@ -411,25 +419,27 @@ async def send_to_review(conn: Conn, record: EffectRecord, move: Transition, why
         record.attempt,
         move.fenced_on(record.state).value,
         _event("needs_review", attempt=record.attempt, why=why),
+        record.scope,
     )
 
 
-async def add_replays(conn: Conn, counts: Mapping[tuple[int, datetime], int]) -> None:
+async def add_replays(conn: Conn, counts: Mapping[RowKey, int]) -> None:
     """The statement of :meth:`gateway.store.Store.add_replays` (which sends no empty ``counts``)."""
     # In one order in every worker: the update looks each count's row up in the order given (its plan
     # on an audit of any size; a few rows may be hashed in the order they lie, which is one order too),
     # so two flushes that share effects lock them alike and one waits for the other, where in the
     # order each first counted them they could deadlock. Should a plan still cross them, Postgres
     # breaks the deadlock and the store tries again.
-    ids, times, ns = zip(*((i, t, n) for (i, t), n in sorted(counts.items())), strict=True)
+    ids, times, scopes, ns = zip(*((*row, n) for row, n in sorted(counts.items())), strict=True)
     await conn.execute(
         """
         update effects e set replays = replays + c.n
-        from unnest($1::bigint[], $2::timestamptz[], $3::int[]) as c(id, created_at, n)
-        where e.id = c.id and e.created_at = c.created_at
+        from unnest($1::bigint[], $2::timestamptz[], $3::uuid[], $4::int[]) as c(id, created_at, scope, n)
+        where e.id = c.id and e.created_at = c.created_at and e.scope = c.scope
         """,
         list(ids),
         list(times),
+        list(scopes),
         list(ns),
     )
 
@@ -444,17 +454,17 @@ async def restore(
         with e as (
             update effects e set response_status = $5, response_at = now(),
                 history = history || {_stamped(8)}
-            {_fenced(record)}
+            {_fenced(record, 11)}
               -- Fenced on the response as read, which a restore changes: one that waited for another's
               -- row lock then finds the row changed and writes nothing. The subquery below cannot see
               -- that: it reads the bodies as they were when this statement began (READ COMMITTED).
               and response_at is not distinct from $10
               and not exists (select from effect_bodies r where r.effect_id = e.id and r.kind = 'response'
-                              and r.stored_at = e.response_at)
+                              and r.stored_at = e.response_at and r.scope = e.scope)
             returning {RECORD_COLUMNS}
         ), stored as (
-            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
-            select id, now(), 'response', $6, $9, $7 from e
+            insert into effect_bodies (effect_id, scope, stored_at, kind, headers, coding, content)
+            select id, scope, now(), 'response', $6, $9, $7 from e
         )
         select * from e
         """,
@@ -468,6 +478,7 @@ async def restore(
         _event("restored", status=response.status, note="the probe found the effect"),
         coding,
         record.response_at,
+        record.scope,
     )
     if row is not None:
         return replace(record_of(row), response=response, response_read=True), True
@@ -495,12 +506,12 @@ async def resolve(
                 recovered_by = 'operator',
                 completed_at = case when $6 then now() end,
                 history = history || {_stamped(10)}
-            {_fenced(record)}
+            {_fenced(record, 12)}
               and (lease_expires_at is null or lease_expires_at <= now())
             returning {RECORD_COLUMNS}
         ), stored as (
-            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
-            select id, now(), 'response', $8, $11, $9 from e where $6
+            insert into effect_bodies (effect_id, scope, stored_at, kind, headers, coding, content)
+            select id, scope, now(), 'response', $8, $11, $9 from e where $6
         ), {_open_moved("$4", "$5")}
         select * from e
         """,
@@ -515,4 +526,5 @@ async def resolve(
         body,
         _event("resolved", attempt=record.attempt, happened=happened, by=by, was=record.state.value),
         coding,
+        record.scope,
     )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from gateway.keys import key_digest
 from gateway.states import State
 
 
@@ -67,6 +69,10 @@ class KeyCarriers:
         return cls(doc.get("native_key"), stamp)
 
 
+# Where an effect's audit row is: its id, the time it was created (which names its month) and its scope.
+RowKey = tuple[int, datetime, uuid.UUID]
+
+
 @dataclass(frozen=True, slots=True)
 class EffectRecord:
     id: int
@@ -114,6 +120,17 @@ class EffectRecord:
     send_lease: timedelta | None = None
     # The MCP tool the effect called; None for an HTTP effect (and one claimed before migration 018).
     tool: str | None = None
+
+    @property
+    def scope(self) -> uuid.UUID:
+        """The column every row of this effect names its scope by (tenant, upstream and key): the key's
+        digest (migration 020). Each statement about the effect names it, so it concerns one shard."""
+        return key_digest(self.key)
+
+    @property
+    def row_key(self) -> RowKey:
+        """Where this effect's audit row is."""
+        return self.id, self.created_at, self.scope
 
     @property
     def as_of(self) -> datetime:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from gateway.errors import StoreRejected, StoreUnavailable
-from gateway.record import EffectRecord, StoredResponse
+from gateway.record import EffectRecord, RowKey, StoredResponse
 
 log = logging.getLogger("effect_gateway")
 
@@ -39,6 +40,7 @@ class Completed:
 
     id: int
     created_at: datetime
+    scope: uuid.UUID
     fingerprint: str
     response: StoredResponse
     # This process's monotonic clock when the retention drops the response from the store: the copy in
@@ -99,12 +101,12 @@ class ReplayTally:
     """Replays counted in memory and handed over in batches; a crash loses only the counts not yet written."""
 
     def __init__(self) -> None:
-        self._counts: Counter[tuple[int, datetime]] = Counter()
+        self._counts: Counter[RowKey] = Counter()
 
-    def add(self, effect_id: int, created_at: datetime) -> None:
-        self._counts[(effect_id, created_at)] += 1
+    def add(self, row: RowKey) -> None:
+        self._counts[row] += 1
 
-    def take(self) -> Counter[tuple[int, datetime]]:
+    def take(self) -> Counter[RowKey]:
         taken, self._counts = self._counts, Counter()
         return taken
 
@@ -112,7 +114,7 @@ class ReplayTally:
         return bool(self._counts)
 
 
-Counts = Mapping[tuple[int, datetime], int]  # (effect id, created_at) -> replays
+Counts = Mapping[RowKey, int]  # the effect's audit row -> replays
 
 
 class Replays:
@@ -152,14 +154,21 @@ class Replays:
         left = self._retention - (record.read_at - stored)
         self._cache.put(
             (record.tenant, record.upstream, record.key),
-            Completed(record.id, record.created_at, record.fingerprint, response, now + left.total_seconds()),
+            Completed(
+                record.id,
+                record.created_at,
+                record.scope,
+                record.fingerprint,
+                response,
+                now + left.total_seconds(),
+            ),
             now,
         )
 
-    def count(self, effect_id: int, created_at: datetime) -> None:
+    def count(self, row: RowKey) -> None:
         # Off the agent's path: the counter is for the audit, and a commit of its own would be most of a
         # replay's time. Counts gather for a moment and go to Postgres in one statement.
-        self._tally.add(effect_id, created_at)
+        self._tally.add(row)
         if self._flusher is None or self._flusher.done():
             self._flusher = self._spawn(self._flush())
 

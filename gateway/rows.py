@@ -31,6 +31,7 @@ Conn: TypeAlias = "asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
 # holds it, so Postgres would open and lock every partition of effect_bodies on each execution.
 RESPONSE = """
     left join effect_bodies r on r.effect_id = e.id and r.kind = 'response' and r.stored_at = e.response_at
+        and r.scope = e.scope
 """
 WITH_RESPONSE = f"{RECORD_COLUMNS}, r.headers as r_headers, r.content as r_content, r.coding as r_coding"
 
@@ -97,7 +98,7 @@ def stored_response(stored_at: datetime) -> str:
     """The statement reading a response stored at ``stored_at``, from that day's partition only."""
     return f"""
         select headers, coding, content from effect_bodies
-        where effect_id = $1 and kind = 'response' and stored_at = $2
+        where effect_id = $1 and kind = 'response' and stored_at = $2 and scope = $3
           and {partitions.within("stored_at", partitions.day_of(stored_at))}
     """
 
@@ -114,10 +115,11 @@ async def with_request(conn: Conn, record: EffectRecord) -> EffectRecord:
     row = await conn.fetchrow(
         f"""
         select coding, content from effect_bodies
-        where effect_id = $1 and kind = 'request' and stored_at >= '{since.isoformat()}'
+        where effect_id = $1 and kind = 'request' and scope = $2 and stored_at >= '{since.isoformat()}'
         order by stored_at desc limit 1
         """,
         record.id,
+        record.scope,
     )
     if row is None:
         return replace(record, unreadable={**record.unreadable, "request": "no request body is on record"})
@@ -135,10 +137,11 @@ NO_BODY: Mapping[str, Any] = {"headers": None, "coding": None, "content": None}
 async def reread(conn: Conn, record: EffectRecord) -> EffectRecord:
     """The record as it is now, with its response: what the decision needs to be taken again."""
     row = await conn.fetchrow(
-        f"select {RECORD_COLUMNS} from effects e "
-        f"where e.id = $1 and e.created_at = $2 and {partitions.in_month(record.created_at)}",
+        f"select {RECORD_COLUMNS} from effects e where e.id = $1 and e.created_at = $2 and e.scope = $3 "
+        f"and {partitions.in_month(record.created_at)}",
         record.id,
         record.created_at,
+        record.scope,
     )
     assert row is not None, "effects are never deleted while in use"
     return await read_with_response(conn, row)
@@ -148,7 +151,8 @@ async def read_with_response(conn: Conn, row: asyncpg.Record) -> EffectRecord:
     """The record of ``row`` (read without the bodies) with the response on record, if there is one."""
     if row["response_status"] is None or row["response_at"] is None:
         return record_of(row, response=True, body=NO_BODY)
-    body = await conn.fetchrow(stored_response(row["response_at"]), row["id"], row["response_at"])
+    at = row["response_at"]
+    body = await conn.fetchrow(stored_response(at), row["id"], at, row["scope"])
     return record_of(row, response=True, body=body or NO_BODY)
 
 

@@ -11,7 +11,7 @@ is all of them, and the upkeep besides.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Protocol
 
 from gateway import partitions
@@ -19,7 +19,7 @@ from gateway.audit_query import EffectFilter
 from gateway.decision import Settlement
 from gateway.outcome import Outcome
 from gateway.policy import UpstreamPolicy
-from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
+from gateway.record import EffectRecord, KeyCarriers, NewEffect, RowKey, StoredResponse
 from gateway.states import Transition
 from gateway.upstream import Outbound
 
@@ -66,7 +66,7 @@ class EffectStore(Protocol):
         self, record: EffectRecord, move: Transition, response: StoredResponse
     ) -> tuple[EffectRecord, bool]: ...
 
-    async def add_replays(self, counts: Mapping[tuple[int, datetime], int]) -> None: ...
+    async def add_replays(self, counts: Mapping[RowKey, int]) -> None: ...
 
 
 class AuditReads(Protocol):

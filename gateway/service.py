@@ -158,7 +158,7 @@ class EffectService:
         trail.replayed_from_memory(known.id)
         if known.fingerprint != request.fingerprint:
             return KeyReused(known.id)
-        self._replays.count(known.id, known.created_at)
+        self._replays.count((known.id, known.created_at, known.scope))
         return Reply(known.response, replayed=True, effect_id=known.id)
 
     async def _keyless(self, inbound: Inbound) -> Reply | Ending:
@@ -223,7 +223,7 @@ class EffectService:
     def _replay(self, record: EffectRecord) -> Reply:
         assert record.response is not None, "decide replays only a response on record"
         self._replays.remember(record, record.response, self._attempts.clock())
-        self._replays.count(record.id, record.created_at)
+        self._replays.count(record.row_key)
         return Reply(record.response, replayed=True, effect_id=record.id)
 
     async def _wait_for_holder(self, record: EffectRecord, retry_after: timedelta, wait: Wait) -> Step:

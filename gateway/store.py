@@ -22,7 +22,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import TYPE_CHECKING, Self, TypeVar
 
 import asyncpg
@@ -42,7 +42,7 @@ from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, PrivilegesMissing, StoreRejected, StoreUnavailable
 from gateway.lost_writes import LostWrites, failover_warning
 from gateway.pg_failures import FAILURES, connecting, kind
-from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
+from gateway.record import EffectRecord, KeyCarriers, NewEffect, RowKey, StoredResponse
 from gateway.rows import (
     HISTORY,
     RESPONSE,
@@ -431,7 +431,7 @@ class Store:
         """Give up on recovery; fenced so that a record someone just re-claimed is left alone."""
         return await self._run("send_to_review", lambda conn: phases.send_to_review(conn, record, move, why))
 
-    async def add_replays(self, counts: Mapping[tuple[int, datetime], int]) -> None:
+    async def add_replays(self, counts: Mapping[RowKey, int]) -> None:
         """Add to the replay counters of many effects at once (the counts are kept in memory between)."""
         if counts:
             await self._run("add_replays", lambda conn: phases.add_replays(conn, counts))
@@ -479,7 +479,7 @@ class Store:
                        q.content as q_content, q.coding as q_coding
                 from effects e {RESPONSE}
                 left join lateral (select headers, coding, content from effect_bodies q
-                                   where q.effect_id = e.id and q.kind = 'request'
+                                   where q.effect_id = e.id and q.kind = 'request' and q.scope = e.scope
                                    order by stored_at desc limit 1) q on true
                 where e.id = $1 and ($2::text is null or e.tenant = $2)
                 """,

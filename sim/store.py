@@ -35,8 +35,9 @@ from gateway.audit_query import EXACT_OPEN_COUNT, EffectFilter, by_time
 from gateway.batches import Batches
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
+from gateway.keys import key_digest
 from gateway.phases import Settling, claim_batch_key, claim_size, settle_batch_key, settle_size
-from gateway.record import EffectRecord, KeyCarriers, NewEffect, StoredResponse
+from gateway.record import EffectRecord, KeyCarriers, NewEffect, RowKey, StoredResponse
 from gateway.rows import head_bytes, head_pairs
 from gateway.states import State, Transition
 from sim.loop import OWNER, REQUEST
@@ -383,11 +384,11 @@ class SimDatabase:
         self._wrote("send_to_review", was, row, now, why)
         return self.record(row, now)
 
-    def add_replays(self, counts: Mapping[tuple[int, datetime], int]) -> None:
+    def add_replays(self, counts: Mapping[RowKey, int]) -> None:
         self.now()
-        for (effect_id, created_at), n in counts.items():
+        for (effect_id, created_at, scope), n in counts.items():
             row = self.rows.get(effect_id)
-            if row is not None and row.created_at == created_at:
+            if row is not None and row.created_at == created_at and key_digest(row.key) == scope:
                 row.replays += n
 
     def restore(
@@ -706,7 +707,7 @@ class SimStore:
         source = move.fenced_on(record.state)
         return await self._statement("send_to_review", lambda: self.db.send_to_review(record, source, why))
 
-    async def add_replays(self, counts: Mapping[tuple[int, datetime], int]) -> None:
+    async def add_replays(self, counts: Mapping[RowKey, int]) -> None:
         if not counts:
             return
         await self._statement("add_replays", lambda: self.db.add_replays(counts))

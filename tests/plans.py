@@ -71,10 +71,11 @@ async def fill_effects(
         async with conn.transaction():
             if audit:
                 await conn.execute(
-                    """insert into effects (id, created_at, tenant, upstream, key, derived_key, method, path,
-                                            fingerprint, state)
-                       select $1 + n, now() + n * interval '1 millisecond', $2, $5, 'fill-' || ($1 + n),
-                              'eg_fill', 'POST', '/orders', 'fp', $4
+                    """insert into effects (id, created_at, scope, tenant, upstream, key, derived_key, method,
+                                            path, fingerprint, state)
+                       select $1 + n, now() + n * interval '1 millisecond',
+                              effect_key_digest('fill-' || ($1 + n)), $2, $5, 'fill-' || ($1 + n), 'eg_fill',
+                              'POST', '/orders', 'fp', $4
                        from generate_series(0, $3 - 1) as n""",
                     first_id,
                     tenant,
@@ -84,8 +85,9 @@ async def fill_effects(
                 )
             if state != "completed":
                 await conn.execute(
-                    """insert into open_effects (state, id, created_at, tenant, upstream)
-                       select $4, $1 + n, now() + n * interval '1 millisecond', $2, $5
+                    """insert into open_effects (state, id, created_at, scope, tenant, upstream)
+                       select $4, $1 + n, now() + n * interval '1 millisecond',
+                              effect_key_digest('fill-' || ($1 + n)), $2, $5
                        from generate_series(0, $3 - 1) as n""",
                     first_id,
                     tenant,

@@ -235,10 +235,10 @@ async def _as_left_by_a_dead_gateway(dsn: str, key: str) -> None:
                    update effects set state = 'pending', may_have_sent = true, completed_at = null,
                        lease_expires_at = now() - interval '1 second'
                    where key = $1
-                   returning id, created_at, tenant, upstream
+                   returning id, created_at, scope, tenant, upstream
                )
-               insert into open_effects (state, id, created_at, tenant, upstream)
-               select 'pending', id, created_at, tenant, upstream from e""",
+               insert into open_effects (state, id, created_at, scope, tenant, upstream)
+               select 'pending', id, created_at, scope, tenant, upstream from e""",
             key,
         )
     finally:

@@ -508,7 +508,7 @@ async def test_013_builds_the_index_again_when_one_built_beforehand_was_left_unf
         await migrate(dsn)
         conn = await asyncpg.connect(dsn)
         try:
-            await conn.execute("delete from effect_gateway_migrations where version >= 13")
+            await conn.execute("delete from effect_gateway_migrations where version = 13")  # 013 alone
             await conn.execute("drop index effects_tenant_upstream")
             await conn.execute(
                 "create index effects_tenant_upstream on only effects (tenant, upstream, created_at, id)"
@@ -534,7 +534,7 @@ async def test_the_key_digest_a_claim_computes_is_the_one_stored_rows_were_found
             first, created = await store.claim(new_effect("run-1:4"), timedelta(seconds=30))
             again, created_again = await store.claim(new_effect("run-1:4"), timedelta(seconds=30))
         found = await conn.fetchval(
-            "select effect_id from effect_keys where digest = effect_key_digest($1)", "run-1:4"
+            "select effect_id from effect_keys where scope = effect_key_digest($1)", "run-1:4"
         )
     finally:
         await conn.close()
@@ -542,3 +542,101 @@ async def test_the_key_digest_a_claim_computes_is_the_one_stored_rows_were_found
     assert first is not None
     assert again is not None
     assert found == first.id == again.id
+
+
+async def _effect_at_019(conn: asyncpg.Connection, key: str, state: str, created_at: datetime) -> int:
+    """An effect as a gateway at migration 019 wrote it: its key, audit row, request body, its answer
+    when completed, and its open state otherwise."""
+    return await conn.fetchval(
+        """
+        with k as (
+            insert into effect_keys (digest, tenant, upstream, effect_id, created_at)
+            values (effect_key_digest($1), 'default', 'shop', nextval('effect_ids'), $3)
+            returning effect_id, created_at
+        ), e as (
+            insert into effects (id, created_at, tenant, upstream, key, derived_key, method, path,
+                                 fingerprint, state, attempt, may_have_sent, lease_expires_at,
+                                 response_status, response_at, completed_at)
+            select effect_id, created_at, 'default', 'shop', $1, 'eg_' || $1, 'POST', '/orders', 'fp-' || $1,
+                   $2, 1, true, created_at, case when $2 = 'completed' then 201 end,
+                   case when $2 = 'completed' then created_at end,
+                   case when $2 = 'completed' then created_at end
+            from k
+        ), b as (
+            insert into effect_bodies (effect_id, stored_at, kind, headers, coding, content)
+            select effect_id, created_at, kind, ''::bytea, '', convert_to('{"order": "' || $1 || '"}', 'UTF8')
+            from k, unnest(case when $2 = 'completed' then array['request', 'response']
+                                else array['request'] end) as kind
+        ), o as (
+            insert into open_effects (state, id, created_at, tenant, upstream)
+            select $2, effect_id, created_at, 'default', 'shop' from k where $2 <> 'completed'
+        )
+        select effect_id from k
+        """,
+        key,
+        state,
+        created_at,
+    )
+
+
+async def test_020_gives_every_row_its_scope_and_the_gateway_answers_for_what_was_stored_before(
+    postgres_dsn: str,
+) -> None:
+    """A database at 019 with a completed effect, one in doubt, and one waiting for review whose month
+    was archived: 020 gives every row of each the digest of its key as its scope, in every primary key.
+    The store then replays the completed one's answer as stored, finds the one in doubt by its key, and
+    lists the archived one."""
+    async with own_database(postgres_dsn, "scoped") as dsn:
+        await _migrated_to(dsn, 19)
+        conn = await asyncpg.connect(dsn)
+        try:
+            now = await conn.fetchval("select now()")
+            await _effect_at_019(conn, "done", "completed", now)
+            await _effect_at_019(conn, "doubt", "in_doubt", now)
+            january = datetime(2025, 1, 15, tzinfo=UTC)
+            await partitions.ensure(conn, january)
+            archived = await _effect_at_019(conn, "archived", "needs_review", january)
+            await conn.execute("alter table effects detach partition effects_2025_01")
+            await conn.execute("drop table effects_2025_01")
+            await migrate(dsn)
+            for table, key in (
+                ("effects", "id, created_at, scope"),
+                ("open_effects", "state, id, scope"),
+                ("effect_bodies", "effect_id, kind, stored_at, scope"),
+                ("effect_keys", "scope, tenant, upstream"),
+            ):
+                definition = await conn.fetchval(
+                    "select pg_get_constraintdef(oid) from pg_constraint"
+                    " where conrelid = $1::regclass and contype = 'p'",
+                    table,
+                )
+                assert definition == f"PRIMARY KEY ({key})", table
+            scoped = await conn.fetch(
+                """
+                select 'keys' as t, k.scope = effect_key_digest(e.key) as right
+                from effect_keys k join effects e on e.id = k.effect_id
+                union all select 'audit', scope = effect_key_digest(key) from effects
+                union all select 'open', o.scope = k.scope
+                from open_effects o join effect_keys k on k.effect_id = o.id
+                union all select 'bodies', b.scope = k.scope
+                from effect_bodies b join effect_keys k on k.effect_id = b.effect_id
+                """
+            )
+            assert sorted((r["t"], r["right"]) for r in scoped) == sorted(
+                [("keys", True)] * 2 + [("audit", True)] * 2 + [("open", True)] * 2 + [("bodies", True)] * 4
+            )
+        finally:
+            await conn.close()
+        async with opened(dsn) as store:
+            done, created = await store.claim(_retry("default", "done"), timedelta(seconds=30))
+            assert done is not None
+            assert not created
+            assert done.response is not None
+            assert done.response.body == b'{"order": "done"}'
+            doubt, created = await store.claim(_retry("default", "doubt"), timedelta(seconds=30))
+            assert doubt is not None
+            assert (doubt.state, created) == (State.IN_DOUBT, False)
+            waiting = await store.find(EffectFilter(state=State.NEEDS_REVIEW))
+            assert [record.id for record in waiting] == []  # its audit row was archived with its month
+            assert (await store.state_counts())["needs_review"] == 1
+            assert archived not in {done.id, doubt.id}

@@ -13,6 +13,7 @@ import asyncpg
 import pytest
 
 from gateway import replays
+from gateway.keys import key_digest
 from gateway.record import StoredResponse
 from gateway.replays import Completed, ReplayCache, Scope
 from gateway.upstream import storable_headers
@@ -26,7 +27,9 @@ def _entry(i: int, body_bytes: int, headers: int, expires: float = 1e12) -> tupl
     raw += [(f"X-Header-{n}".encode(), os.urandom(12).hex().encode()) for n in range(headers - len(raw))]
     scope = (b"tenant-a".decode(), b"shop".decode(), f"{os.urandom(8).hex()}-run-{i}-step-{i % 20}")
     response = StoredResponse(201, storable_headers(raw), os.urandom(body_bytes // 2).hex().encode())
-    return scope, Completed(10**9 + i, datetime.now(UTC), os.urandom(32).hex(), response, expires)
+    return scope, Completed(
+        10**9 + i, datetime.now(UTC), key_digest(scope[2]), os.urandom(32).hex(), response, expires
+    )
 
 
 @pytest.mark.parametrize(("body_bytes", "headers"), [(40, 2), (1024, 6), (16 * 1024, 12)])

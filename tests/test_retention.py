@@ -287,15 +287,17 @@ async def test_carrying_a_days_bodies_looks_up_only_the_open_effects_with_bodies
         [name] = [p.name for p in days if p.lower <= day < p.upper]
         # The last ids, which a merge in id order reaches last, and one that has completed since.
         chosen = await conn.fetch(
-            """(select id, created_at from open_effects order by id desc limit 5)
-               union all (select id, created_at from effects where id = 1)"""
+            """(select id, created_at, scope from open_effects order by id desc limit 5)
+               union all (select id, created_at, scope from effects where id = 1)"""
         )
         ids, created = [r["id"] for r in chosen], [r["created_at"] for r in chosen]
         await conn.execute(
-            f"""insert into "{name}" (effect_id, stored_at, kind, headers, coding, content)
-                select id, $1, 'request', ''::bytea, '', 'x'::bytea from unnest($2::bigint[]) as id""",
+            f"""insert into "{name}" (effect_id, scope, stored_at, kind, headers, coding, content)
+                select id, scope, $1, 'request', ''::bytea, '', 'x'::bytea
+                from unnest($2::bigint[], $3::uuid[]) as c(id, scope)""",
             day,
             ids,
+            [r["scope"] for r in chosen],
         )
         await conn.execute(f'analyze "{name}"')
         carry = partitions.carry_statement(name)
@@ -391,8 +393,8 @@ async def test_two_workers_adding_replay_counts_for_the_same_effects_never_deadl
     # than the few rows hashed in the order they lie.
     await fill_effects(dsn, "others", 10**9, 20_000)
     first, second = await completed(store, "first"), await completed(store, "second")
-    one = {(first.id, first.created_at): 1, (second.id, second.created_at): 1}
-    other = {(second.id, second.created_at): 1, (first.id, first.created_at): 1}
+    one = {first.row_key: 1, second.row_key: 1}
+    other = {second.row_key: 1, first.row_key: 1}
     holder = await asyncpg.connect(dsn)
     try:
         deadlocks = "select deadlocks from pg_stat_database where datname = current_database()"

@@ -49,8 +49,9 @@ async def test_a_tenants_count_of_many_open_effects_is_a_floor_that_other_tenant
     try:
         for tenant, offset, count in (("a", 0, 1500), ("b", 10_000, 4500)):
             await conn.execute(
-                "insert into open_effects (state, id, created_at, tenant, upstream)"
-                " select 'pending', $1 + n, now(), $2, 'shop' from generate_series(1, $3) as n",
+                "insert into open_effects (state, id, created_at, scope, tenant, upstream)"
+                " select 'pending', $1 + n, now(), gen_random_uuid(), $2, 'shop'"
+                " from generate_series(1, $3) as n",
                 offset,
                 tenant,
                 count,

@@ -140,10 +140,10 @@ async def subject(which: tuple[str, str | None]) -> AsyncIterator[Subject]:
         conn = await asyncpg.connect(dsn)
         try:
             await conn.executemany(
-                """insert into effects (id, created_at, tenant, upstream, key, derived_key, method, path,
-                                        fingerprint, state, may_have_sent)
-                   values ($1::bigint, $2, $3, 'shop', 'raced-' || $1::bigint, 'eg_raced', 'POST',
-                           '/orders', 'fp', 'completed', true)""",
+                """insert into effects (id, created_at, scope, tenant, upstream, key, derived_key, method,
+                                        path, fingerprint, state, may_have_sent)
+                   values ($1::bigint, $2, effect_key_digest('raced-' || $1::bigint), $3, 'shop',
+                           'raced-' || $1::bigint, 'eg_raced', 'POST', '/orders', 'fp', 'completed', true)""",
                 rows,
             )
         finally:
@@ -703,12 +703,17 @@ async def test_replays_are_counted_in_batches(subject: Subject) -> None:
     store = subject.store
     one = await completed(store, "one")
     two = await completed(store, "two")
-    await store.add_replays({(one.id, one.created_at): 3, (two.id, two.created_at): 1})
-    await store.add_replays({(one.id, one.created_at): 2})
+    await store.add_replays({one.row_key: 3, two.row_key: 1})
+    await store.add_replays({one.row_key: 2})
     await store.add_replays({})
-    # No such effect, and the same id in another partition (another creation time): nothing to count.
+    # No such effect, the same id in another partition (another creation time), and in another scope:
+    # nothing to count.
     await store.add_replays(
-        {(two.id + 100, two.created_at): 7, (one.id, one.created_at - timedelta(days=1)): 9}
+        {
+            (two.id + 100, two.created_at, two.scope): 7,
+            (one.id, one.created_at - timedelta(days=1), one.scope): 9,
+            (one.id, one.created_at, two.scope): 11,
+        }
     )
     assert (await store.reread(one)).replays == 5
     assert (await store.reread(two)).replays == 1
@@ -1075,12 +1080,16 @@ async def test_a_key_whose_digest_leads_to_another_keys_effect_is_refused(dsn: s
         first = await claimed(store, "first")
         conn = await asyncpg.connect(dsn)
         try:
-            # What a collision would look like: the digest of "second" naming the effect of "first".
+            # What a collision would look like: the digest of "second" naming the effect of "first",
+            # whose rows name that digest as their scope, since it is the digest of "first" too.
             await conn.execute(
-                """insert into effect_keys (digest, tenant, upstream, effect_id, created_at)
+                """insert into effect_keys (scope, tenant, upstream, effect_id, created_at)
                    values (effect_key_digest('second'), 'default', 'shop', $1, $2)""",
                 first.id,
                 first.created_at,
+            )
+            await conn.execute(
+                "update effects set scope = effect_key_digest('second') where id = $1", first.id
             )
         finally:
             await conn.close()
@@ -1133,10 +1142,11 @@ async def test_settles_of_two_months_in_one_batch_stand_or_fall_together(dsn: st
             f"for values from ('{last.isoformat()}') to ('{month.isoformat()}')"
         )
         old_id = await conn.fetchval(
-            """insert into effects (id, created_at, tenant, upstream, key, derived_key, method, path,
+            """insert into effects (id, created_at, scope, tenant, upstream, key, derived_key, method, path,
                                     fingerprint, state, lease_expires_at, first_sent_at, last_sent_at)
-               values (nextval('effect_ids'), $1, 'default', 'shop', 'last-month', 'eg_last', 'POST',
-                       '/orders', 'fp', 'pending', now() + interval '30 s', $1, $1)
+               values (nextval('effect_ids'), $1, effect_key_digest('last-month'), 'default', 'shop',
+                       'last-month', 'eg_last', 'POST', '/orders', 'fp', 'pending', now() + interval '30 s',
+                       $1, $1)
                returning id""",
             last + timedelta(days=3),
         )
