@@ -600,7 +600,7 @@ async def test_020_gives_every_row_its_scope_and_the_gateway_answers_for_what_wa
             await conn.execute("drop table effects_2025_01")
             await migrate(dsn)
             for table, key in (
-                ("effects", "id, created_at, scope"),
+                ("effects", "id, scope, created_at"),
                 ("open_effects", "state, id, scope"),
                 ("effect_bodies", "effect_id, kind, stored_at, scope"),
                 ("effect_keys", "scope, tenant, upstream"),

@@ -89,7 +89,11 @@ async def test_the_partitions_upkeep_takes_its_lock_on_the_direct_connection(dsn
         await store.close()
     conn = await asyncpg.connect(dsn)
     try:
-        assert await conn.fetchval("select count(*) from pg_locks where locktype = 'advisory'") == 0
+        held = (
+            "select count(*) from pg_locks l join pg_database d on d.oid = l.database"
+            " where l.locktype = 'advisory' and d.datname = current_database()"
+        )
+        assert await conn.fetchval(held) == 0
     finally:
         await conn.close()
 

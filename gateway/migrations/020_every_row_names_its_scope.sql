@@ -38,8 +38,10 @@ end $$;
 alter table effects add column if not exists scope uuid;
 update effects set scope = effect_key_digest(key) where scope is null;
 alter table effects alter column scope set not null;
--- The id first, as before: the admin reads an effect by its id alone.
-select pg_temp.key_with_scope('effects', 'id, created_at, scope');
+-- The id first, as before: the admin reads an effect by its id alone. The scope before the time: a
+-- settle looks many rows up at once (id = any(..) and scope = any(..)), and Postgres before 17 takes a
+-- list for a column after one bounded by a range (the month) as a filter, not as part of the lookup.
+select pg_temp.key_with_scope('effects', 'id, scope, created_at');
 
 alter table open_effects add column if not exists scope uuid;
 update open_effects o set scope = e.scope
