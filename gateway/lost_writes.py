@@ -75,10 +75,14 @@ class LostWrites:
         # The newest claim this worker made: every claim and every new connection look it up.
         self.newest: Witness | None = None
         self.lost: str | None = None
+        # Whether the alarm of ``lost`` is in the database (seen there, or written): only then does a
+        # table without it mean that an operator deleted it. Found by this worker and not yet written
+        # (the insert failed), the alarm is written again at the next look, never taken as deleted.
+        self._on_record = False
 
     def wrote(self, record: EffectRecord) -> None:
         """Remember ``record``, just claimed (committed), if it is the newest this worker claimed."""
-        if self.newest is None or record.id > self.newest[0]:
+        if self.newest is None or record.id > self.newest.effect_id:
             self.newest = Witness(record.id, record.tenant, record.upstream, key_digest(record.key))
 
     def refuse_if_lost(self) -> None:
@@ -91,9 +95,11 @@ class LostWrites:
         who has reconciled (then this worker's newest claim, gone for good, is no longer looked for)."""
         raised = await conn.fetchval("select detail from effect_gateway_alarms where kind = 'lost-writes'")
         if raised is not None:
-            self.lost = raised
+            self.lost, self._on_record = raised, True
+        elif self.lost is not None and self._on_record:
+            self.lost, self.newest, self._on_record = None, None, False
         elif self.lost is not None:
-            self.lost, self.newest = None, None
+            await self._raise(conn)
 
     async def check(self, conn: AnyConn) -> None:
         """On a connection just opened: heed the alarm, else look up the newest claim this worker made,
@@ -124,9 +130,15 @@ class LostWrites:
             "docs/operations.md, Backups and lost writes)"
         )
         log.error("%s", self.lost)
-        # Every other worker and gateway, and this one after a restart, refuse from the row on.
+        await self._raise(conn)
+
+    async def _raise(self, conn: AnyConn) -> None:
+        """Write the alarm: every other worker and gateway, and this one after a restart, refuse from
+        the row on."""
+        assert self.lost is not None
         await conn.execute(
             "insert into effect_gateway_alarms (kind, detail) values ('lost-writes', $1) "
             "on conflict (kind) do nothing",
             self.lost,
         )
+        self._on_record = True

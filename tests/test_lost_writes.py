@@ -45,7 +45,8 @@ async def _forget(dsn: str, key: str, *, end_connections: bool = True) -> None:
         await conn.execute("delete from effects where id = $1", effect_id)
         if end_connections:
             await conn.execute(
-                "select pg_terminate_backend(pid) from pg_stat_activity where usename = $1",
+                "select pg_terminate_backend(pid) from pg_stat_activity"
+                " where usename = $1 and datname = current_database()",
                 runtime_role()[0],
             )
     finally:
@@ -119,7 +120,9 @@ async def test_a_gateway_that_reconnected_before_the_alarm_heeds_it_at_its_next_
         try:
             await conn.execute("delete from effect_gateway_alarms")  # the operator has reconciled
             await conn.execute(
-                "select pg_terminate_backend(pid) from pg_stat_activity where usename = $1", runtime_role()[0]
+                "select pg_terminate_backend(pid) from pg_stat_activity"
+                " where usename = $1 and datname = current_database()",
+                runtime_role()[0],
             )
         finally:
             await conn.close()
@@ -137,9 +140,8 @@ async def test_a_gateway_that_reconnected_before_the_alarm_heeds_it_at_its_next_
 async def test_a_loss_under_connections_kept_open_is_caught_by_the_next_claim(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession
 ) -> None:
-    """A pooler keeps the gateway's connections across a failover, so no new connection looks for the
-    lost claim: the claim statement itself does. The first retry of the forgotten key is refused, and
-    the shop sees it once."""
+    """With its connections kept open across the loss, as a pooler keeps them, the gateway refuses the
+    first retry of the forgotten key in the claim statement itself, and the shop sees the order once."""
     shop = {"shop": {"base_url": upstream.url, "timeout": "2s"}}
     async with gateway_server(dsn, upstreams=shop, replay_cache_bytes=0) as gw:
         assert (await _order(http, gw, "lost:1"))[0] == 201
@@ -147,5 +149,33 @@ async def test_a_loss_under_connections_kept_open_is_caught_by_the_next_claim(
         status, problem = await _order(http, gw, "lost:1")
         assert (status, problem["type"].rsplit("/", 1)[-1]) == (503, "database-lost-writes")
         assert "no longer holds effect" in problem["detail"]
+    orders = [json.loads(call.body)["order"] for call in upstream.effects()]
+    assert orders == ["lost:1"]
+
+
+async def test_an_alarm_that_could_not_be_written_is_written_at_the_next_claim_and_nothing_is_sent_again(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """A worker that found the loss but could not write the alarm refuses the lost key again at the
+    next retry and writes the alarm then, instead of taking the missing row for an operator's deletion."""
+    shop = {"shop": {"base_url": upstream.url, "timeout": "2s"}}
+    role = runtime_role()[0]
+    async with gateway_server(dsn, upstreams=shop, replay_cache_bytes=0) as gw:
+        assert (await _order(http, gw, "lost:1"))[0] == 201
+        owner = await asyncpg.connect(dsn)
+        try:
+            await owner.execute(f"revoke insert on effect_gateway_alarms from {role}")
+            try:
+                await _forget(dsn, "lost:1", end_connections=False)
+                unwritten, _ = await _order(http, gw, "lost:1")
+            finally:
+                await owner.execute(f"grant insert on effect_gateway_alarms to {role}")
+            status, problem = await _order(http, gw, "lost:1")
+            alarms = await owner.fetchval("select count(*) from effect_gateway_alarms")
+        finally:
+            await owner.close()
+    assert unwritten >= 500
+    assert (status, problem["type"].rsplit("/", 1)[-1]) == (503, "database-lost-writes")
+    assert alarms == 1
     orders = [json.loads(call.body)["order"] for call in upstream.effects()]
     assert orders == ["lost:1"]
