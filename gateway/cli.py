@@ -47,7 +47,7 @@ from gateway.record import EffectRecord, StoredResponse
 from gateway.schema import grant_to, migrate, ready
 from gateway.seams import AuditReads
 from gateway.settings import Settings, database_hosts, load_settings, pooler_url
-from gateway.store import Store, StoreLimits, opened, session_settings
+from gateway.store import Store, opened
 from gateway.upstream import UpstreamClient
 
 log = logging.getLogger("effect_gateway")
@@ -201,12 +201,8 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
     async def run(dsn: str) -> list[str]:
         applied = await migrate_reporting(dsn, progress)
         if args.grant_to is not None:
-            # Behind a pooler the role's own defaults are the only settings its sessions get.
-            session = session_settings(StoreLimits.of(settings)) if pooler_url(settings) else None
-            await grant_to(dsn, args.grant_to, session)
+            await grant_to(dsn, args.grant_to)
             progress(f"granted {args.grant_to} what serve needs (docs/operations.md, Database roles)")
-            if session:
-                progress(f"and made the session settings the defaults of {args.grant_to}, for the pooler")
         return applied
 
     with database(settings) as dsn:
@@ -415,8 +411,8 @@ def cmd_demo(settings: Settings, _args: argparse.Namespace) -> int:
     # embedded Postgres of its own.
     from agent_example.crash_matrix import main as crash_matrix
 
-    dsn = settings.database_url.get_secret_value() if settings.database_url else None
-    return crash_matrix(dsn)
+    given = settings.database_direct_url or settings.database_url
+    return crash_matrix(given.get_secret_value() if given else None)
 
 
 # --- the command line ---------------------------------------------------------------------------------

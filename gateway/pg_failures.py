@@ -18,7 +18,14 @@ from gateway.errors import LoginRefused, StoreUnavailable
 
 # What Postgres rolls back whole and says to try again: the same statement can then succeed. Anything
 # else it refuses would be refused again.
-RETRY = (asyncpg.exceptions.SerializationError, asyncpg.exceptions.DeadlockDetectedError)
+# Also a statement prepared on another server connection than the one that was to run it: a pooler in
+# transaction mode given as database_url alone (set database_direct_url too, and none is prepared by
+# name). The statement never ran; on another try it may meet the connection that knows it.
+RETRY = (
+    asyncpg.exceptions.SerializationError,
+    asyncpg.exceptions.DeadlockDetectedError,
+    asyncpg.exceptions.InvalidSQLStatementNameError,
+)
 # The server went away under a statement: lost connection, or shut down or restarted by an operator
 # (57P); or a statement ran past statement_timeout or lock_timeout, which the gateway treats alike: try
 # later. asyncpg's InterfaceError is its side of a session that broke (a closed connection, one left
@@ -69,7 +76,9 @@ def cannot_connect(exc: BaseException) -> StoreUnavailable:
     """Return the error for a connection that could not be made: :class:`LoginRefused` when trying again
     cannot help, else :class:`StoreUnavailable`."""
     if isinstance(exc, LOGIN_REFUSED):
-        return LoginRefused(f"Postgres refused the connection: {exc} (check database_url)")
+        return LoginRefused(
+            f"Postgres refused the connection: {exc} (check database_url, and database_direct_url if set)"
+        )
     if "unsupported startup parameter" in str(exc):
         # PgBouncer's answer to the settings sent at login, which it cannot pass on.
         return LoginRefused(

@@ -8,13 +8,13 @@ runs no DDL when it is, so that serve can run with a role of reads and writes on
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib import resources
 
 import asyncpg
 
-from gateway import partitions, pooling, roles
+from gateway import partitions, roles
 from gateway.errors import (
     NoSuchRole,
     PrivilegesMissing,
@@ -150,12 +150,8 @@ async def _grant_them(conn: asyncpg.Connection, lacking: list[str]) -> str:
     )
 
 
-async def grant_to(dsn: str, role: str, session: Mapping[str, str] | None = None) -> None:
-    """Grant ``role`` what serving needs (roles.RUNTIME_PRIVILEGES); run by the owner, after migrating.
-
-    ``session``: settings to make the defaults of ``role``'s sessions, for a gateway behind a pooler
-    (gateway.pooling).
-    """
+async def grant_to(dsn: str, role: str) -> None:
+    """Grant ``role`` what serving needs (roles.RUNTIME_PRIVILEGES); run by the owner, after migrating."""
     async with _connected(dsn) as conn:
         if not await conn.fetchval("select exists (select from pg_roles where rolname = $1)", role):
             raise NoSuchRole(
@@ -168,17 +164,6 @@ async def grant_to(dsn: str, role: str, session: Mapping[str, str] | None = None
                 f"cannot grant {role} what serving needs ({exc}): run this as the owner of the tables "
                 f"({await roles.owner_of_tables(conn)})"
             ) from None
-        if session:
-            try:
-                await pooling.set_role_defaults(conn, role, session)
-            except asyncpg.exceptions.InsufficientPrivilegeError as exc:
-                statements = "; ".join(
-                    pooling.role_defaults(role, await conn.fetchval("select current_database()"), session)
-                )
-                raise PrivilegesMissing(
-                    f"granted, but cannot set the session defaults of {role} that a pooler needs ({exc}): "
-                    f"run as a role that may (a superuser, or one with CREATEROLE): {statements}"
-                ) from None
 
 
 async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[str]:
@@ -190,13 +175,14 @@ async def migrate(dsn: str, progress: Callable[[str], None] = _quiet) -> list[st
         conn = await asyncpg.connect(dsn)
     try:
         # Waits its turn behind another replica's migrations for as long as they take (whatever
-        # lock_timeout or statement_timeout the role or the database sets, which apply again to the
-        # migrations themselves); the statements after it give up on a lock after
-        # MIGRATION_LOCK_WAIT (making partitions, after its own shorter wait).
+        # lock_timeout or statement_timeout the role or the database sets); the statements after it
+        # give up on a lock after MIGRATION_LOCK_WAIT (making partitions, after its own shorter wait),
+        # and have no bound on their time: a migration that rewrites a table takes a minute per
+        # million effects, and behind a pooler the role's defaults hold the hot path's bound.
         await conn.execute("set lock_timeout = 0; set statement_timeout = 0")
         await conn.execute("select pg_advisory_lock($1)", MIGRATION_LOCK)
         try:
-            await conn.execute(f"set lock_timeout = '{MIGRATION_LOCK_WAIT}'; reset statement_timeout")
+            await conn.execute(f"set lock_timeout = '{MIGRATION_LOCK_WAIT}'")
             return await _apply_pending(conn, progress)
         finally:
             if not conn.is_closed():  # else the lock went with the session

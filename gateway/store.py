@@ -39,7 +39,7 @@ from gateway.audit_query import (
 )
 from gateway.batches import Batches
 from gateway.decision import Settlement
-from gateway.errors import CursorUnknown, PrivilegesMissing, StoreRejected, StoreUnavailable
+from gateway.errors import ConfigError, CursorUnknown, PrivilegesMissing, StoreRejected, StoreUnavailable
 from gateway.lost_writes import LostWrites, failover_warning
 from gateway.pg_failures import FAILURES, connecting, kind
 from gateway.record import EffectRecord, KeyCarriers, NewEffect, RowKey, StoredResponse
@@ -91,6 +91,30 @@ class StoreLimits:
         if not self.statement:
             return None
         return self.statement.total_seconds() + 1.0
+
+
+# A database's own mark: when its first migration was applied, to the microsecond.
+_IDENTITY = "select applied_at from effect_gateway_migrations where version = 1"
+
+
+async def _same_database(pool: asyncpg.Pool, dsn: str) -> None:
+    """Raise ConfigError unless the pooler leads to the database at ``dsn``: the workers would write
+    their effects into one, and the migrations, the retention and the commands would see the other."""
+    with connecting():
+        direct = await asyncpg.connect(dsn)
+    try:
+        here = await direct.fetchval(_IDENTITY)
+    finally:
+        await direct.close()
+    try:
+        there = await pool.fetchval(_IDENTITY)
+    except asyncpg.exceptions.UndefinedTableError:
+        there = None
+    if there != here:
+        raise ConfigError(
+            "database_url (the pooler) and database_direct_url lead to different databases: point the "
+            "pooler at the database of database_direct_url"
+        )
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -180,7 +204,7 @@ class Store:
 
         Behind a pooler the pool's connections hold nothing between transactions that the pooler could
         hand to another client: statements are not prepared by name, and the session's settings are the
-        role's defaults (gateway.pooler), not sent at login. ``dsn`` keeps what needs a session of its
+        role's defaults (gateway.pooling), not sent at login. ``dsn`` keeps what needs a session of its
         own (the partitions' upkeep).
         """
         limits = limits or StoreLimits()
@@ -188,16 +212,16 @@ class Store:
         # Every connection the pool opens first checks that the database still holds what this worker
         # wrote: after a failover, they are all new (unless a pooler keeps them: the claims check too).
         lost_writes = LostWrites()
-        warned = False
+        checked = False
 
         async def init(conn: asyncpg.Connection) -> None:
-            nonlocal warned
+            nonlocal checked
             await _init_connection(conn)
             await lost_writes.check(conn)
-            if pooler is not None and not warned:
-                if (wrong := await pooling.warning(conn, settings)) is not None:
-                    log.warning("%s", wrong)
-                warned = True
+            if pooler is not None and not checked:
+                checked = True  # once per worker: the role's defaults are the same for every session
+                if (done := await pooling.make_defaults(conn, settings)) is not None:
+                    log.warning("%s", done)
 
         with connecting():
             pool = await asyncpg.create_pool(
@@ -215,6 +239,12 @@ class Store:
                 server_settings=None if pooler else settings,
                 command_timeout=limits.answer,
             )
+        if pooler is not None:
+            try:
+                await _same_database(pool, dsn)
+            except BaseException:
+                pool.terminate()
+                raise
         return cls(pool, limits, dsn, lost_writes, telemetry)
 
     async def close(self) -> None:

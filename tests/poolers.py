@@ -26,6 +26,7 @@ from tests.database import runtime_role
 from tests.replicas import free_port
 
 PGBOUNCER = Path("/usr/sbin/pgbouncer")
+# PgBouncer listens within milliseconds; ten seconds is a machine far too busy to test on.
 START_TIMEOUT = 10.0
 
 
@@ -39,9 +40,9 @@ def installed() -> str | None:
 def _server(dsn: str) -> tuple[str, int]:
     """Where PgBouncer reaches the test server: a host or a socket folder, and a port (the first of a
     URL that names several)."""
-    socket_folder = parse_qs(urlsplit(dsn).query).get("host", [None])[0]
+    query = parse_qs(urlsplit(dsn).query)
     host, port = database_hosts(dsn)[0]
-    return socket_folder or host or "127.0.0.1", port or 5432
+    return query.get("host", [host or "127.0.0.1"])[0], port or int(query.get("port", ["5432"])[0])
 
 
 def suite_pooler_for(dsn: str) -> str | None:
@@ -66,7 +67,11 @@ def _user(host: str) -> str | None:
 @contextlib.contextmanager
 def pgbouncer(dsn: str, *, mode: str = "transaction", server_connections: int = 3) -> Iterator[str]:
     """PgBouncer in front of ``dsn``'s server in ``mode``; yields its URL for ``dsn``'s database as the
-    runtime role (tests.database), which the tests' gateways use."""
+    runtime role (tests.database), which the tests' gateways use.
+
+    ``server_connections`` for each database and role: fewer than a gateway's pool (20), so that its
+    connections share them; three, so that a test's own statements beside a gateway's do not wait long.
+    """
     if (missing := installed()) is not None:
         raise RuntimeError(missing)
     host, port = _server(dsn)
@@ -92,6 +97,7 @@ default_pool_size = {server_connections}
 ; a second, not 15, before logging in again to a server that refused: the tests that take the
 ; database away for a moment expect it back as soon as it is
 server_login_retry = 1
+; every gateway of a test session at once, each with its pool (20 a worker), with room to spare
 max_client_conn = 1000
 ; what asyncpg sends at login and PgBouncer would otherwise refuse
 ignore_startup_parameters = extra_float_digits

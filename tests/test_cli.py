@@ -653,9 +653,10 @@ def test_a_database_that_refuses_the_login_is_a_configuration_error(
         ["resolve", "1", "--did-not-happen", "--attempt", "2"],
     ):
         line = one_line_error(run(*command, env=env))
-        assert line == f"effect-gateway: Postgres refused the connection: {refusal} (check database_url)", (
-            command
-        )
+        assert line == (
+            f"effect-gateway: Postgres refused the connection: {refusal} "
+            "(check database_url, and database_direct_url if set)"
+        ), command
 
 
 def test_a_missing_config_file_is_one_line(tmp_path: Path, run: Callable[..., Done]) -> None:

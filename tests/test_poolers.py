@@ -1,7 +1,7 @@
 """The gateway behind Debian's PgBouncer in transaction mode, with its direct URL for what needs a session.
 
-The pooler has two server connections for every client of a database and role, so the gateway's
-connections share them and a client's next transaction often runs on another server connection: a
+The pooler keeps two server connections for each database and role, shared by all its clients, so the
+gateway's connections share them and a client's next transaction often runs on another server connection: a
 statement prepared by name, a setting sent at login or a session-level lock would show. The whole suite
 runs behind it as well with ``make test-pgbouncer``.
 """
@@ -11,24 +11,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
-from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import asyncpg
 import pytest
 
-from gateway.errors import LoginRefused
+from gateway.errors import ConfigError, LoginRefused
+from gateway.schema import migrate
 from gateway.store import Store, StoreLimits, session_settings
 from tests.database import runtime_role
 from tests.gateways import gateway_server
 from tests.poolers import pgbouncer
-from tests.support import ROOT
+from tests.test_migrations import own_database
 from tests.upstreams import Upstream
 
 
@@ -107,56 +104,56 @@ async def test_a_pooler_given_as_postgres_itself_is_refused_with_the_setting_to_
         await Store.connect(pooler, min_size=1, max_size=1)
 
 
-def _migrate_grant(config: Path) -> subprocess.CompletedProcess[str]:
-    role = runtime_role()[0]
-    return subprocess.run(
-        [sys.executable, "-m", "gateway", "--config", str(config), "migrate", "--grant-to", role],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={k: v for k, v in os.environ.items() if not k.startswith("EFFECT_GATEWAY_")},
-    )
+async def _sessions_behind(postgres_dsn: str) -> dict[str, str]:
+    """The settings a session gets behind a pooler that has just started (no server connection yet)."""
+    with pgbouncer(postgres_dsn, server_connections=2) as url:
+        conn = await asyncpg.connect(url, statement_cache_size=0)
+        try:
+            seen = await conn.fetch(
+                "select name, setting from pg_settings where name = any($1::text[])",
+                list(session_settings(StoreLimits())),
+            )
+        finally:
+            await conn.close()
+    return {row["name"]: row["setting"] for row in seen}
 
 
-async def test_behind_the_pooler_the_session_settings_are_the_roles_defaults(
-    dsn: str, postgres_dsn: str, tmp_path: Path, upstream: Upstream, caplog: pytest.LogCaptureFixture
+async def test_behind_the_pooler_a_worker_makes_its_session_settings_its_roles_defaults(
+    dsn: str, postgres_dsn: str, upstream: Upstream, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Without them, a gateway behind the pooler warns and says how to set them; `migrate --grant-to`
-    with the pooler configured sets them, and the sessions behind a pooler then have them."""
+    """A gateway whose sessions behind the pooler lack its settings makes them its role's defaults and
+    says so once, and the sessions a pooler opens from then on have them."""
     role = runtime_role()[0]
     database = urlsplit(dsn).path.lstrip("/") or "postgres"
     owner = await asyncpg.connect(dsn)
     try:
         await owner.execute(f'alter role "{role}" in database "{database}" reset all')
+        assert (await _sessions_behind(postgres_dsn))["statement_timeout"] == "0"
         shop = {"shop": {"base_url": upstream.url}}
         with (
             pgbouncer(postgres_dsn, server_connections=2) as url,
             caplog.at_level(logging.WARNING, logger="effect_gateway"),
         ):
-            async with gateway_server(dsn, pooler=url, upstreams=shop):
+            async with gateway_server(dsn, pooler=url, upstreams=shop, statement_timeout="7s"):
                 pass
-        warned = [r.getMessage() for r in caplog.records if "sessions behind the pooler" in r.getMessage()]
-        assert len(warned) == 1, warned
-        assert "statement_timeout = 0" in warned[0]
-        assert f"migrate --grant-to {role}" in warned[0]
-        config = tmp_path / "gateway.toml"
-        pooled = _as_owner(url, dsn)
-        lines = [f'database_url = "{pooled}"', f'database_direct_url = "{dsn}"', 'statement_timeout = "7s"']
-        config.write_text("\n".join(lines) + "\n")
-        done = _migrate_grant(config)
-        assert done.returncode == 0, done.stderr
-        assert "session settings the defaults" in done.stderr + done.stdout
-        with pgbouncer(postgres_dsn, server_connections=2) as url:
-            conn = await asyncpg.connect(url, statement_cache_size=0)
-            try:
-                seen = await conn.fetch(
-                    "select name, setting from pg_settings where name = any($1::text[])",
-                    list(session_settings(StoreLimits())),
-                )
-            finally:
-                await conn.close()
-        assert dict(seen) == session_settings(StoreLimits(statement=timedelta(seconds=7)))
+        said = [r.getMessage() for r in caplog.records if "sessions behind the pooler" in r.getMessage()]
+        assert len(said) == 1, said
+        assert "statement_timeout = 0" in said[0]
+        assert f"made them the defaults of the role {role}" in said[0]
+        assert await _sessions_behind(postgres_dsn) == session_settings(
+            StoreLimits(statement=timedelta(seconds=7))
+        )
     finally:
         await owner.execute(f'alter role "{role}" in database "{database}" reset all')
         await owner.close()
+
+
+async def test_a_pooler_that_leads_to_another_database_is_refused_at_start(
+    postgres_dsn: str, pooler: str
+) -> None:
+    """The pooler and database_direct_url must lead to one database, or the effects would be written
+    into one while the migrations, the retention and the commands saw the other."""
+    async with own_database(postgres_dsn, "elsewhere") as other:
+        await migrate(other)
+        with pytest.raises(ConfigError, match="lead to different databases"):
+            await Store.connect(other, pooler=pooler, min_size=1, max_size=1)
