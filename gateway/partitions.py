@@ -8,6 +8,7 @@ DDL waits) and dropped, after the bodies of effects still open that day are carr
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -300,46 +301,52 @@ async def _drop(conn: AnyConn, part: Partition, progress: Progress) -> None:
     # carries the bodies forward, Postgres misjudged how many there are and merged the day with the whole
     # audit in id order, which grew with the audit and with each day dropped (bench.growth). The bodies are
     # then carried forward effect by effect (see _carry); one that has completed since is left where it is.
+    #
+    # The day's rows are matched by effect alone, and take their scope from the open effect: a day whose
+    # detach was left pending before migration 020 never got the scope column.
     found = await conn.fetchrow(
         f"""
-        select array_agg(o.id), array_agg(o.created_at) from open_effects o
-        where exists (select from "{part.name}" b where b.effect_id = o.id and b.scope = o.scope)
+        select array_agg(o.id), array_agg(o.created_at), array_agg(o.scope) from open_effects o
+        where exists (select from "{part.name}" b where b.effect_id = o.id)
         """
     )
     assert found is not None  # an aggregate without group by returns its one row
-    ids, created = found
-    kept = await _carry(conn, part.name, ids, created) if ids else 0
+    ids, created, scopes = found
+    kept = await _carry(conn, part.name, ids, created, scopes) if ids else 0
     await _detach(conn, part.name)
     await conn.execute(f'drop table "{part.name}"')
     progress(f"dropped {part.name}: about {part.rows} bodies" + (f", {kept} carried forward" if kept else ""))
 
 
-async def _carry(conn: AnyConn, day: str, ids: list[int], created: list[datetime]) -> int:
-    """Carry the bodies the open effects ``ids`` (created at ``created``) keep from ``day`` into today.
+async def _carry(
+    conn: AnyConn, day: str, ids: list[int], created: list[datetime], scopes: list[uuid.UUID]
+) -> int:
+    """Carry the bodies the open effects ``ids`` (created at ``created``, of ``scopes``) keep from
+    ``day`` into today.
 
     With the generic plan: it cannot know the list's length, so it looks each effect up in its month.
     A plan for the given list, thousands long, could again merge the day with the whole audit.
     """
     async with conn.transaction():
         await conn.execute("set local plan_cache_mode = force_generic_plan")
-        kept: int = await conn.fetchval(carry_statement(day), ids, created)
+        kept: int = await conn.fetchval(carry_statement(day), ids, created, scopes)
     return kept
 
 
 def carry_statement(day: str) -> str:
-    """The statement carrying bodies out of the partition ``day`` for the open effects $1 (created $2),
-    returning how many it carried."""
+    """The statement carrying bodies out of the partition ``day`` for the open effects $1 (created $2,
+    of the scopes $3), returning how many it carried."""
     return f"""
         with open as (
-            select * from unnest($1::bigint[], $2::timestamptz[]) as o(id, created_at)
+            select * from unnest($1::bigint[], $2::timestamptz[], $3::uuid[]) as o(id, created_at, scope)
         ), day as (
-            select b.effect_id, b.scope, b.stored_at, b.kind, b.headers, b.coding, b.content, o.created_at,
+            select b.effect_id, o.scope, b.stored_at, b.kind, b.headers, b.coding, b.content, o.created_at,
                    b.kind = 'request'
                    or (b.stored_at = e.response_at and b.stored_at >= coalesce(e.last_sent_at, e.created_at))
                        as kept
             from "{day}" b
             join open o on o.id = b.effect_id
-            join effects e on e.id = o.id and e.created_at = o.created_at and e.scope = b.scope
+            join effects e on e.id = o.id and e.created_at = o.created_at and e.scope = o.scope
                 and e.state <> 'completed'
         ), moved as (
             insert into effect_bodies (effect_id, scope, stored_at, kind, headers, coding, content)

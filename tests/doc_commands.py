@@ -306,7 +306,7 @@ def partitions(command: Command, context: Context) -> None:
         finally:
             await conn.close()
 
-    named = {re.sub(r"\d", "0", n) for n in re.findall(r"\beffects_\d[\d_]*", " ".join(command.words))}
+    named = {re.sub(r"\d", "0", n) for n in re.findall(r"\beffects_\d\w*", " ".join(command.words))}
     assert named <= asyncio.run(made()), f"{context.unit.block}: no partition is named like {named}"
     return None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
@@ -15,7 +16,7 @@ from gateway import partitions, schema
 from gateway.audit_query import EffectFilter
 from gateway.cli import FIX, main
 from gateway.decision import settle
-from gateway.errors import SchemaNewer, StoreUnavailable
+from gateway.errors import SchemaNewer, StoreRejected, StoreUnavailable
 from gateway.keys import key_digest
 from gateway.outcome import Answered
 from gateway.record import NewEffect
@@ -24,6 +25,7 @@ from gateway.states import State
 from gateway.store import opened
 from tests.database import effect_rows, other_database
 from tests.factories import new_effect
+from tests.support import ROOT
 
 
 @asynccontextmanager
@@ -585,7 +587,7 @@ async def test_020_gives_every_row_its_scope_and_the_gateway_answers_for_what_wa
     """A database at 019 with a completed effect, one in doubt, and one waiting for review whose month
     was archived: 020 gives every row of each the digest of its key as its scope, in every primary key.
     The store then replays the completed one's answer as stored, finds the one in doubt by its key, and
-    lists the archived one."""
+    counts the archived one among those waiting for review."""
     async with own_database(postgres_dsn, "scoped") as dsn:
         await _migrated_to(dsn, 19)
         conn = await asyncpg.connect(dsn)
@@ -640,3 +642,88 @@ async def test_020_gives_every_row_its_scope_and_the_gateway_answers_for_what_wa
             assert [record.id for record in waiting] == []  # its audit row was archived with its month
             assert (await store.state_counts())["needs_review"] == 1
             assert archived not in {done.id, doubt.id}
+
+
+def _reattach_steps(month: str, lower: str, upper: str) -> list[str]:
+    """The statements docs/operations.md gives for attaching a month archived before 020, for ``month``."""
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    start = guide.rindex("```sh", 0, guide.index("alter table effects_2026_01 add column scope uuid"))
+    block = guide[start : guide.index("```", start + 5)]
+    steps = re.findall(r'^psql "\$DATABASE_URL" -c "(.*)"$', block, re.MULTILINE)
+    assert len(steps) == 5, steps
+    for shown, meant in (("2026_01", month), ("2026-01-01", lower), ("2026-02-01", upper)):
+        steps = [step.replace(shown, meant) for step in steps]
+    return steps
+
+
+async def test_a_month_archived_before_020_attaches_again_as_the_guide_says(postgres_dsn: str) -> None:
+    """A month detached at 019 and kept as a table attaches again after 020 by the guide's steps, and
+    a retry of its effect's key is answered with the answer it had."""
+    async with own_database(postgres_dsn, "reattached") as dsn:
+        await _migrated_to(dsn, 19)
+        conn = await asyncpg.connect(dsn)
+        try:
+            january = datetime(2025, 1, 15, tzinfo=UTC)
+            await partitions.ensure(conn, january)
+            await _effect_at_019(conn, "old", "completed", january)
+            await conn.execute("alter table effects detach partition effects_2025_01")
+            await migrate(dsn)
+            for step in _reattach_steps("2025_01", "2025-01-01", "2025-02-01"):
+                await conn.execute(step)
+        finally:
+            await conn.close()
+        async with opened(dsn) as store:
+            old, created = await store.claim(_retry("default", "old"), timedelta(seconds=30))
+        assert old is not None
+        assert not created
+        assert old.response is not None
+        assert old.response.body == b'{"order": "old"}'
+
+
+async def test_020_waits_for_a_detach_left_half_done_to_be_finished(postgres_dsn: str) -> None:
+    """A day of bodies whose detach was interrupted at 019 would miss 020's column and could never be
+    finished after it: `migrate` says in one line which day and how to finish it, applies nothing,
+    and migrates once it is finished."""
+    async with own_database(postgres_dsn, "half_detached") as dsn:
+        await _migrated_to(dsn, 19)
+        conn = await asyncpg.connect(dsn)
+        try:
+            old = await conn.fetchval("select now() - interval '10 days'")
+            await partitions.ensure(conn, old)
+            await _effect_at_019(conn, "old-done", "completed", old)
+            day = f"effect_bodies_{old:%Y_%m_%d}"
+            # Interrupted between its two transactions: cancelled while a reader holds the table.
+            reader = await asyncpg.connect(dsn)
+            detacher = await asyncpg.connect(dsn)
+            try:
+                reading = reader.transaction(isolation="repeatable_read")
+                await reading.start()
+                await reader.fetchval("select count(*) from effect_bodies")
+                detach = asyncio.create_task(
+                    detacher.execute(f'alter table effect_bodies detach partition "{day}" concurrently')
+                )
+                for _ in range(100):
+                    if await conn.fetchval(
+                        "select inhdetachpending from pg_inherits where inhrelid = $1::regclass", day
+                    ):
+                        break
+                    await asyncio.sleep(0.05)
+                await conn.execute("select pg_cancel_backend($1)", detacher.get_server_pid())
+                with pytest.raises(asyncpg.exceptions.QueryCanceledError):
+                    await detach
+                await reading.rollback()
+            finally:
+                await reader.close()
+                await detacher.close()
+            with pytest.raises(
+                StoreRejected, match=f"a detach of {day} was interrupted .* effect-gateway purge"
+            ):
+                await migrate(dsn)
+            assert await conn.fetchval("select max(version) from effect_gateway_migrations") == 19
+            # What the earlier version's purge does with it (after carrying open effects' bodies).
+            await conn.execute(f'alter table effect_bodies detach partition "{day}" finalize')
+            await conn.execute(f'drop table "{day}"')
+            await migrate(dsn)
+            assert await conn.fetchval("select max(version) from effect_gateway_migrations") == 20
+        finally:
+            await conn.close()

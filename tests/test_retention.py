@@ -303,9 +303,10 @@ async def test_carrying_a_days_bodies_looks_up_only_the_open_effects_with_bodies
         carry = partitions.carry_statement(name)
         undone = conn.transaction()  # EXPLAIN ANALYZE carries too: undone, so that the statement below can
         await undone.start()
-        doc = await conn.fetchval(f"explain (analyze, format json) {carry}", ids, created)
+        scopes = [r["scope"] for r in chosen]
+        doc = await conn.fetchval(f"explain (analyze, format json) {carry}", ids, created, scopes)
         await undone.rollback()
-        carried = await conn.fetchval(carry, ids, created)
+        carried = await conn.fetchval(carry, ids, created, scopes)
     finally:
         await conn.close()
     assert carried == 5

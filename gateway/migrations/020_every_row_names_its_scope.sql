@@ -15,6 +15,20 @@
 -- operations guide, Upgrading, gives the figures). Stop the older gateways first: their statements name
 -- effect_keys.digest, which is gone, and fail (503, nothing sent).
 
+-- A partition whose detach was interrupted (its second transaction never ran) would not get the new
+-- column, and could then neither be finished nor altered: the migration waits for it to be finished.
+do $$
+declare
+    pending text;
+begin
+    select string_agg(c.relname, ', ' order by c.relname) into pending
+    from pg_inherits i join pg_class c on c.oid = i.inhrelid
+    where i.inhdetachpending and i.inhparent in ('effects'::regclass, 'effect_bodies'::regclass);
+    if pending is not null then
+        raise exception 'a detach of % was interrupted and must be finished before this migration: for a day of bodies, run effect-gateway purge as the owner with the version you are upgrading from (it finishes the detach and carries forward what open effects still need); for a month of the audit, alter table effects detach partition ... finalize; then migrate again', pending;
+    end if;
+end $$;
+
 -- Each step is skipped where it was done already, so that the migration can be applied again (a
 -- database restored with its schema and an older migrations table, say).
 do $$
@@ -52,6 +66,10 @@ do $$
 begin
     if exists (select from open_effects where scope is null) then
         update open_effects o set scope = k.scope from effect_keys k where o.scope is null and k.effect_id = o.id;
+    end if;
+    if exists (select from open_effects where scope is null) then
+        raise exception 'open effects with neither an audit row nor a key: % (the rows of open_effects whose id is in neither effects nor effect_keys); delete them if you know how each ended, or restore their month and keys, then migrate again',
+            (select count(*) from open_effects where scope is null);
     end if;
 end $$;
 alter table open_effects alter column scope set not null;
