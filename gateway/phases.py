@@ -27,12 +27,12 @@ from gateway.rows import Conn, head_bytes, read_with_response, record_of, reread
 from gateway.states import State, Transition
 
 
-def _fenced(record: EffectRecord, scope: int) -> str:
+def _fenced(record: EffectRecord, scope_param: int) -> str:
     """The where clause of a write fenced on the attempt and state ``record`` was read in ($1 to $4),
-    naming its scope (``$scope``) and kept to its month of the audit."""
+    naming its scope (parameter ``scope_param``) and kept to its month of the audit."""
     month = partitions.in_month(record.created_at)
     fence = "id = $1 and created_at = $2 and attempt = $3 and state = $4"
-    return f"where {fence} and scope = ${scope} and {month}"
+    return f"where {fence} and scope = ${scope_param} and {month}"
 
 
 async def _one(conn: Conn, sql: str, *args: Any) -> EffectRecord | None:

@@ -47,6 +47,11 @@ class Completed:
     # memory goes then too (a retention also bounds how long bodies are kept at all).
     expires: float
 
+    @property
+    def row_key(self) -> RowKey:
+        """Where the effect's audit row is."""
+        return self.id, self.created_at, self.scope
+
 
 Scope = tuple[str, str, str]  # (tenant, upstream, key)
 

@@ -158,7 +158,7 @@ class EffectService:
         trail.replayed_from_memory(known.id)
         if known.fingerprint != request.fingerprint:
             return KeyReused(known.id)
-        self._replays.count((known.id, known.created_at, known.scope))
+        self._replays.count(known.row_key)
         return Reply(known.response, replayed=True, effect_id=known.id)
 
     async def _keyless(self, inbound: Inbound) -> Reply | Ending:

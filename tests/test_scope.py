@@ -179,6 +179,8 @@ async def _generic_plan(conn: asyncpg.Connection, text: str, args: tuple[Any, ..
 async def test_every_hot_path_statement_names_the_scope_and_is_planned_on_its_index(
     dsn: str, statements: tuple[Sent, set[str]]
 ) -> None:
+    """Each statement of every phase that reads or writes an effect's rows names its scope, and the
+    plan the gateway's sessions run it with finds each row it reads through an index on the scope."""
     sent, ran = statements
     # An audit of some size around the effects below, so that the plans are those of production.
     await fill_effects(dsn, "others", 10**9, 5_000, "in_doubt")
@@ -236,4 +238,6 @@ async def test_every_hot_path_statement_names_the_scope_and_is_planned_on_its_in
     finally:
         await conn.close()
     assert off_index == []
+    # The phases above send at least a dozen distinct statements: fewer means the log missed some, and
+    # the checks above would have passed on nothing.
     assert len(on_effects) >= 12, sorted(on_effects)
