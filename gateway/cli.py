@@ -26,6 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
 
+import gateway
 from gateway import effects_json, embedded, jsonbody, legible, logs, operators, problems, report
 from gateway.audit_query import EffectFilter
 from gateway.embedded import EmbeddedPostgres
@@ -420,6 +421,7 @@ def cmd_demo(settings: Settings, _args: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="effect-gateway", description="The idempotency sidecar for AI agents.")
+    top.add_argument("--version", action="version", version=f"effect-gateway {gateway.__version__}")
     top.add_argument("--config", help="TOML file (default: $EFFECT_GATEWAY_CONFIG)")
     top.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     sub = top.add_subparsers(dest="command", required=True)

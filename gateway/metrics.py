@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import platform
 import shutil
 import tempfile
 import time
@@ -34,6 +35,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+import gateway
 from gateway import process
 from gateway.audit_query import EXACT_OPEN_COUNT
 from gateway.errors import StoreRejected, StoreUnavailable
@@ -201,6 +203,7 @@ class Metrics:
         self.registry.register(self._states)
         self._ahead = _AheadGauge()
         self.registry.register(self._ahead)
+        self.registry.register(_BuildInfo())
 
     def upstream(self, name: str) -> UpstreamMetrics:
         found = self._upstreams.get(name)
@@ -237,6 +240,26 @@ class _StateGauge:
             f"Effect records by state: open states exact up to {EXACT_OPEN_COUNT:,} each and estimated"
             " above, completed from Postgres's estimate on large tables.",
             labels=["state"],
+        )
+
+
+class _BuildInfo:
+    """Which gateway answers: its version and Python's, as labels of a series that is always 1 (an
+    alert or a dashboard joins on it, and sees a rollout as the labels change)."""
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        family.add_metric([gateway.__version__, platform.python_version()], 1)
+        yield family
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "effect_gateway_build_info",
+            "The gateway's version and Python's (always 1).",
+            labels=["version", "python"],
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import importlib.metadata
 import json
 import os
 import socket
@@ -657,6 +658,12 @@ def test_a_database_that_refuses_the_login_is_a_configuration_error(
             f"effect-gateway: Postgres refused the connection: {refusal} "
             "(check database_url, and database_direct_url if set)"
         ), command
+
+
+def test_version_prints_the_installed_packages_version() -> None:
+    """`effect-gateway --version` prints the version pip installed, and exits 0 without a configuration."""
+    done = cli("--version")
+    assert (done.status, done.out) == (0, f"effect-gateway {importlib.metadata.version('effect-gateway')}\n")
 
 
 def test_a_missing_config_file_is_one_line(tmp_path: Path, run: Callable[..., Done]) -> None:

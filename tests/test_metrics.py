@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -451,3 +453,18 @@ def test_a_process_forked_after_counting_counts_in_files_of_its_own(tmp_path: Pa
     # Sharing the parent's file, the two would overwrite each other's count: 3 or 6, never 8.
     assert total == "8.0"
     assert len(list(shared.glob("counter_*.db"))) == 2
+
+
+async def test_a_scrape_says_which_version_of_the_gateway_answers(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """effect_gateway_build_info is 1, labelled with the installed package's version and Python's."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
+        metrics = await scrape(http, gw.admin_url)
+    built = value(
+        metrics,
+        "effect_gateway_build_info",
+        version=importlib.metadata.version("effect-gateway"),
+        python=platform.python_version(),
+    )
+    assert built == 1
