@@ -271,7 +271,7 @@ def decision(trail: Trail, outcome: str, seconds: float) -> None:
         "step": trail.step,
     }
     what = outcome if trail.problem is None else f"{outcome} ({trail.problem})"
-    where = f"{trail.upstream}{trail.path}" if trail.upstream else "(no upstream)"
+    where = f"{trail.upstream}{trail.path}" if trail.upstream else f"{trail.path or '/'} (no upstream)"
     text = f"{trail.method} {where}: {what}, {trail.status}"
     if trail.effect_id is not None:
         text += f"; effect {trail.effect_id} {found or 'new'} -> {left}"

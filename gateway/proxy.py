@@ -55,6 +55,13 @@ PROXY_ROUTE = r"/{tail:[\s\S]*}"
 
 # The first segment of the gateway's own paths (no upstream may be named so: see settings).
 GATEWAY_PATHS = "_gateway"
+# What browsers and crawlers fetch of any site by themselves (its icons, robots.txt): none can be an
+# upstream's name (no dots), and counted, they would pass for agents asking for unknown upstreams.
+BROWSER_FETCHES = frozenset(
+    {"favicon.ico", "robots.txt", "apple-touch-icon.png", "apple-touch-icon-precomposed.png"}
+)
+# Enough of a path naming no upstream for its log line to say what was asked for, however long it is.
+MAX_LOGGED_PATH = 200
 
 
 _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\d+)", re.IGNORECASE)
@@ -111,6 +118,8 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         await _not_ours_to_forward(request)
     policy = runtime.policies.get(upstream_name)
     if policy is None:
+        trail.path = request.raw_path.partition("?")[0][:MAX_LOGGED_PATH]
+        trail.browser_noise = upstream_name in BROWSER_FETCHES
         raise problems.UnknownUpstream(f"no upstream named {upstream_name!r} is configured")
     trail.upstream, trail.path = policy.name, path
     refused = browser.refusal(request.headers, policy.browser_origins)

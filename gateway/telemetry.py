@@ -136,9 +136,10 @@ class Observed(Telemetry):
         """What came of the request, as its trail says: counted, timed, logged, and on its span."""
         seconds = time.perf_counter() - trail.started
         outcome = trail.outcome
-        counter, histogram = self.metrics.upstream(trail.upstream).request(outcome, trail.problem or "")
-        counter.inc()
-        histogram.observe(seconds)
+        if not trail.browser_noise:
+            counter, histogram = self.metrics.upstream(trail.upstream).request(outcome, trail.problem or "")
+            counter.inc()
+            histogram.observe(seconds)
         logs.decision(trail, outcome, seconds)
         if span is not None:
             span.update_name(f"{trail.method} {trail.upstream or 'effect-gateway'}")

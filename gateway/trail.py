@@ -36,7 +36,12 @@ class Trail:
     started: float  # time.perf_counter() when the request came in
     trace_id: str | None = None
     upstream: str = ""  # empty until the request names a configured upstream
-    path: str = ""  # after the upstream's name, without the query (which may carry credentials)
+    # After the upstream's name, without the query (which may carry credentials); the whole path when the
+    # request names no configured upstream.
+    path: str = ""
+    # A browser's own fetch (its icon, a crawler's robots.txt): never an upstream, and left out of the
+    # request metrics, where it would pass for agents' refused requests.
+    browser_noise: bool = False
     tenant: str | None = None
     key_hash: str | None = None
     run_id: str | None = None

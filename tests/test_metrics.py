@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import importlib.metadata
 import json
+import logging
 import os
 import platform
 import signal
@@ -403,7 +404,7 @@ def test_every_metric_is_in_the_operations_guide() -> None:
     exported = Metrics(["shop"]).exposition({"completed": 0}).decode()
     names = {line.split()[2] for line in exported.splitlines() if line.startswith("# HELP ")}
     guide = (ROOT / "docs" / "operations.md").read_text()
-    assert len(names) == 10
+    assert len(names) == 11
     assert [name for name in sorted(names) if f"`{name}`" not in guide] == []
 
 
@@ -468,3 +469,19 @@ async def test_a_scrape_says_which_version_of_the_gateway_answers(
         python=platform.python_version(),
     )
     assert built == 1
+
+
+async def test_a_request_for_no_upstream_is_logged_with_its_path_and_a_browsers_icon_is_not_counted(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request naming no configured upstream is logged with the path it asked for and counted as
+    refused; a browser's own fetch of /favicon.ico is logged alike but left out of the metrics."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
+        with caplog.at_level(logging.INFO, logger="effect_gateway.decision"):
+            for target in ("/favicon.ico", "/shpo/orders"):
+                async with http.get(f"{gw.url}{target}") as resp:
+                    assert resp.status == 404
+        metrics = await scrape(http, gw.admin_url)
+    paths = [r.decision["path"] for r in caplog.records if hasattr(r, "decision")]
+    assert paths == ["/favicon.ico", "/shpo/orders"]
+    assert requests(metrics, "") == {("refused", "unknown-upstream"): 1}
