@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest fuzz spin model-check chromium postgres15 pgbouncer test-pgbouncer failover simulate serve demo bench bench-against bench-mcp bench-load bench-growth bench-memory bench-input clean
+.PHONY: test lint typecheck pytest fuzz spin model-check chromium postgres15 pgbouncer promtool test-pgbouncer failover simulate serve demo bench bench-against bench-mcp bench-load bench-growth bench-memory bench-input clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,7 @@ typecheck: $(STAMP)
 # PYTEST_WORKERS=0 runs them in this process, one after another.
 # The CPUs this process may use (a container's limit, not the host's cores), where the system says.
 PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(2 * len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2 * (os.cpu_count() or 1))')
-pytest: $(STAMP) chromium postgres15 pgbouncer
+pytest: $(STAMP) chromium postgres15 pgbouncer promtool
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 # The property tests with thousands of examples each, and schemathesis with hundreds per operation
@@ -102,8 +102,24 @@ pgbouncer:
 			"tests/test_poolers.py will fail; install Debian's pgbouncer"; \
 	fi
 
+# tests/test_deploy.py checks the alert rules of deploy/prometheus with promtool, from Debian's
+# prometheus package: installed here as pgbouncer is, its service kept from starting.
+PROMTOOL := /usr/bin/promtool
+promtool:
+	@if [ -x $(PROMTOOL) ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian's prometheus for promtool (the alert rules' tests)"; \
+		guard=; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
+			chmod +x /usr/sbin/policy-rc.d; guard=1; }; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
+		status=$$?; [ -z "$$guard" ] || rm -f /usr/sbin/policy-rc.d; exit $$status; \
+	else \
+		echo "$(PROMTOOL) is missing and cannot be installed here (needs root and apt-get):" \
+			"the alert rules' tests will fail; install Debian's prometheus"; \
+	fi
+
 # The whole suite with every in-process gateway behind PgBouncer in transaction mode (tests.poolers).
-test-pgbouncer: $(STAMP) chromium postgres15 pgbouncer
+test-pgbouncer: $(STAMP) chromium postgres15 pgbouncer promtool
 	TEST_POOLER=pgbouncer $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 # Failover under load, the long form: several failovers, many agents (make test runs one, with 40).

@@ -100,7 +100,9 @@ async def metrics(request: web.Request) -> web.Response:
     except StoreUnavailable as exc:  # as the counts: left out of this scrape, the counters still answer
         log.warning("partitions' days left out of the metrics: %s", exc)
         ahead = None
-    return web.Response(body=runtime.telemetry.metrics.exposition(counts, ahead), headers=EXPOSITION)
+    waiting = await runtime.oldest_waiting.get()
+    exposition = runtime.telemetry.metrics.exposition(counts, ahead, waiting)
+    return web.Response(body=exposition, headers=EXPOSITION)
 
 
 async def list_effects(request: web.Request) -> web.Response:

@@ -90,6 +90,7 @@ STATEMENTS = (
     "reread",
     "find",
     "state_counts",
+    "oldest_waiting",
     "partitions_ahead",
     "ping",
 )
@@ -204,6 +205,8 @@ class Metrics:
         self._ahead = _AheadGauge()
         self.registry.register(self._ahead)
         self.registry.register(_BuildInfo())
+        self._waiting = _WaitingGauge()
+        self.registry.register(self._waiting)
 
     def upstream(self, name: str) -> UpstreamMetrics:
         found = self._upstreams.get(name)
@@ -211,11 +214,17 @@ class Metrics:
             found = self._upstreams[name] = UpstreamMetrics(self, name)
         return found
 
-    def exposition(self, counts: Mapping[str, int] | None, ahead: Ahead | None = None) -> bytes:
-        """The Prometheus text of every metric, with ``counts`` as the effects by state and ``ahead`` as
-        the partitions' days left (None: left out)."""
+    def exposition(
+        self,
+        counts: Mapping[str, int] | None,
+        ahead: Ahead | None = None,
+        waiting: Mapping[str, int] | None = None,
+    ) -> bytes:
+        """The Prometheus text of every metric, with ``counts`` as the effects by state, ``ahead`` as the
+        partitions' days left, ``waiting`` as the oldest waiting effects' ages (None: left out)."""
         self._states.counts = counts
         self._ahead.ahead = ahead
+        self._waiting.ages = waiting
         return generate_latest(self.registry)
 
 
@@ -239,6 +248,30 @@ class _StateGauge:
             "effect_gateway_effects",
             f"Effect records by state: open states exact up to {EXACT_OPEN_COUNT:,} each and estimated"
             " above, completed from Postgres's estimate on large tables.",
+            labels=["state"],
+        )
+
+
+class _WaitingGauge:
+    """How long the oldest effect in doubt, and the oldest waiting for review, have existed: what an
+    alert on effects left waiting for someone asks (the gateway's as a whole, read from the store)."""
+
+    def __init__(self) -> None:
+        self.ages: Mapping[str, int] | None = None
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        for state, seconds in sorted((self.ages or {}).items()):
+            family.add_metric([state], seconds)
+        yield family
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "effect_gateway_oldest_waiting_seconds",
+            "Seconds since the oldest effect in the state (in_doubt, needs_review) was claimed; 0: none.",
             labels=["state"],
         )
 
@@ -296,8 +329,11 @@ class CachedCounts:
     answer, the gauge is left out of that scrape (the counters still answer).
     """
 
-    def __init__(self, read: StateReader, every: float = STATE_COUNTS_EVERY) -> None:
+    def __init__(
+        self, read: StateReader, every: float = STATE_COUNTS_EVERY, what: str = "effects by state"
+    ) -> None:
         self._read = read
+        self._what = what
         self._every = every
         self._counts: dict[str | None, tuple[float, dict[str, int]]] = {}
         self._reading: dict[str | None, asyncio.Future[dict[str, int] | None]] = {}
@@ -314,7 +350,7 @@ class CachedCounts:
         try:
             counts = await self._read(tenant)
         except (StoreUnavailable, StoreRejected) as exc:
-            log.warning("effects by state left out of the metrics: %s", exc)
+            log.warning("%s left out of the metrics: %s", self._what, exc)
             return None
         finally:
             del self._reading[tenant]

@@ -76,6 +76,7 @@ async def running(
         service,
         telemetry,
         CachedCounts(store.state_counts),
+        CachedCounts(store.oldest_waiting, what="the oldest waiting effects' ages"),
         LogHash(secret),
         client,
     )

@@ -34,6 +34,8 @@ class Runtime:
     telemetry: Observed
     # The effects by state for the metrics, read from the store at most every few seconds.
     state_counts: CachedCounts
+    # The oldest effects waiting in doubt or for review, likewise.
+    oldest_waiting: CachedCounts
     log_hash: LogHash
     # The upstreams' HTTP sessions, for what passes through an MCP server unrecorded (gateway.mcp_proxy).
     client: UpstreamClient

@@ -134,6 +134,19 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
 _CURSOR = """
     select exists (select from effects c where c.id = $1 and ($2::text is null or c.tenant = $2))
 """
+# The oldest effect of each state that waits for someone: the first of the state's range of open_effects'
+# key (or of the tenant's index), since ids grow with time.
+_OLDEST_WAITING = """
+    select s.state, extract(epoch from now() - (
+        select o.created_at from open_effects o where o.state = s.state order by o.id limit 1)) as age
+    from unnest(array['in_doubt', 'needs_review']) as s(state)
+"""
+_OLDEST_WAITING_OF_TENANT = """
+    select s.state, extract(epoch from now() - (
+        select o.created_at from open_effects o where o.tenant = $1 and o.state = s.state
+        order by o.id limit 1)) as age
+    from unnest(array['in_doubt', 'needs_review']) as s(state)
+"""
 # Each month of the audit with Postgres's row estimate and its size: small ones are counted exactly,
 # large ones estimated (partitions.row_count), so the counts never scan a large month. A month is
 # counted through the audit with its bounds (pruned to that month when planned), not by its name:
@@ -543,6 +556,20 @@ class Store:
             return [record_of(row) for row in rows]
 
         return await self._run("find", op)
+
+    async def oldest_waiting(self, tenant: str | None = None) -> dict[str, int]:
+        """Seconds since the oldest effect in doubt, and the oldest waiting for review, were claimed (0
+        for a state with none): the first entry of each state's range of open_effects, ids growing with
+        time. With a tenant, its own."""
+
+        async def op(conn: Conn) -> dict[str, int]:
+            rows = await conn.fetch(
+                _OLDEST_WAITING if tenant is None else _OLDEST_WAITING_OF_TENANT,
+                *([tenant] if tenant is not None else []),
+            )
+            return {row["state"]: max(0, int(row["age"] or 0)) for row in rows}
+
+        return await self._run("oldest_waiting", op)
 
     async def state_counts(self, tenant: str | None = None) -> dict[str, int]:
         """Effects by state: open ones from open_effects, completed ones estimated; no scan of the audit.

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 
 import aiohttp
@@ -21,8 +22,10 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.decision import review
 from gateway.metrics import Metrics, sweep_left_behind
 from tests.database import runtime_url
+from tests.factories import new_effect
 from tests.gateways import Gateway, children, decisions, gateway_server, start_gateway_process
 from tests.support import PORT_ZERO, ROOT
 from tests.upstreams import ORDER_SEARCH, Upstream, upstream_server
@@ -404,7 +407,7 @@ def test_every_metric_is_in_the_operations_guide() -> None:
     exported = Metrics(["shop"]).exposition({"completed": 0}).decode()
     names = {line.split()[2] for line in exported.splitlines() if line.startswith("# HELP ")}
     guide = (ROOT / "docs" / "operations.md").read_text()
-    assert len(names) == 11
+    assert len(names) == 12
     assert [name for name in sorted(names) if f"`{name}`" not in guide] == []
 
 
@@ -485,3 +488,26 @@ async def test_a_request_for_no_upstream_is_logged_with_its_path_and_a_browsers_
     paths = [r.decision["path"] for r in caplog.records if hasattr(r, "decision")]
     assert paths == ["/favicon.ico", "/shpo/orders"]
     assert requests(metrics, "") == {("refused", "unknown-upstream"): 1}
+
+
+async def test_the_oldest_effect_waiting_for_review_has_its_age_in_the_metrics(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """An effect waiting for review since an hour ago shows as an hour old; with none in doubt, that
+    state's age is 0, so an alert on either threshold has a series to read."""
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}) as gw:
+        store = gw.runtime.store
+        record, _ = await store.claim(new_effect("waits"), timedelta(0))
+        assert record is not None
+        assert await store.send_to_review(record, review(record), "nothing can tell") is not None
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(
+                "update open_effects set created_at = now() - interval '1 hour' where id = $1", record.id
+            )
+        finally:
+            await conn.close()
+        metrics = await scrape(http, gw.admin_url)
+    assert 3600 <= value(metrics, "effect_gateway_oldest_waiting_seconds", state="needs_review") < 3660
+    assert value(metrics, "effect_gateway_oldest_waiting_seconds", state="in_doubt") == 0
+    assert ("effect_gateway_oldest_waiting_seconds", (("state", "in_doubt"),)) in metrics
