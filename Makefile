@@ -86,37 +86,33 @@ postgres15:
 			"tests/test_failover.py will fail; install Debian's postgresql-15"; \
 	fi
 
-# tests/test_poolers.py runs the gateway behind Debian's PgBouncer. Installed here as postgresql-15 is,
-# with its service kept from starting (policy-rc.d says no to every start during the install).
+# Installs Debian's package $(1) as root, when $(2) is missing, with its service kept from starting
+# (policy-rc.d says no to every start during the install: CI leaves no server running); anywhere else
+# it says what is missing, and $(3) will fail with the same reason.
+define debian_package
+	@if [ -x $(2) ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian's $(1) for $(3)"; \
+		guard=; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
+			chmod +x /usr/sbin/policy-rc.d; guard=1; }; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1) >/dev/null; \
+		status=$$?; [ -z "$$guard" ] || rm -f /usr/sbin/policy-rc.d; exit $$status; \
+	else \
+		echo "$(2) is missing and cannot be installed here (needs root and apt-get):" \
+			"$(3) will fail; install Debian's $(1)"; \
+	fi
+endef
+
+# tests/test_poolers.py runs the gateway behind Debian's PgBouncer.
 PGBOUNCER := /usr/sbin/pgbouncer
 pgbouncer:
-	@if [ -x $(PGBOUNCER) ]; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing Debian's pgbouncer for the tests behind a pooler"; \
-		guard=; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
-			chmod +x /usr/sbin/policy-rc.d; guard=1; }; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer >/dev/null; \
-		status=$$?; [ -z "$$guard" ] || rm -f /usr/sbin/policy-rc.d; exit $$status; \
-	else \
-		echo "$(PGBOUNCER) is missing and cannot be installed here (needs root and apt-get):" \
-			"tests/test_poolers.py will fail; install Debian's pgbouncer"; \
-	fi
+	$(call debian_package,pgbouncer,$(PGBOUNCER),tests/test_poolers.py)
 
 # tests/test_deploy.py checks the alert rules of deploy/prometheus with promtool, from Debian's
-# prometheus package: installed here as pgbouncer is, its service kept from starting.
+# prometheus package.
 PROMTOOL := /usr/bin/promtool
 promtool:
-	@if [ -x $(PROMTOOL) ]; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing Debian's prometheus for promtool (the alert rules' tests)"; \
-		guard=; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
-			chmod +x /usr/sbin/policy-rc.d; guard=1; }; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
-		status=$$?; [ -z "$$guard" ] || rm -f /usr/sbin/policy-rc.d; exit $$status; \
-	else \
-		echo "$(PROMTOOL) is missing and cannot be installed here (needs root and apt-get):" \
-			"the alert rules' tests will fail; install Debian's prometheus"; \
-	fi
+	$(call debian_package,prometheus,$(PROMTOOL),the alert rules' tests in tests/test_deploy.py)
 
 # The whole suite with every in-process gateway behind PgBouncer in transaction mode (tests.poolers).
 test-pgbouncer: $(STAMP) chromium postgres15 pgbouncer promtool

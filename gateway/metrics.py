@@ -200,12 +200,12 @@ class Metrics:
         self.cache_miss = replay_cache.labels("miss")
         self.statements = {kind: self.statement_seconds.labels(kind) for kind in STATEMENTS}
         self._upstreams = {name: UpstreamMetrics(self, name) for name in upstreams}
-        self._states = _StateGauge()
+        self._states = _states()
         self.registry.register(self._states)
         self._ahead = _AheadGauge()
         self.registry.register(self._ahead)
         self.registry.register(_BuildInfo())
-        self._waiting = _WaitingGauge()
+        self._waiting = _waiting()
         self.registry.register(self._waiting)
 
     def upstream(self, name: str) -> UpstreamMetrics:
@@ -222,58 +222,51 @@ class Metrics:
     ) -> bytes:
         """The Prometheus text of every metric, with ``counts`` as the effects by state, ``ahead`` as the
         partitions' days left, ``waiting`` as the oldest waiting effects' ages (None: left out)."""
-        self._states.counts = counts
+        self._states.values = counts
         self._ahead.ahead = ahead
-        self._waiting.ages = waiting
+        self._waiting.values = waiting
         return generate_latest(self.registry)
 
 
-class _StateGauge:
-    """The effects by state, read from the store (not counted per process): the gateway's as a whole."""
+class _ReadGauge:
+    """A gauge of values read from the store by label (the gateway's as a whole, not counted per
+    process), set before each scrape; None leaves it out of that scrape."""
 
-    def __init__(self) -> None:
-        self.counts: Mapping[str, int] | None = None
+    def __init__(self, name: str, documentation: str, label: str) -> None:
+        self._name, self._documentation, self._label = name, documentation, label
+        self.values: Mapping[str, int] | None = None
 
     def describe(self) -> list[Metric]:
         return [self._family()]
 
     def collect(self) -> Iterator[Metric]:
         family = self._family()
-        for state, n in sorted((self.counts or {}).items()):
-            family.add_metric([state], n)
+        for label, value in sorted((self.values or {}).items()):
+            family.add_metric([label], value)
         yield family
 
     def _family(self) -> GaugeMetricFamily:
-        return GaugeMetricFamily(
-            "effect_gateway_effects",
-            f"Effect records by state: open states exact up to {EXACT_OPEN_COUNT:,} each and estimated"
-            " above, completed from Postgres's estimate on large tables.",
-            labels=["state"],
-        )
+        return GaugeMetricFamily(self._name, self._documentation, labels=[self._label])
 
 
-class _WaitingGauge:
+def _states() -> _ReadGauge:
+    """The effects by state."""
+    return _ReadGauge(
+        "effect_gateway_effects",
+        f"Effect records by state: open states exact up to {EXACT_OPEN_COUNT:,} each and estimated"
+        " above, completed from Postgres's estimate on large tables.",
+        "state",
+    )
+
+
+def _waiting() -> _ReadGauge:
     """How long the oldest effect in doubt, and the oldest waiting for review, have existed: what an
-    alert on effects left waiting for someone asks (the gateway's as a whole, read from the store)."""
-
-    def __init__(self) -> None:
-        self.ages: Mapping[str, int] | None = None
-
-    def describe(self) -> list[Metric]:
-        return [self._family()]
-
-    def collect(self) -> Iterator[Metric]:
-        family = self._family()
-        for state, seconds in sorted((self.ages or {}).items()):
-            family.add_metric([state], seconds)
-        yield family
-
-    def _family(self) -> GaugeMetricFamily:
-        return GaugeMetricFamily(
-            "effect_gateway_oldest_waiting_seconds",
-            "Seconds since the oldest effect in the state (in_doubt, needs_review) was claimed; 0: none.",
-            labels=["state"],
-        )
+    alert on effects left waiting for someone asks."""
+    return _ReadGauge(
+        "effect_gateway_oldest_waiting_seconds",
+        "Seconds since the oldest effect in the state (in_doubt, needs_review) was claimed; 0: none.",
+        "state",
+    )
 
 
 class _BuildInfo:
@@ -361,8 +354,8 @@ class CachedCounts:
 def states_exposition(counts: Mapping[str, int] | None) -> bytes:
     """The Prometheus text of the effects by state alone."""
     registry = CollectorRegistry()
-    gauge = _StateGauge()
-    gauge.counts = counts
+    gauge = _states()
+    gauge.values = counts
     registry.register(gauge)
     return generate_latest(registry)
 
