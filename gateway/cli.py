@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 import warnings
@@ -256,11 +257,27 @@ async def _read_effect(store: AuditReads, effect_id: int) -> EffectRecord:
     return record
 
 
-async def _listed(store: AuditReads, where: EffectFilter, effect_id: int | None) -> list[dict[str, Any]]:
-    """Return the effect ``effect_id`` in full, or the page ``where`` selects, as the effects API has them."""
+async def _listed(
+    store: AuditReads, where: EffectFilter, effect_id: int | None
+) -> tuple[list[dict[str, Any]], dict[str, str] | None]:
+    """The effect ``effect_id`` in full, or the page ``where`` selects, as the effects API has them; and
+    what the query of the next page changes (effects_json.next_query), None when this one is the last."""
     if effect_id is not None:
-        return [effects_json.effect_json(await _read_effect(store, effect_id), full=True)]
-    return [effects_json.effect_json(r, full=False) for r in await store.find(where)]
+        return [effects_json.effect_json(await _read_effect(store, effect_id), full=True)], None
+    records = await store.find(where)
+    more = effects_json.next_query(where, records[-1]) if records and len(records) == where.limit else None
+    return [effects_json.effect_json(r, full=False) for r in records], more
+
+
+def _next_command(args: argparse.Namespace, changes: dict[str, str]) -> str:
+    """The command line that lists the page after this one: this one's options, with ``changes``."""
+    config = getattr(args, "config", None)
+    words = ["effect-gateway", *(["--config", str(config)] if config else []), "effects"]
+    options = ("state", "upstream", "tenant", "run", "since", "until", "limit")
+    given = {name: value for name in options if (value := getattr(args, name)) is not None}
+    for name, value in {**given, **changes}.items():
+        words += [f"--{name}", str(value)]
+    return shlex.join(words)
 
 
 def cmd_effects(settings: Settings, args: argparse.Namespace) -> int:
@@ -271,6 +288,8 @@ def cmd_effects(settings: Settings, args: argparse.Namespace) -> int:
             ("upstream", args.upstream),
             ("run", args.run),
             ("since", args.since),
+            ("until", args.until),
+            ("before", args.before),
             ("limit", args.limit),
         )
         if value is not None
@@ -282,17 +301,22 @@ def cmd_effects(settings: Settings, args: argparse.Namespace) -> int:
     if args.id is not None:
         effect_id(args.id)
 
-    async def run(dsn: str) -> list[dict[str, Any]]:
+    async def run(dsn: str) -> tuple[list[dict[str, Any]], dict[str, str] | None]:
         await ready(dsn)
         async with opened(dsn) as store:
             return await _listed(store, where, args.id)
 
     with database(settings, create=False) as dsn:
-        rows = asyncio.run(run(dsn))
+        rows, more = asyncio.run(run(dsn))
     if args.id is not None:
         emit(rows[0], report.effect_detail(rows[0]), args.json)
-    else:
-        emit(rows, report.effects_table(rows), args.json)
+        return 0
+    # As the effects API pages: "next" is how to read the page after this one (here, its command line).
+    following = _next_command(args, more) if more is not None else None
+    lines = report.effects_table(rows)
+    if following is not None:
+        lines.append(f"more: {following}")
+    emit({"effects": rows, "next": following}, lines, args.json)
     return 0
 
 
@@ -441,6 +465,8 @@ def parser() -> argparse.ArgumentParser:
     eff.add_argument("--tenant")
     eff.add_argument("--run", help="the agent's run id")
     eff.add_argument("--since", help="an ISO time or a duration such as 1h")
+    eff.add_argument("--until", help="an ISO time or a duration such as 1h (effects created before it)")
+    eff.add_argument("--before", type=int, help="effects older than this id (the next page's start)")
     eff.add_argument("--limit", type=int)
 
     res = sub.add_parser("resolve", help="an operator's verdict on an effect that needs review")

@@ -504,6 +504,15 @@ class SimDatabase:
             counts = {state: min(n, EXACT_OPEN_COUNT) for state, n in counts.items()}
         return counts
 
+    def oldest_waiting(self, tenant: str | None = None) -> dict[str, int]:
+        now = self.now()
+        ages = {}
+        for state in (State.IN_DOUBT, State.NEEDS_REVIEW):
+            rows = [r for r in self.rows.values() if r.state is state and tenant in (None, r.tenant)]
+            oldest = min(rows, key=lambda r: r.id, default=None)
+            ages[state.value] = max(0, int((now - oldest.created_at).total_seconds())) if oldest else 0
+        return ages
+
     # --- retention (gateway.partitions.drop_expired_bodies) ------------------------------------------
 
     def maintain(self, retention: timedelta, progress: partitions.Progress) -> list[partitions.Partition]:
@@ -742,6 +751,9 @@ class SimStore:
 
     async def state_counts(self, tenant: str | None = None) -> dict[str, int]:
         return await self._statement("state_counts", lambda: self.db.state_counts(tenant))
+
+    async def oldest_waiting(self, tenant: str | None = None) -> dict[str, int]:
+        return await self._statement("oldest_waiting", lambda: self.db.oldest_waiting(tenant))
 
     async def partitions_ahead(self) -> partitions.Ahead:
         # Bodies here are kept by time with no table per day: a row stored at any time has a home.

@@ -8,6 +8,7 @@ import errno
 import importlib.metadata
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -177,8 +178,10 @@ async def test_serve_runs_on_the_embedded_postgres_and_stops_it(tmp_path: Path, 
     elsewhere.mkdir()
     listed = cli("effects", "--json", config=config, cwd=elsewhere)
     assert listed.status == 0, listed.err
-    rows = json.loads(listed.out)
+    page = json.loads(listed.out)
+    rows = page["effects"]
     assert [(r["key"], r["state"], r["response_status"]) for r in rows] == [("cli-1", "completed", 201)]
+    assert page["next"] is None
     assert not (elsewhere / "data").exists()
     migrated = cli("migrate", config=config, cwd=elsewhere)
     assert migrated.out.splitlines() == [
@@ -532,7 +535,7 @@ async def test_effects_json_into_head_ends_quietly(tmp_path: Path, dsn: str) -> 
         env=_env({"EFFECT_GATEWAY_DATABASE_URL": dsn}),
     )
     out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert out.decode() == "[\n"
+    assert out.decode() == "{\n"  # the page: {"effects": [...], "next": ...}
     assert err.decode() == "status 141\n"
 
 
@@ -931,3 +934,20 @@ async def test_the_text_of_an_effect_keeps_each_history_entry_on_one_line(
     text = await in_thread(run, "effects", str(waiting.id), config=config, env=env)
     assert text.status == 0, text.err
     assert not [line for line in text.out.splitlines() if "mallory" in line and "note" not in line]
+
+
+async def test_effects_json_pages_as_the_api_and_says_how_to_read_the_next(
+    dsn: str, run: Callable[..., Done]
+) -> None:
+    """`effects --json` is the API's page, {"effects", "next"}: with more than --limit, "next" is the
+    command that lists the rest, and that page's "next" is null; the table says the same in a line."""
+    env = {"EFFECT_GATEWAY_DATABASE_URL": dsn}
+    for key in ("k-1", "k-2", "k-3"):
+        await effect(dsn, key, review=True)
+    first = json.loads((await in_thread(run, "effects", "--limit", "2", "--json", env=env)).out)
+    assert [e["key"] for e in first["effects"]] == ["k-3", "k-2"]
+    assert first["next"] == "effect-gateway effects --limit 2 --before 2"
+    rest = json.loads((await in_thread(run, *shlex.split(first["next"])[1:], "--json", env=env)).out)
+    assert ([e["key"] for e in rest["effects"]], rest["next"]) == (["k-1"], None)
+    table = (await in_thread(run, "effects", "--limit", "2", env=env)).out.splitlines()
+    assert table[-1] == "more: effect-gateway effects --limit 2 --before 2"

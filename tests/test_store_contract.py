@@ -1185,3 +1185,16 @@ async def _settle_two_months(dsn: str, old_id: int) -> None:
         assert isinstance(results[2], StoreRejected)
         assert (await store.reread(old)).response == OK
         assert (await store.reread(this_month)).state is State.PENDING
+
+
+async def test_the_oldest_waiting_effects_are_aged_per_state_and_per_tenant(subject: Subject) -> None:
+    """The age of the oldest effect in doubt and of the oldest waiting for review, 0 for a state with
+    none; a tenant sees only its own."""
+    store = subject.store
+    record = await claimed(store, "waits", lease=EXPIRED, tenant="t1")
+    assert await store.send_to_review(record, review(record), "nothing can tell") is not None
+    ages = await store.oldest_waiting()
+    assert set(ages) == {"in_doubt", "needs_review"}
+    assert ages["in_doubt"] == 0
+    assert 0 <= ages["needs_review"] < 60
+    assert await store.oldest_waiting("t2") == {"in_doubt": 0, "needs_review": 0}
