@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
+import math
 import re
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -41,6 +44,7 @@ from gateway.sessions import (
     sent_sessions,
 )
 from gateway.settings import Settings
+from gateway.sign_ins import SignIns
 
 # No scripts, no frames, no plug-ins; styles only from our own stylesheet; forms post only to us.
 SECURITY_HEADERS = {
@@ -71,12 +75,15 @@ class _Keyring:
 
 
 KEYRING = web.AppKey("audit_keyring", _Keyring)
+SIGN_INS = web.AppKey("audit_sign_ins", SignIns)
+log = logging.getLogger("effect_gateway")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def add_routes(app: web.Application) -> None:
     app[KEYRING] = _Keyring()
+    app[SIGN_INS] = SignIns()
     app.router.add_get(BASE, list_effects)
     app.router.add_get(BASE + "/style.css", stylesheet)
     app.router.add_post(BASE + "/sign-in", sign_in)
@@ -502,13 +509,30 @@ async def sign_in(request: web.Request) -> web.StreamResponse:
     settings = _runtime(request).settings
     if is_admin(request, settings) and settings.admin.token is None:
         return _redirect(next_path)  # the open gateway: nothing to sign in to
+    # The connection's peer: behind a reverse proxy, the proxy's, which every sign-in through it shares.
+    address, sign_ins, now = request.remote or "(unknown)", request.app[SIGN_INS], time.monotonic()
+    if (left := sign_ins.wait(address, now)) > 0:
+        log.warning("a sign-in to the audit page from %s was refused unread: too many failed", address)
+        raise PageError(
+            429,
+            "Too many failed sign-ins",
+            f"Too many tokens that did not work came from this address: try again in {math.ceil(left)} s.",
+        )
     token = form.get("token")
     token = token.strip() if isinstance(token, str) else ""
     principal = holder(token, _tokens(settings)) if token else None
     if principal is None:
+        count, waits = sign_ins.failed(address, now)
+        log.warning(
+            "a sign-in to the audit page from %s failed (%d in a row)%s",
+            address,
+            count,
+            f"; it may try again in {waits:g} s" if waits else "",
+        )
         return _sign_in_page(
             request, next_path, "That token is neither the admin token nor a tenant's token."
         )
+    sign_ins.succeeded(address)
     cookie, _ = (await _keys(request)).issue(principal, token, _now())
     resp = _redirect(next_path)
     # Any copy at another path (set by a page on another port) would be sent beside the new one.

@@ -7,6 +7,7 @@ make on its own (a foreign Origin, a forged token) and the session rules themsel
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -558,3 +559,27 @@ def test_a_form_reads_as_its_fields_say_or_not_at_all(
         return
     assert urlencoded.text_fields(raw, 10) == expected
     assert urlencoded.text_fields(b"by=Jos%E9&&x\n", 10, "iso-8859-1") == [("by", "José"), ("x", "")]
+
+
+async def test_an_address_that_keeps_failing_to_sign_in_waits_before_its_next_try(
+    dsn: str, upstream: Upstream, tokens: dict[str, object], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each failed sign-in is logged with its address; after three in a row the fourth makes the address
+    wait a second, during which even the right token is refused unread (429), and after which it works."""
+    shop = {"shop": {"base_url": upstream.url}}
+    async with gateway_server(dsn, upstreams=shop, **tokens) as gw, aiohttp.ClientSession() as http:
+        with caplog.at_level(logging.WARNING, logger="effect_gateway"):
+            failed = [(await _sign_in(http, gw.admin_url, f"guess-{n}")).status for n in range(4)]
+            refused = await _sign_in(http, gw.admin_url, "adm-1")
+            await asyncio.sleep(1.1)
+            admitted = await _sign_in(http, gw.admin_url, "adm-1")
+    assert failed == [401, 401, 401, 401]  # the sign-in page again, saying the token did not work
+    assert refused.status == 429
+    assert admitted.status == 303
+    said = [r.getMessage() for r in caplog.records if "sign-in to the audit page" in r.getMessage()]
+    failures = [f"a sign-in to the audit page from 127.0.0.1 failed ({n} in a row)" for n in (1, 2, 3)]
+    assert said[:4] == [
+        *failures,
+        failures[0].replace("(1 in a row)", "(4 in a row); it may try again in 1 s"),
+    ]
+    assert "refused unread" in said[4]
