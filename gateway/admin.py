@@ -10,7 +10,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway import jsonbody, operators, problems, process
-from gateway.auth import is_admin, tenant_of
+from gateway.auth import is_admin, operator_of, tenant_of
 from gateway.effects_json import MAX_ID, effect_json, next_query, parse_filter, parse_resolution, whole_number
 from gateway.errors import JsonRefused, StoreUnavailable
 from gateway.metrics import states_exposition
@@ -35,9 +35,11 @@ def _runtime(request: web.Request) -> Runtime:
 
 
 def _viewer(request: web.Request, runtime: Runtime) -> str | None:
-    """The tenant whose effects this caller may read; None for all (the admin)."""
+    """The tenant whose effects this caller may read; None for all (the admin, an operator of all)."""
     if is_admin(request, runtime.settings):
         return None
+    if (operator := operator_of(request, runtime.settings)) is not None:
+        return operator.tenant
     if runtime.settings.tenants and "Effect-Gateway-Token" in request.headers:
         return tenant_of(request, runtime.settings)
     raise problems.AdminTokenRequired("send the admin token as Authorization: Bearer <token>")
@@ -135,15 +137,19 @@ async def get_effect(request: web.Request) -> web.Response:
 
 async def resolve_effect(request: web.Request) -> web.Response:
     runtime = _runtime(request)
-    if not is_admin(request, runtime.settings):
-        raise problems.AdminTokenRequired("resolving an effect needs the admin token")
+    operator = operator_of(request, runtime.settings)
+    if operator is None and not is_admin(request, runtime.settings):
+        raise problems.AdminTokenRequired("resolving an effect needs an operator's token or the admin token")
     if request.content_type != "application/json":
         # A page on another site can post a form or text/plain without asking, but not JSON: on a
         # gateway open without an admin token, this is what keeps such a page from resolving effects.
         raise problems.BadRequest("send the verdict as Content-Type: application/json")
-    by = request.headers.get("Effect-Gateway-Operator")
+    # A named operator is recorded by their name (what the header says, a ticket say, beside it); the
+    # admin token, which automation shares, by what the header says.
+    given = request.headers.get("Effect-Gateway-Operator")
+    by = given if operator is None else f"{operator.name} ({given})" if given else operator.name
     operators.check_name(by)  # BadName: a 400 (gateway.replies.problem_of_error)
-    record = await _load(request, None)
+    record = await _load(request, operator.tenant if operator is not None else None)
     try:
         doc = jsonbody.loads(await read_request_body(request, runtime.settings))
     except JsonRefused as exc:

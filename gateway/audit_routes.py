@@ -25,7 +25,7 @@ from multidict import MultiDict
 
 from gateway import audit_page, effect_page, operators, problems, replies, urlencoded
 from gateway.audit_page import BASE, Chrome, Listing
-from gateway.auth import is_admin, tenant_of
+from gateway.auth import is_admin, operator_of, tenant_of
 from gateway.decision import verdict_refused
 from gateway.effect_page import ResolveForm, Verdict
 from gateway.effects_json import MAX_ID, next_query, parse_filter, parse_resolution, whole_number
@@ -215,6 +215,8 @@ async def _keys(request: web.Request) -> SessionKeys:
 def _tokens(settings: Settings) -> dict[Principal, str]:
     """Every token a person may sign in with: each tenant's, and the admin's when there is one."""
     tokens = {Principal(name): t.token.get_secret_value() for name, t in settings.tenants.items()}
+    for name, operator in settings.operators.items():
+        tokens[Principal(operator.tenant, name)] = operator.token.get_secret_value()
     if settings.admin.token is not None:
         tokens[ADMIN] = settings.admin.token.get_secret_value()
     return tokens
@@ -228,10 +230,11 @@ class Viewer:
     who: str
     session: Session | None
     keys: SessionKeys
+    operator: str | None = None  # a named operator's name, recorded with each verdict they give
 
     @property
     def may_resolve(self) -> bool:
-        return self.tenant is None
+        return self.tenant is None or self.operator is not None
 
     @property
     def csrf(self) -> str:
@@ -249,6 +252,8 @@ async def _viewer(request: web.Request) -> Viewer | None:
         if settings.admin.token is None:
             return Viewer(None, "open gateway: loopback only, no admin token", None, keys)
         return Viewer(None, "admin (bearer token)", None, keys)
+    if (operator := operator_of(request, settings)) is not None:
+        return Viewer(operator.tenant, f"operator {operator.name} (bearer token)", None, keys, operator.name)
     if settings.tenants and "Effect-Gateway-Token" in request.headers:
         tenant = tenant_of(request, settings)
         return Viewer(tenant, f"tenant {tenant} (token)", None, keys)
@@ -258,7 +263,7 @@ async def _viewer(request: web.Request) -> Viewer | None:
     if session is None:
         return None
     who = f"{session.principal.label} · until {audit_page.utc(session.expires)}"
-    return Viewer(session.principal.tenant, who, session, keys)
+    return Viewer(session.principal.tenant, who, session, keys, session.principal.operator)
 
 
 def _https(request: web.Request) -> bool:
@@ -451,9 +456,11 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
     _check_form(request, viewer, form)
     if not viewer.may_resolve:
         raise PageError(
-            403, "Only the admin resolves", "A tenant reads its effects; the admin token resolves them."
+            403,
+            "Only an operator resolves",
+            "A tenant reads its effects; an operator's token or the admin token resolves them.",
         )
-    record = await _load(request, None)
+    record = await _load(request, viewer.tenant)
     happened = form.get("happened")
     if happened not in ("yes", "no"):
         raise PageError(400, "Which verdict?", "Say whether the effect happened (yes) or not (no).")
@@ -461,7 +468,7 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
     response = None
     try:
         try:
-            operators.check_name(entered.by)
+            operators.check_name(_recorded_as(viewer, entered.by))
         except BadName as exc:
             raise problems.BadRequest(_sentence(exc)) from None
         if happened == "yes":
@@ -469,7 +476,7 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
     except problems.BadRequest as exc:
         again = _verdict(record, viewer, replace(entered, error=exc.detail))
         return _html(effect_page.effect(record, viewer.chrome(), again), 400)
-    by = entered.by or "admin, on the audit page"
+    by = _recorded_as(viewer, entered.by)
     runtime = _runtime(request)
     try:
         resolved = await operators.resolve(
@@ -488,6 +495,14 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
         return _html(effect_page.effect(fresh, viewer.chrome(), _verdict(fresh, viewer), message), 409)
     verdict_given(runtime, resolved, happened == "yes", by)
     return _redirect(f"{BASE}/{record.id}?resolved={'happened' if happened == 'yes' else 'did-not-happen'}")
+
+
+def _recorded_as(viewer: Viewer, typed: str | None) -> str:
+    """Who a verdict from the page is recorded as: a named operator by their name (what they typed, a
+    ticket say, beside it), the admin token by what was typed, else as the admin on the page."""
+    if viewer.operator is None:
+        return typed or "admin, on the audit page"
+    return f"{viewer.operator} ({typed})" if typed else viewer.operator
 
 
 def _judged_attempt(form: Mapping[str, object]) -> int:
@@ -530,7 +545,7 @@ async def sign_in(request: web.Request) -> web.StreamResponse:
             f"; it may try again in {waits:g} s" if waits else "",
         )
         return _sign_in_page(
-            request, next_path, "That token is neither the admin token nor a tenant's token."
+            request, next_path, "That token is not the admin token, an operator's, or a tenant's."
         )
     sign_ins.succeeded(address)
     cookie, _ = (await _keys(request)).issue(principal, token, _now())

@@ -1,4 +1,4 @@
-"""Who the caller is: the tenant an agent's token names, and whether a request carries the admin token.
+"""Who the caller is: the tenant an agent's token names, the admin token, or a named operator's.
 
 Tokens are compared in constant time, every tenant's each time, so the time taken says nothing about
 which token is close.
@@ -7,6 +7,7 @@ which token is close.
 from __future__ import annotations
 
 import hmac
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -34,12 +35,37 @@ def tenant_of(request: web.Request, settings: Settings) -> str:
     return found
 
 
+@dataclass(frozen=True, slots=True)
+class Operator:
+    """A person signed in by their own token: every verdict they give records their name."""
+
+    name: str
+    tenant: str | None  # the one tenant whose effects they see and resolve; None: every tenant's
+
+
+def _bearer(request: web.Request) -> str | None:
+    """The token of ``Authorization: Bearer <token>`` (RFC 6750: the scheme in any case), or None."""
+    scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+    # A bare token is refused, so it never works by accident.
+    return given.strip() if scheme.lower() == "bearer" else None
+
+
+def operator_of(request: web.Request, settings: Settings) -> Operator | None:
+    """The named operator whose token the request carries as a Bearer, or None."""
+    given = _bearer(request)
+    found = None
+    for name, operator in settings.operators.items():
+        # compare_digest with every operator's: the time taken says nothing about which token is close.
+        if given is not None and _same_secret(given, operator.token.get_secret_value()):
+            found = Operator(name, operator.tenant)
+    return found
+
+
 def is_admin(request: web.Request, settings: Settings) -> bool:
     """Say whether the request may use the admin surface: it carries the admin token as a Bearer."""
     token = settings.admin.token
     if token is None:
         # No admin token: only a single-tenant gateway, whose admin listener is on loopback alone, is open.
         return settings.admin_open
-    scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
-    # RFC 6750: "Bearer" (any case) and the token; a bare token is refused, so it never works by accident.
-    return scheme.lower() == "bearer" and _same_secret(given.strip(), token.get_secret_value())
+    given = _bearer(request)
+    return given is not None and _same_secret(given, token.get_secret_value())

@@ -38,23 +38,22 @@ _MAC_BYTES = 16
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who signed in: the admin (``tenant`` None) or one tenant."""
+    """Who signed in: the admin (neither), one tenant (read only), or a named operator (who resolves,
+    among one tenant's effects or every tenant's)."""
 
     tenant: str | None
+    operator: str | None = None
 
     @property
     def label(self) -> str:
+        if self.operator is not None:
+            return f"operator {self.operator}"
         return "admin" if self.tenant is None else f"tenant {self.tenant}"
 
     def _claim(self) -> str:
+        if self.operator is not None:
+            return "operator:" + self.operator
         return "admin" if self.tenant is None else "tenant:" + self.tenant
-
-    @classmethod
-    def _parse(cls, claim: str) -> Principal | None:
-        if claim == "admin":
-            return cls(None)
-        kind, _, name = claim.partition(":")
-        return cls(name) if kind == "tenant" and name else None
 
 
 ADMIN = Principal(None)
@@ -145,7 +144,7 @@ def forgetting(path: str, host: str, *, secure: bool, keep: str | None = None) -
 
 
 def holder(token: str, tokens: Mapping[Principal, str]) -> Principal | None:
-    """Whose token this is, among the admin's and the tenants' (``tokens``), or None."""
+    """Whose token this is, among the admin's, the operators' and the tenants' (``tokens``), or None."""
     found = None
     for principal, known in tokens.items():
         # compare_digest against every token: the time taken says nothing about which one is close.
@@ -189,13 +188,14 @@ class SessionKeys:
         if not mac.isascii() or not hmac.compare_digest(mac, self._mac("session", claims)):
             return None
         who, expires, session_id, fingerprint = claims.split("|")
-        principal = Principal._parse(who)
+        # Whoever the configuration says holds that claim now (an operator's tenant may have changed).
+        principal = next((p for p in tokens if p._claim() == who), None)
         until = datetime.fromtimestamp(int(expires), UTC)
         if principal is None or now >= until:
             return None
-        token = tokens.get(principal)
+        token = tokens[principal]
         # The token was rotated or removed: every session signed in with the old one ends.
-        if token is None or not hmac.compare_digest(fingerprint, self.fingerprint(token)):
+        if not hmac.compare_digest(fingerprint, self.fingerprint(token)):
             return None
         return Session(principal, session_id, until)
 

@@ -452,6 +452,14 @@ class AdminSettings(_Section):
     token: Secret | None = None
 
 
+class OperatorSettings(_Section):
+    """A person who reads and resolves effects under their own name, which every verdict records."""
+
+    token: Secret
+    # The one tenant whose effects they see and resolve; omitted: every tenant's.
+    tenant: str | None = None
+
+
 _UPSTREAM_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
 
@@ -534,6 +542,7 @@ class Settings(BaseSettings):
     routine_decisions: Literal["info", "debug"] = "info"
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
     admin: AdminSettings = Field(default_factory=AdminSettings)
+    operators: dict[str, OperatorSettings] = Field(default_factory=dict)
     upstreams: dict[str, UpstreamSettings] = Field(default_factory=dict)
 
     @classmethod
@@ -618,7 +627,12 @@ class Settings(BaseSettings):
         for name in self.tenants:
             if not _UPSTREAM_NAME.match(name):
                 raise ValueError(f"tenant name {name!r} must be lower-case letters, digits, - or _")
-        _distinct_tokens(self.tenants, self.admin.token)
+        for name, operator in self.operators.items():
+            if not _UPSTREAM_NAME.match(name):
+                raise ValueError(f"operator name {name!r} must be lower-case letters, digits, - or _")
+            if operator.tenant is not None and operator.tenant not in self.tenants:
+                raise ValueError(f"operators.{name}.tenant {operator.tenant!r} is not a configured tenant")
+        _distinct_tokens(self.tenants, self.admin.token, self.operators)
         if not self.tenants and not is_loopback(listen_host(self.listen)):
             raise ValueError(
                 f"listen {self.listen!r} is beyond loopback: configure [tenants] so agents present a token"
@@ -638,18 +652,23 @@ class Settings(BaseSettings):
 
     @property
     def admin_open(self) -> bool:
-        """Whether the admin routes answer without a token: a single-tenant gateway with no admin token."""
-        return self.admin.token is None and not self.tenants
+        """Whether the admin routes answer without a token: a single-tenant gateway with no admin token
+        and no named operators (with them, every verdict must name one)."""
+        return self.admin.token is None and not self.tenants and not self.operators
 
 
-def _distinct_tokens(tenants: dict[str, TenantSettings], admin: SecretStr | None) -> None:
-    """A token says who the caller is: shared, one tenant's requests are another's, or a tenant is admin."""
+def _distinct_tokens(
+    tenants: dict[str, TenantSettings], admin: SecretStr | None, operators: dict[str, OperatorSettings]
+) -> None:
+    """A token says who the caller is: shared, one tenant's requests are another's, a tenant is admin, or
+    a verdict names the wrong person."""
     holder: dict[str, str] = {}
-    for name, tenant in tenants.items():
-        if (first := holder.setdefault(tenant.token.get_secret_value(), name)) != name:
-            raise ValueError(f"tenants {first} and {name} have the same token; each needs its own")
-    if admin is not None and (tenant_name := holder.get(admin.get_secret_value())) is not None:
-        raise ValueError(f"tenant {tenant_name} and the admin have the same token; each needs its own")
+    held = [(f"tenant {name}", t.token) for name, t in tenants.items()]
+    held += [(f"operator {name}", o.token) for name, o in operators.items()]
+    held += [("the admin", admin)] if admin is not None else []
+    for who, token in held:
+        if (first := holder.setdefault(token.get_secret_value(), who)) != who:
+            raise ValueError(f"{first} and {who} have the same token; each needs its own")
 
 
 def listen_host(listen: str, setting: str = "listen") -> str:

@@ -145,7 +145,9 @@ async def test_a_person_signs_in_sees_the_effects_and_filters_and_pages_them(
         await needs_review(http, gw, "k-flaky")
         page = person.page
         await person.sign_in(gw.admin_url, "not-the-token")
-        await expect(page.get_by_role("alert")).to_contain_text("neither the admin token nor a tenant's")
+        await expect(page.get_by_role("alert")).to_contain_text(
+            "not the admin token, an operator's, or a tenant's"
+        )
         await page.get_by_label("Token").fill("adm-1")
         await page.get_by_role("button", name="Sign in").click()
         await expect(page.get_by_role("heading", name="Effects")).to_be_visible()

@@ -257,11 +257,12 @@ async def _needs_review(http: aiohttp.ClientSession, url: str, upstream: Upstrea
 
 
 async def _resolvable_page(
-    http: aiohttp.ClientSession, gw: Gateway, upstream: Upstream
+    http: aiohttp.ClientSession, gw: Gateway, upstream: Upstream, token: str = "adm-1"
 ) -> tuple[str, str, dict[str, str]]:
-    """An effect waiting for an operator, and the admin's session on its page: (cookie, csrf, attempt)."""
+    """An effect waiting for an operator, and the session of ``token`` (the admin's) on its page:
+    (cookie, csrf, attempt)."""
     await _needs_review(http, gw.url, upstream)
-    cookie = _cookie(await _sign_in(http, gw.admin_url, "adm-1"))
+    cookie = _cookie(await _sign_in(http, gw.admin_url, token))
     _, page = await _page(http, f"{gw.admin_url}{AUDIT}/1", cookie)
     found = re.search(r'name="csrf" value="([^"]+)"', page)
     assert found is not None
@@ -583,3 +584,26 @@ async def test_an_address_that_keeps_failing_to_sign_in_waits_before_its_next_tr
         failures[0].replace("(1 in a row)", "(4 in a row); it may try again in 1 s"),
     ]
     assert "refused unread" in said[4]
+
+
+async def test_a_named_operators_verdict_on_the_page_records_their_name(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, tokens: dict[str, object]
+) -> None:
+    """Signed in with their own token, an operator's verdict is recorded under their name, with what
+    they typed beside it; the page says who is signed in."""
+    operators = {"operators": {"asha": {"token": "op-asha"}}}
+    async with gateway_server(
+        dsn, upstreams={"shop": {"base_url": upstream.url}}, **tokens, **operators
+    ) as gw:
+        cookie, csrf, judged = await _resolvable_page(http, gw, upstream, token="op-asha")
+        _, page = await _page(http, f"{gw.admin_url}{AUDIT}/1", cookie)
+        async with http.post(
+            f"{gw.admin_url}{AUDIT}/1/resolve",
+            data={"csrf": csrf, "attempt": judged["attempt"], "happened": "no", "by": "INC-7"},
+            headers={"Cookie": f"{COOKIE}={cookie}", "Origin": gw.admin_url},
+            allow_redirects=False,
+        ) as resp:
+            assert resp.status == 303, await resp.text()
+    assert "operator asha" in page
+    [row] = await effect_rows(dsn)
+    assert (row["state"], row["history"][-1]["by"]) == ("retryable", "asha (INC-7)")

@@ -19,6 +19,7 @@ MODELS: list[type[BaseModel]] = [
     settings.StampSettings,
     settings.TenantSettings,
     settings.AdminSettings,
+    settings.OperatorSettings,
 ]
 
 
