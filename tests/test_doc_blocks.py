@@ -13,8 +13,8 @@ That is what ``make serve`` starts on its fixed ports, so a block runs here as a
   for its program (tests/doc_commands.py). curl, ``effect-gateway`` and the programs of examples/ run,
   at this world's addresses; the rest (make, docker, kubectl, systemd, ...) cannot run here and are
   checked to name real targets, files, subcommands and flags, each rule saying why it does not run.
-- ``toml``: a whole configuration loads as the gateway loads its file; ``toml fragment`` loads added to
-  examples/gateway.toml; ``toml PATH`` is the file at PATH, verbatim.
+- ``toml``: a whole configuration loads as the gateway loads its file; ``toml fragment`` loads appended,
+  as written, to examples/gateway.toml; ``toml PATH`` is the file at PATH, verbatim.
 - ``json verdict``: an operator's verdict, accepted by the resolve route for an effect awaiting one.
 - ``text output``, right after a ``python`` or ``sh`` block: what that block prints (``...``: any text).
 - ``text transitions``: the state table of gateway/states.py. ``ini postgresql.conf``: the Postgres
@@ -36,7 +36,6 @@ import tomllib
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 from unittest import mock
 
 import asyncpg
@@ -110,23 +109,15 @@ def run_python(unit: Unit, world: World) -> None:
 def load_toml(unit: Unit, world: World) -> None:
     """A configuration loads as ``serve`` would load it (secrets left unresolved: the reader sets them)."""
     labels = unit.block.labels
-    data = tomllib.loads(unit.block.text)
-    if labels == ("fragment",):
-        data = _merged(tomllib.loads(EXAMPLE.read_text()), data)
-    elif not shows_a_file(unit):
+    # A fragment is appended to examples/gateway.toml as written, as the page tells the reader to: a
+    # table the file has already would be a second definition, which TOML refuses.
+    text = EXAMPLE.read_text() + "\n" + unit.block.text if labels == ("fragment",) else unit.block.text
+    data = tomllib.loads(text)
+    if labels != ("fragment",) and not shows_a_file(unit):
         require_labels(unit, ())
     ours = {k: v for k, v in os.environ.items() if not k.startswith("EFFECT_GATEWAY_")}
     with mock.patch.dict(os.environ, ours, clear=True):  # the block alone, no variable of the suite's
         load_settings(None, need_secrets=False, **data)
-
-
-def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """``extra``'s settings over ``base``'s, table by table."""
-    out = dict(base)
-    for key, value in extra.items():
-        both = isinstance(value, dict) and isinstance(out.get(key), dict)
-        out[key] = _merged(out[key], value) if both else value
-    return out
 
 
 def check_json(unit: Unit, world: World) -> None:

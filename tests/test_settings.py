@@ -141,7 +141,10 @@ ON_9000 = 'listen = "127.0.0.1:9000"\n[upstreams.m]\nbase_url = "http://x"\n'
             "* stands for one whole segment",
         ),
         # one token for two principals: the requests of one went to the other, or a tenant was the admin
-        ('[tenants.a]\ntoken = "same"\n[tenants.b]\ntoken = "same"', "tenant a and tenant b have the same token"),
+        (
+            '[tenants.a]\ntoken = "same"\n[tenants.b]\ntoken = "same"',
+            "tenant a and tenant b have the same token",
+        ),
         ('[tenants.a]\ntoken = "same"\n[admin]\ntoken = "same"', "tenant a and the admin"),
         # the operators' listener beyond loopback with nobody asked for a token: anyone could resolve
         ('admin_listen = "0.0.0.0:8788"', "admin_listen '0.0.0.0:8788' is beyond loopback"),
