@@ -325,3 +325,24 @@ async def test_script_looking_keys_and_paths_are_shown_as_text(
         await page.get_by_role("link", name="1", exact=True).click()
         await expect(page.locator("dl.facts").first).to_contain_text(keys[0])
         await person.shot("effect-script-key.png")
+
+
+async def test_a_named_operator_signs_in_as_themselves_and_their_verdict_carries_their_name(
+    db: str, shop: Upstream, http: aiohttp.ClientSession, person: Person, tokens: None
+) -> None:
+    """Signed in with their own token, the page names the operator, and their verdict's timeline entry
+    names them, with the ticket they typed beside it."""
+    flaky(shop)
+    operators = {"operators": {"asha": {"token": "op-asha"}}}
+    async with gateway_server(db, upstreams={"shop": {"base_url": shop.url}}, **ADMIN, **operators) as gw:
+        await needs_review(http, gw, "order-9")
+        page = person.page
+        await person.sign_in(gw.admin_url, "op-asha")
+        await expect(page.locator("header")).to_contain_text("operator asha")
+        await page.goto(f"{gw.admin_url}{AUDIT}/1")
+        await page.get_by_role("form", name="did not happen").get_by_label("Your name").fill("INC-7")
+        await page.get_by_role("button", name="Did not happen").click()
+        await expect(page.get_by_role("status")).to_contain_text("Recorded: the effect did not happen")
+        timeline = page.locator("ol.timeline li")
+        await expect(timeline.last).to_contain_text("by: asha (INC-7)")
+        await person.shot("effect-resolved-by-operator.png")
