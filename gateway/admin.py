@@ -144,10 +144,8 @@ async def resolve_effect(request: web.Request) -> web.Response:
         # A page on another site can post a form or text/plain without asking, but not JSON: on a
         # gateway open without an admin token, this is what keeps such a page from resolving effects.
         raise problems.BadRequest("send the verdict as Content-Type: application/json")
-    # A named operator is recorded by their name (what the header says, a ticket say, beside it); the
-    # admin token, which automation shares, by what the header says.
     given = request.headers.get("Effect-Gateway-Operator")
-    by = given if operator is None else f"{operator.name} ({given})" if given else operator.name
+    by = operators.recorded_as(operator.name if operator is not None else None, given, "admin")
     operators.check_name(by)  # BadName: a 400 (gateway.replies.problem_of_error)
     record = await _load(request, operator.tenant if operator is not None else None)
     try:

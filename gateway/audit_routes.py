@@ -498,11 +498,8 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
 
 
 def _recorded_as(viewer: Viewer, typed: str | None) -> str:
-    """Who a verdict from the page is recorded as: a named operator by their name (what they typed, a
-    ticket say, beside it), the admin token by what was typed, else as the admin on the page."""
-    if viewer.operator is None:
-        return typed or "admin, on the audit page"
-    return f"{viewer.operator} ({typed})" if typed else viewer.operator
+    """Who a verdict from the page is recorded as (gateway.operators.recorded_as)."""
+    return operators.recorded_as(viewer.operator, typed, "admin, on the audit page")
 
 
 def _judged_attempt(form: Mapping[str, object]) -> int:
@@ -547,7 +544,6 @@ async def sign_in(request: web.Request) -> web.StreamResponse:
         return _sign_in_page(
             request, next_path, "That token is not the admin token, an operator's, or a tenant's."
         )
-    sign_ins.succeeded(address)
     cookie, _ = (await _keys(request)).issue(principal, token, _now())
     resp = _redirect(next_path)
     # Any copy at another path (set by a page on another port) would be sent beside the new one.

@@ -392,8 +392,10 @@ def cmd_resolve(settings: Settings, args: argparse.Namespace) -> int:
     if not happened and (args.from_upstream or any(v is not None for v in response_given)):
         raise UsageError("--did-not-happen takes no response: nothing is replayed, the next retry sends")
     effect_id(args.id)
+    # Recorded as given on the command line, which no operator's own verdict reads like.
+    by = f"command line: {args.operator}" if args.operator else "command line"
     try:
-        operators.check_name(args.operator)
+        operators.check_name(by)
     except BadName as exc:
         raise UsageError(f"--operator: {exc}") from None
     given = None
@@ -413,7 +415,7 @@ def cmd_resolve(settings: Settings, args: argparse.Namespace) -> int:
                     attempt=args.attempt,
                     happened=happened,
                     response=response,
-                    by=args.operator,
+                    by=by,
                 )
             except NoSuchEffect as exc:
                 raise UsageError(str(exc)) from None

@@ -25,6 +25,16 @@ def _resolved_at(record: EffectRecord, attempt: int) -> bool:
 MAX_NAME = 200
 
 
+def recorded_as(operator: str | None, typed: str | None, default: str) -> str:
+    """Who a verdict is recorded as. A named operator by their name, what they typed beside it (a
+    ticket: ``asha (INC-7)``); the admin, whose token automation shares, as ``admin: <what was typed>``,
+    or ``default``. An operator's name has no space and is never ``admin``, so neither reads as the
+    other, whatever is typed."""
+    if operator is not None:
+        return f"{operator} ({typed})" if typed else operator
+    return f"admin: {typed}" if typed else default
+
+
 def check_name(by: str | None) -> None:
     """Raise :class:`BadName` for a name the history cannot keep (see :func:`gateway.legible.flaw`), or
     one over MAX_NAME."""

@@ -628,8 +628,11 @@ class Settings(BaseSettings):
             if not _UPSTREAM_NAME.match(name):
                 raise ValueError(f"tenant name {name!r} must be lower-case letters, digits, - or _")
         for name, operator in self.operators.items():
-            if not _UPSTREAM_NAME.match(name):
-                raise ValueError(f"operator name {name!r} must be lower-case letters, digits, - or _")
+            if not _UPSTREAM_NAME.match(name) or name == "admin":
+                raise ValueError(
+                    f"operator name {name!r} must be lower-case letters, digits, - or _, and not admin "
+                    "(a verdict by the admin token is recorded as admin)"
+                )
             if operator.tenant is not None and operator.tenant not in self.tenants:
                 raise ValueError(f"operators.{name}.tenant {operator.tenant!r} is not a configured tenant")
         _distinct_tokens(self.tenants, self.admin.token, self.operators)

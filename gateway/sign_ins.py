@@ -1,7 +1,9 @@
 """Failed sign-ins to the audit page, counted per address, and how long an address waits after them.
 
 A token is guessed by trying many: after a few failures from one address, that address may not try
-again for a while, doubling with each further failure. The wait is a refusal, not a delay of the
+again for a while, doubling with each further failure. A sign-in that works forgets nothing: with a
+token of little power (a tenant's), an address could otherwise clear its count between guesses at the
+admin's; only a quarter of an hour without a failure does. The wait is a refusal, not a delay of the
 answer: a delayed answer would let an attacker go on guessing over many connections at once. Kept in
 each worker's memory (no I/O, the clock passed in): several workers multiply the tries an address gets
 by their number, and a restart forgets.
@@ -60,7 +62,3 @@ class SignIns:
         while len(self._failed) > REMEMBERED:
             self._failed.popitem(last=False)
         return count, waits
-
-    def succeeded(self, address: str) -> None:
-        """A sign-in from ``address`` worked: its failures are forgotten."""
-        self._failed.pop(address, None)

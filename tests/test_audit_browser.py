@@ -231,7 +231,7 @@ async def test_an_operator_resolves_an_effect_as_happened_and_the_agent_retry_re
         await expect(page.get_by_role("button", name="Did not happen")).to_have_count(0)
         await expect(page.locator("pre").last).to_have_text(body)
         await expect(timeline.last).to_contain_text("Resolved by an operator")
-        await expect(timeline.last).to_contain_text("by: Asha")
+        await expect(timeline.last).to_contain_text("by: admin: Asha")
         await person.shot("effect-resolved.png")
 
         status, replayed, headers = await order(http, gw, "order-7", "/flaky", **run)

@@ -411,7 +411,7 @@ async def test_a_verdict_form_is_read_as_the_text_it_was_sent_as_and_nothing_els
         ) as resp:
             assert resp.status == 303, await resp.text()
     [row] = await effect_rows(dsn)
-    assert (row["state"], row["history"][-1]["by"]) == ("retryable", "Ana José")
+    assert (row["state"], row["history"][-1]["by"]) == ("retryable", "admin: Ana José")
 
 
 async def test_a_verdicts_body_and_headers_are_replayed_as_typed(

@@ -73,7 +73,7 @@ async def test_an_operators_verdict_records_their_name_and_the_admin_tokens_what
     assert await _resolve(http, gw, 1, "op-asha", **{"Effect-Gateway-Operator": "INC-7"}) == 200
     assert await _resolve(http, gw, 2, "adm-1", **{"Effect-Gateway-Operator": "nightly-bot"}) == 200
     by = {row["tenant"]: row["history"][-1]["by"] for row in await effect_rows(dsn)}
-    assert by == {"acme": "asha (INC-7)", "globex": "nightly-bot"}
+    assert by == {"acme": "asha (INC-7)", "globex": "admin: nightly-bot"}
 
 
 async def test_an_operator_of_one_tenant_sees_and_resolves_its_effects_only(

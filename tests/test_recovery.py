@@ -503,4 +503,4 @@ async def test_resolve_from_the_command_line(
     assert (status, body) == (201, {"order": "cli"})
     (row,) = await effect_rows(dsn)
     assert row["history"][-1]["event"] == "resolved"
-    assert row["history"][-1]["by"] == "asha"
+    assert row["history"][-1]["by"] == "command line: asha"
