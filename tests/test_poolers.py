@@ -157,3 +157,25 @@ async def test_a_pooler_that_leads_to_another_database_is_refused_at_start(
         await migrate(other)
         with pytest.raises(ConfigError, match="lead to different databases"):
             await Store.connect(other, pooler=pooler, min_size=1, max_size=1)
+
+
+async def test_behind_pgbouncer_in_session_mode_effects_are_sent_once_too(
+    dsn: str, postgres_dsn: str, upstream: Upstream
+) -> None:
+    """In session mode (a server connection for each of the gateway's for as long as it lasts) a new
+    effect is sent once and its retry replayed, the settings at login left out all the same."""
+    shop = {"shop": {"base_url": upstream.url}}
+    with pgbouncer(postgres_dsn, mode="session", server_connections=4) as url:
+        async with (
+            gateway_server(dsn, pooler=url, upstreams=shop, pool_size=3) as gw,
+            aiohttp.ClientSession() as http,
+        ):
+            headers = {"Idempotency-Key": "session:1", "Content-Type": "application/json"}
+            answers = []
+            for _ in range(2):
+                async with http.post(f"{gw.url}/shop/orders", data=b'{"o": 1}', headers=headers) as resp:
+                    answers.append((resp.status, await resp.read(), resp.headers.get("Idempotent-Replayed")))
+    assert [a[0] for a in answers] == [201, 201]
+    assert answers[0][1] == answers[1][1]
+    assert answers[1][2] == "true"
+    assert len(upstream.effects()) == 1
