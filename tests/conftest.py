@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import pytest_asyncio
 from hypothesis import HealthCheck, settings
@@ -122,6 +123,13 @@ async def dsn(postgres_dsn: str) -> str:
     """The test database with an empty effects table."""
     await empty_effects(postgres_dsn)
     return postgres_dsn
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """An HTTP client for the test's requests to the gateway and the upstreams."""
+    async with aiohttp.ClientSession() as session:
+        yield session
 
 
 @pytest.fixture

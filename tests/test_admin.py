@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import html
 import re
-from collections.abc import AsyncIterator
 
 import aiohttp
 import asyncpg
@@ -14,12 +13,6 @@ import pytest
 from tests.database import effect
 from tests.gateways import gateway_server
 from tests.upstreams import Upstream
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def _order(http: aiohttp.ClientSession, url: str, key: str, **headers: str) -> int:

@@ -30,12 +30,6 @@ async def gateway(dsn: str, upstream: Upstream, monkeypatch: pytest.MonkeyPatch)
         yield gw
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 async def get(http: aiohttp.ClientSession, url: str, headers: dict[str, str] = ADMIN) -> tuple[int, Any]:
     async with http.get(url, headers=headers) as resp:
         return resp.status, await resp.json(content_type=None)

@@ -29,12 +29,6 @@ FORM = "application/x-www-form-urlencoded"
 
 
 @pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-@pytest.fixture
 async def stamped(dsn: str, upstream: Upstream) -> AsyncIterator[Gateway]:
     """A gateway whose shop takes its key in a nested JSON field, metadata.ref."""
     cfg = {"shop": {"base_url": upstream.url, "timeout": "2s", "stamp": {"json_field": "metadata.ref"}}}

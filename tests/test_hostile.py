@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import pytest
 from aiohttp import web
 
 from tests.database import effect_rows
@@ -21,12 +19,6 @@ from tests.gateways import gateway_server
 from tests.upstreams import Handler, Upstream, raw_upstream
 
 TENANTS = {"a": {"token": "token-a"}, "b": {"token": "token-b"}}
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def order(

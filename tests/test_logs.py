@@ -9,11 +9,9 @@ import logging
 import os
 import pty
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
-import pytest
 from aiohttp import web
 
 from gateway.logs import JsonLines, Lines, Text, resolve_format
@@ -32,12 +30,6 @@ AGENT_SECRETS = ["x-api-key-SEKRIT-4", "Bearer agent-SEKRIT-5", "wrong-token-SEK
 KEY = "run-SEKRIT-7:4"
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE}-00f067aa0ba902b7-01"
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 def _config(tmp_path: Path, dsn: str, upstream: Upstream) -> Path:

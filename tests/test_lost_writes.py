@@ -8,22 +8,14 @@ failover tests (tests/test_failover.py) make it with a real backup brought up in
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import asyncpg
-import pytest
 
 from tests.database import runtime_role
 from tests.gateways import Gateway, gateway_server
 from tests.upstreams import Upstream
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def _order(http: aiohttp.ClientSession, gw: Gateway, key: str) -> tuple[int, dict[str, Any]]:

@@ -12,7 +12,6 @@ import platform
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,12 +31,6 @@ from tests.upstreams import ORDER_SEARCH, Upstream, upstream_server
 
 SEARCH = ORDER_SEARCH
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def scrape(http: aiohttp.ClientSession, url: str, **headers: str) -> Samples:

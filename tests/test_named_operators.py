@@ -39,12 +39,6 @@ async def gw(dsn: str, upstream: Upstream) -> AsyncIterator[Gateway]:
         yield gateway
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 async def _resolve(
     http: aiohttp.ClientSession, gw: Gateway, effect_id: int, token: str | None, **headers: str
 ) -> int:

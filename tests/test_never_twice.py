@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
 import aiohttp
 import asyncpg
-import pytest
 from aiohttp import web
 
 from gateway import partitions
@@ -32,12 +30,6 @@ from tests.upstreams import ORDER_SEARCH, Upstream, raw_upstream
 SEARCH = ORDER_SEARCH
 PROBED_SHOP = {"stamp": {"json_field": "client_reference"}, "probe": SEARCH}
 BODY = b'{"items":["atta"]}'
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def call(

@@ -30,12 +30,6 @@ from tests.upstreams import STAMPED, Upstream, one_insertion, raw_exchange
 PROBLEM = "application/problem+json"
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 def problem(body: bytes) -> str:
     return str(json.loads(body)["type"]).rsplit("/", 1)[1]
 

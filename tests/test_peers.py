@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,6 @@ from tests.database import effect_rows, runtime_url
 from tests.gateways import Gateway, gateway_server, start_gateway_process
 from tests.support import PORT_ZERO
 from tests.upstreams import Upstream, upstream_server
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def _connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

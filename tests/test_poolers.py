@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from urllib.parse import urlsplit, urlunsplit
 
@@ -41,12 +41,6 @@ def _as_owner(pooler: str, dsn: str) -> str:
     login = urlsplit(dsn).netloc.rpartition("@")[0]
     where = urlsplit(pooler).netloc.rpartition("@")[2]
     return urlunsplit(urlsplit(pooler)._replace(netloc=f"{login}@{where}"))
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def test_effects_and_their_retries_through_pgbouncer_are_sent_once(

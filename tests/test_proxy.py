@@ -28,12 +28,6 @@ async def gateway(dsn: str, upstream: Upstream) -> AsyncIterator[Gateway]:
         yield gw
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 async def post(
     http: aiohttp.ClientSession, url: str, key: str | None = "k1", body: Any = None, **headers: str
 ) -> tuple[int, dict[str, str], bytes]:

@@ -6,7 +6,6 @@ import asyncio
 import json
 import sys
 import textwrap
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,6 @@ from tests.support import ROOT
 from tests.upstreams import ORDER_SEARCH, Upstream
 
 SEARCH = ORDER_SEARCH
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def order(

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import asyncpg
-import pytest
 from aiohttp import web
 
 from tests.database import effect_rows
@@ -24,12 +22,6 @@ STAMP = {"json_field": "client_reference"}
 # The shop's order search, as examples/gateway.toml's: it finds orders, and names them as its routes. Its
 # "not found" is trusted at once (lag 0s), so that a wrong trust shows in the first retry.
 SEARCH = {**ORDER_SEARCH, "lag": "0s"}
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def post(

@@ -41,12 +41,6 @@ RETENTION = timedelta(days=7)
 run = test_cli.run  # the fixture: main() in this process, as the command line runs it
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 async def order(http: aiohttp.ClientSession, url: str, key: str) -> tuple[int, dict[str, str], Any]:
     headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
     async with http.post(f"{url}/shop/orders", data=BODY, headers=headers) as resp:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -26,12 +25,6 @@ TRACEPARENT = f"00-{TRACE}-{PARENT}-01"
 TRACESTATE = "vendor=opaque-Value_1,other=x"
 KEY = "run-42:4"
 SEARCH = ORDER_SEARCH
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def _order(http: aiohttp.ClientSession, url: str, **headers: str) -> int:
