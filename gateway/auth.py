@@ -7,12 +7,16 @@ which token is close.
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import logging
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from gateway import problems
 from gateway.settings import Settings
+
+log = logging.getLogger("effect_gateway")
 
 
 def _same_secret(given: str, secret: str) -> bool:
@@ -51,14 +55,37 @@ def _bearer(request: web.Request) -> str | None:
 
 
 def operator_of(request: web.Request, settings: Settings) -> Operator | None:
-    """The named operator whose token the request carries as a Bearer, or None."""
+    """The named operator whose token the request carries as a Bearer, or whom a trusted proxy names
+    in ``admin.operator_header``; None."""
     given = _bearer(request)
     found = None
     for name, operator in settings.operators.items():
         # compare_digest with every operator's: the time taken says nothing about which token is close.
         if given is not None and _same_secret(given, operator.token.get_secret_value()):
             found = Operator(name, operator.tenant)
-    return found
+    return found or _named_by_proxy(request, settings)
+
+
+def _named_by_proxy(request: web.Request, settings: Settings) -> Operator | None:
+    """The operator a trusted reverse proxy names (admin.operator_header), if configured under that
+    name; the header from any other address is ignored."""
+    header = settings.admin.operator_header
+    if header is None or header not in request.headers or not _from_trusted_proxy(request, settings):
+        return None
+    name = request.headers[header].strip()
+    operator = settings.operators.get(name)
+    if operator is None:
+        log.warning("the proxy named %r, who is no operator configured under [operators]", name[:64])
+        return None
+    return Operator(name, operator.tenant)
+
+
+def _from_trusted_proxy(request: web.Request, settings: Settings) -> bool:
+    try:
+        peer = ipaddress.ip_address(request.remote or "")
+    except ValueError:  # a Unix socket, or no peer
+        return False
+    return any(peer in ipaddress.ip_network(net, strict=False) for net in settings.admin.trusted_proxies)
 
 
 def is_admin(request: web.Request, settings: Settings) -> bool:

@@ -450,6 +450,28 @@ class TenantSettings(_Section):
 
 class AdminSettings(_Section):
     token: Secret | None = None
+    # A reverse proxy that signs people in (oauth2-proxy and the like) names them in this header. It is
+    # believed only from trusted_proxies, and only for a name configured under [operators]: the proxy
+    # says who, the configuration what they may do.
+    operator_header: str | None = None
+    trusted_proxies: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _proxies(self) -> AdminSettings:
+        if self.operator_header is not None:
+            if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", self.operator_header):
+                raise ValueError(f"operator_header {self.operator_header!r} is not a header name")
+            if not self.trusted_proxies:
+                raise ValueError(
+                    "operator_header needs trusted_proxies: the addresses of the proxies whose word is "
+                    "taken (anyone else could send the header)"
+                )
+        for network in self.trusted_proxies:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                raise ValueError(f"trusted_proxies: {network!r} is not an address or a network") from None
+        return self
 
 
 class OperatorSettings(_Section):

@@ -4,6 +4,7 @@ and every verdict they give through the admin API records their name."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
@@ -30,13 +31,17 @@ SETTINGS: dict[str, Any] = {
 async def gw(dsn: str, upstream: Upstream) -> AsyncIterator[Gateway]:
     """A gateway with two tenants, each with an effect waiting for review (acme's is 1, globex's 2)."""
     async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **SETTINGS) as gateway:
-        for tenant in ("acme", "globex"):
-            record, _ = await gateway.runtime.store.claim(
-                new_effect(f"{tenant}:1", tenant=tenant), timedelta(0)
-            )
-            assert record is not None
-            assert await gateway.runtime.store.send_to_review(record, review(record), "test") is not None
+        await _two_waiting(gateway)
         yield gateway
+
+
+async def _two_waiting(gateway: Gateway) -> None:
+    """An effect waiting for review in each tenant: acme's is 1, globex's 2."""
+    for tenant in ("acme", "globex"):
+        new = new_effect(f"{tenant}:1", tenant=tenant)
+        record, _ = await gateway.runtime.store.claim(new, timedelta(0))
+        assert record is not None
+        assert await gateway.runtime.store.send_to_review(record, review(record), "test") is not None
 
 
 async def _resolve(
@@ -92,3 +97,42 @@ def test_operators_tokens_and_tenants_are_checked_at_load() -> None:
     unknown = {**SETTINGS, "operators": {"asha": {"token": "op-asha", "tenant": "initech"}}}
     with pytest.raises(ConfigError, match=r"operators\.asha\.tenant 'initech' is not a configured tenant"):
         load_settings(None, **unknown)
+
+
+async def test_a_trusted_proxy_names_the_operator_and_no_one_else_may(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """From a trusted proxy's address, the header names a configured operator, whose verdicts carry
+    their name and scope; a name not configured, or the header from any other address, is a 401."""
+    shop = {"shop": {"base_url": upstream.url}}
+    proxied = {**SETTINGS, "admin": {**SETTINGS["admin"], "operator_header": "X-Forwarded-User"}}
+    trusted = {"admin": {**proxied["admin"], "trusted_proxies": ["127.0.0.0/8"]}}
+    elsewhere = {"admin": {**proxied["admin"], "trusted_proxies": ["10.0.0.0/8"]}}
+
+    async def resolve_as(gw: Gateway, effect_id: int, user: str) -> int:
+        body = json.dumps({"happened": False, "attempt": 1})
+        headers = {"Content-Type": "application/json", "X-Forwarded-User": user}
+        async with http.post(
+            f"{gw.admin_url}/_gateway/effects/{effect_id}/resolve", data=body, headers=headers
+        ) as resp:
+            return resp.status
+
+    async with gateway_server(dsn, upstreams=shop, **{**proxied, **elsewhere}) as gw:
+        await _two_waiting(gw)
+        assert await resolve_as(gw, 1, "asha") == 401  # not from a trusted proxy: the header means nothing
+    async with gateway_server(dsn, upstreams=shop, **{**proxied, **trusted}) as gw:
+        with caplog.at_level(logging.WARNING, logger="effect_gateway"):
+            assert await resolve_as(gw, 1, "mallory") == 401
+        assert await resolve_as(gw, 2, "bo") == 404  # bo sees acme's effects only
+        assert await resolve_as(gw, 1, "bo") == 200
+    assert any("the proxy named 'mallory'" in r.getMessage() for r in caplog.records)
+    by = {row["tenant"]: row["history"][-1].get("by") for row in await effect_rows(dsn)}
+    assert by == {"acme": "bo", "globex": None}
+
+
+def test_an_operator_header_without_trusted_proxies_is_a_bad_setting() -> None:
+    """Believed from anyone, the header would let anyone name themselves an operator."""
+    with pytest.raises(ConfigError, match="operator_header needs trusted_proxies"):
+        load_settings(
+            None, **{**SETTINGS, "admin": {"token": "adm-1", "operator_header": "X-Forwarded-User"}}
+        )
