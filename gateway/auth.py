@@ -72,7 +72,12 @@ def _named_by_proxy(request: web.Request, settings: Settings) -> Operator | None
     header = settings.admin.operator_header
     if header is None or header not in request.headers or not _from_trusted_proxy(request, settings):
         return None
-    name = request.headers[header].strip()
+    named = request.headers.getall(header)
+    if len(named) != 1:
+        # A proxy that adds its header beside the client's own would pass on the client's first.
+        log.warning("the proxy's %s came %d times: believed in none", header, len(named))
+        return None
+    name = named[0].strip()
     operator = settings.operators.get(name)
     if operator is None:
         log.warning("the proxy named %r, who is no operator configured under [operators]", name[:64])

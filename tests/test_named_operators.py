@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from multidict import CIMultiDict
 
 from gateway.decision import review
 from gateway.errors import ConfigError
@@ -103,7 +104,7 @@ async def test_a_trusted_proxy_names_the_operator_and_no_one_else_may(
     dsn: str, upstream: Upstream, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
     """From a trusted proxy's address, the header names a configured operator, whose verdicts carry
-    their name and scope; a name not configured, or the header from any other address, is a 401."""
+    their name and scope; a name not configured, the header twice, or from any other address, is a 401."""
     shop = {"shop": {"base_url": upstream.url}}
     proxied = {**SETTINGS, "admin": {**SETTINGS["admin"], "operator_header": "X-Forwarded-User"}}
     trusted = {"admin": {**proxied["admin"], "trusted_proxies": ["127.0.0.0/8"]}}
@@ -123,6 +124,15 @@ async def test_a_trusted_proxy_names_the_operator_and_no_one_else_may(
     async with gateway_server(dsn, upstreams=shop, **{**proxied, **trusted}) as gw:
         with caplog.at_level(logging.WARNING, logger="effect_gateway"):
             assert await resolve_as(gw, 1, "mallory") == 401
+        body = json.dumps({"happened": False, "attempt": 1})
+        twice = [
+            ("Content-Type", "application/json"),
+            ("X-Forwarded-User", "asha"),
+            ("X-Forwarded-User", "bo"),
+        ]
+        url = f"{gw.admin_url}/_gateway/effects/1/resolve"
+        async with http.post(url, data=body, headers=CIMultiDict(twice)) as resp:
+            assert resp.status == 401  # two names: which did the proxy mean? Neither.
         assert await resolve_as(gw, 2, "bo") == 404  # bo sees acme's effects only
         assert await resolve_as(gw, 1, "bo") == 200
     assert any("the proxy named 'mallory'" in r.getMessage() for r in caplog.records)
