@@ -95,9 +95,12 @@ def add_routes(app: web.Application) -> None:
 class PageError(Exception):
     """An error answered as an HTML page with this status."""
 
-    def __init__(self, status: int, title: str, detail: str) -> None:
+    def __init__(
+        self, status: int, title: str, detail: str, headers: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__(detail)
         self.status, self.title, self.detail = status, title, detail
+        self.headers = dict(headers or {})
 
 
 def _html(text: str, status: int = 200, **headers: str) -> web.Response:
@@ -121,7 +124,7 @@ def _page(handler: Handler) -> Handler:
         try:
             return await handler(request)
         except PageError as exc:
-            return _html(audit_page.error_page(exc.title, exc.detail, None), exc.status)
+            return _html(audit_page.error_page(exc.title, exc.detail, None), exc.status, **exc.headers)
         except problems.Problem as exc:
             return problems.closing_if_asked(
                 _html(audit_page.error_page(exc.title, exc.detail, None), exc.status), exc
@@ -524,11 +527,13 @@ async def sign_in(request: web.Request) -> web.StreamResponse:
     # The connection's peer: behind a reverse proxy, the proxy's, which every sign-in through it shares.
     address, sign_ins, now = request.remote or "(unknown)", request.app[SIGN_INS], time.monotonic()
     if (left := sign_ins.wait(address, now)) > 0:
-        log.warning("a sign-in to the audit page from %s was refused unread: too many failed", address)
+        # Not logged: the failure that began the wait was, and a line per refusal would let anyone fill
+        # the log at the rate they can send.
         raise PageError(
             429,
             "Too many failed sign-ins",
             f"Too many tokens that did not work came from this address: try again in {math.ceil(left)} s.",
+            {"Retry-After": str(math.ceil(left))},
         )
     token = form.get("token")
     token = token.strip() if isinstance(token, str) else ""

@@ -576,6 +576,7 @@ async def test_an_address_that_keeps_failing_to_sign_in_waits_before_its_next_tr
             admitted = await _sign_in(http, gw.admin_url, "adm-1")
     assert failed == [401, 401, 401, 401]  # the sign-in page again, saying the token did not work
     assert refused.status == 429
+    assert refused.headers["Retry-After"] == "1"
     assert admitted.status == 303
     said = [r.getMessage() for r in caplog.records if "sign-in to the audit page" in r.getMessage()]
     failures = [f"a sign-in to the audit page from 127.0.0.1 failed ({n} in a row)" for n in (1, 2, 3)]
@@ -583,7 +584,7 @@ async def test_an_address_that_keeps_failing_to_sign_in_waits_before_its_next_tr
         *failures,
         failures[0].replace("(1 in a row)", "(4 in a row); it may try again in 1 s"),
     ]
-    assert "refused unread" in said[4]
+    assert len(said) == 4  # the refusal is not logged: a line each would let anyone fill the log
 
 
 async def test_a_named_operators_verdict_on_the_page_records_their_name(
