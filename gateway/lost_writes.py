@@ -23,7 +23,6 @@ import uuid
 from typing import NamedTuple
 
 from gateway.errors import WritesLost
-from gateway.keys import key_digest
 from gateway.partitions import AnyConn
 from gateway.record import EffectRecord
 
@@ -83,7 +82,7 @@ class LostWrites:
     def wrote(self, record: EffectRecord) -> None:
         """Remember ``record``, just claimed (committed), if it is the newest this worker claimed."""
         if self.newest is None or record.id > self.newest.effect_id:
-            self.newest = Witness(record.id, record.tenant, record.upstream, key_digest(record.key))
+            self.newest = Witness(record.id, record.tenant, record.upstream, record.scope)
 
     def refuse_if_lost(self) -> None:
         """Raise WritesLost once the database has been found to have forgotten writes."""

@@ -43,9 +43,13 @@ def runtime_role() -> tuple[str, str]:
 def runtime_url(dsn: str) -> str:
     """``dsn``'s database as the runtime role reaches it: the same server and database, its own login."""
     user, password = runtime_role()
-    parts = urlsplit(dsn)
-    where = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{quote(user, safe='')}:{quote(password, safe='')}@{where}"))
+    return with_login(dsn, f"{quote(user, safe='')}:{quote(password, safe='')}")
+
+
+def with_login(url: str, login: str) -> str:
+    """``url`` with ``login`` (``user:password``, escaped) in place of its own."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=f"{login}@{parts.netloc.rpartition('@')[2]}"))
 
 
 async def worker_database(dsn: str, worker: str, *, drop: bool = False) -> str:

@@ -36,13 +36,19 @@ async def _forget(dsn: str, key: str, *, end_connections: bool = True) -> None:
         await conn.execute("delete from effect_keys where effect_id = $1", effect_id)
         await conn.execute("delete from effects where id = $1", effect_id)
         if end_connections:
-            await conn.execute(
-                "select pg_terminate_backend(pid) from pg_stat_activity"
-                " where usename = $1 and datname = current_database()",
-                runtime_role()[0],
-            )
+            await _end_runtime_sessions(conn)
     finally:
         await conn.close()
+
+
+async def _end_runtime_sessions(conn: asyncpg.Connection) -> None:
+    """End the gateways' sessions on this database (not other workers' on a shared server), as a
+    failover does."""
+    await conn.execute(
+        "select pg_terminate_backend(pid) from pg_stat_activity"
+        " where usename = $1 and datname = current_database()",
+        runtime_role()[0],
+    )
 
 
 async def _until_lost_writes(http: aiohttp.ClientSession, gw: Gateway, key: str) -> dict[str, Any]:
@@ -111,11 +117,7 @@ async def test_a_gateway_that_reconnected_before_the_alarm_heeds_it_at_its_next_
         conn = await asyncpg.connect(dsn)
         try:
             await conn.execute("delete from effect_gateway_alarms")  # the operator has reconciled
-            await conn.execute(
-                "select pg_terminate_backend(pid) from pg_stat_activity"
-                " where usename = $1 and datname = current_database()",
-                runtime_role()[0],
-            )
+            await _end_runtime_sessions(conn)
         finally:
             await conn.close()
         for gw, key in ((noticing, "after:1"), (other, "after:2")):

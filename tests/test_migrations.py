@@ -19,7 +19,7 @@ from gateway.decision import settle
 from gateway.errors import SchemaNewer, StoreRejected, StoreUnavailable
 from gateway.keys import key_digest
 from gateway.outcome import Answered
-from gateway.record import NewEffect
+from gateway.record import EffectRecord, NewEffect
 from gateway.schema import migrate, migration_files
 from gateway.states import State
 from gateway.store import opened
@@ -629,12 +629,10 @@ async def test_020_gives_every_row_its_scope_and_the_gateway_answers_for_what_wa
             )
         finally:
             await conn.close()
+        done = await _replayed(dsn, "done")
+        assert done.response is not None
+        assert done.response.body == b'{"order": "done"}'
         async with opened(dsn) as store:
-            done, created = await store.claim(_retry("default", "done"), timedelta(seconds=30))
-            assert done is not None
-            assert not created
-            assert done.response is not None
-            assert done.response.body == b'{"order": "done"}'
             doubt, created = await store.claim(_retry("default", "doubt"), timedelta(seconds=30))
             assert doubt is not None
             assert (doubt.state, created) == (State.IN_DOUBT, False)
@@ -672,12 +670,18 @@ async def test_a_month_archived_before_020_attaches_again_as_the_guide_says(post
                 await conn.execute(step)
         finally:
             await conn.close()
-        async with opened(dsn) as store:
-            old, created = await store.claim(_retry("default", "old"), timedelta(seconds=30))
-        assert old is not None
-        assert not created
+        old = await _replayed(dsn, "old")
         assert old.response is not None
         assert old.response.body == b'{"order": "old"}'
+
+
+async def _replayed(dsn: str, key: str) -> EffectRecord:
+    """The record a retry of ``key`` (the default tenant's, at shop) finds: the one on record, not new."""
+    async with opened(dsn) as store:
+        record, created = await store.claim(_retry("default", key), timedelta(seconds=30))
+    assert record is not None
+    assert not created
+    return record
 
 
 async def test_020_waits_for_a_detach_left_half_done_to_be_finished(postgres_dsn: str) -> None:

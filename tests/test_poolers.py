@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Iterator
 from datetime import timedelta
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import aiohttp
 import asyncpg
@@ -22,7 +22,7 @@ import pytest
 from gateway.errors import ConfigError, LoginRefused
 from gateway.schema import migrate
 from gateway.store import Store, StoreLimits, session_settings
-from tests.database import runtime_role
+from tests.database import runtime_role, with_login
 from tests.gateways import gateway_server
 from tests.poolers import pgbouncer
 from tests.test_migrations import own_database
@@ -38,9 +38,7 @@ def pooler(postgres_dsn: str) -> Iterator[str]:
 
 def _as_owner(pooler: str, dsn: str) -> str:
     """The pooler's URL with the owner's login (``dsn``'s) instead of the runtime role's."""
-    login = urlsplit(dsn).netloc.rpartition("@")[0]
-    where = urlsplit(pooler).netloc.rpartition("@")[2]
-    return urlunsplit(urlsplit(pooler)._replace(netloc=f"{login}@{where}"))
+    return with_login(pooler, urlsplit(dsn).netloc.rpartition("@")[0])
 
 
 async def test_effects_and_their_retries_through_pgbouncer_are_sent_once(
