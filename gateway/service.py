@@ -109,6 +109,10 @@ class EffectService:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    def waiting(self, effect_id: int) -> int:
+        """How many requests in this worker wait for the effect's call in flight."""
+        return self._room.seated(effect_id)
+
     async def drain(self, timeout: float) -> None:
         """At shutdown: let calls under way finish and record, so none is left pending for nothing."""
         if self._tasks:

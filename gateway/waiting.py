@@ -50,6 +50,10 @@ class WaitingRoom:
             wait.seated = True
         return None
 
+    def seated(self, effect_id: int) -> int:
+        """How many requests wait here for the effect."""
+        return self._seated[effect_id]
+
     def unseat(self, effect_id: int, wait: Wait) -> None:
         """Free the seat of a request that waits no more (it answers, or goes on to send or probe
         itself); the effect's wake-up goes with its last waiter here."""
