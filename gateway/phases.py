@@ -22,8 +22,8 @@ from gateway.decision import Settlement
 from gateway.errors import StoreRejected
 from gateway.keys import key_digest
 from gateway.lost_writes import Witness
-from gateway.record import EffectRecord, KeyCarriers, NewEffect, RowKey, StoredResponse
-from gateway.rows import Conn, head_bytes, read_with_response, record_of, reread
+from gateway.record import EffectRecord, KeyCarriers, NewEffect, RowKey, StoredResponse, head_bytes
+from gateway.rows import Conn, read_with_response, record_of, reread
 from gateway.states import State, Transition
 
 

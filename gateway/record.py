@@ -19,6 +19,28 @@ class StoredResponse:
     body: bytes
 
 
+def head_bytes(headers: tuple[tuple[str, str], ...] | Mapping[str, str]) -> bytes:
+    """Headers as stored: "Name: value" lines joined by CRLF, the upstream's bytes kept.
+
+    Names and values arrive decoded 'utf-8'/'surrogateescape' (how aiohttp reads them), which this
+    turns back into the exact bytes; no header may contain CR or LF, so the block splits unambiguously.
+    """
+    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    return b"\r\n".join(
+        name.encode("utf-8", "surrogateescape") + b": " + value.encode("utf-8", "surrogateescape")
+        for name, value in pairs
+    )
+
+
+def head_pairs(block: bytes) -> tuple[tuple[str, str], ...]:
+    """The inverse of :func:`head_bytes`."""
+    pairs = []
+    for line in block.split(b"\r\n") if block else ():
+        name, _, value = line.partition(b": ")
+        pairs.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
+    return tuple(pairs)
+
+
 @dataclass(frozen=True, slots=True)
 class KeyCarriers:
     """What carried an effect's derived key to the upstream: the native key's header and the stamp, each as

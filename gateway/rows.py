@@ -21,7 +21,7 @@ import asyncpg.pool
 from gateway import packing, partitions
 from gateway.audit_query import RECORD_COLUMNS
 from gateway.errors import BodyUnreadable
-from gateway.record import EffectRecord, KeyCarriers, StoredResponse
+from gateway.record import EffectRecord, KeyCarriers, StoredResponse, head_pairs
 from gateway.states import State
 
 Conn: TypeAlias = "asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
@@ -154,28 +154,6 @@ async def read_with_response(conn: Conn, row: asyncpg.Record) -> EffectRecord:
     at = row["response_at"]
     body = await conn.fetchrow(stored_response(at), row["id"], at, row["scope"])
     return record_of(row, response=True, body=body or NO_BODY)
-
-
-def head_bytes(headers: tuple[tuple[str, str], ...] | Mapping[str, str]) -> bytes:
-    """Headers as stored: "Name: value" lines joined by CRLF, the upstream's bytes kept.
-
-    Names and values arrive decoded 'utf-8'/'surrogateescape' (how aiohttp reads them), which this
-    turns back into the exact bytes; no header may contain CR or LF, so the block splits unambiguously.
-    """
-    pairs = headers.items() if isinstance(headers, Mapping) else headers
-    return b"\r\n".join(
-        name.encode("utf-8", "surrogateescape") + b": " + value.encode("utf-8", "surrogateescape")
-        for name, value in pairs
-    )
-
-
-def head_pairs(block: bytes) -> tuple[tuple[str, str], ...]:
-    """The inverse of :func:`head_bytes`."""
-    pairs = []
-    for line in block.split(b"\r\n") if block else ():
-        name, _, value = line.partition(b": ")
-        pairs.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
-    return tuple(pairs)
 
 
 def _unpacked(effect_id: int, kind: str, coding: str, content: bytes) -> bytes:

@@ -37,8 +37,15 @@ from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
 from gateway.keys import key_digest
 from gateway.phases import Settling, claim_batch_key, claim_size, settle_batch_key, settle_size
-from gateway.record import EffectRecord, KeyCarriers, NewEffect, RowKey, StoredResponse
-from gateway.rows import head_bytes, head_pairs
+from gateway.record import (
+    EffectRecord,
+    KeyCarriers,
+    NewEffect,
+    RowKey,
+    StoredResponse,
+    head_bytes,
+    head_pairs,
+)
 from gateway.states import State, Transition
 from sim.loop import OWNER, REQUEST
 
