@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from playwright.async_api import Browser, async_playwright
 
 from gateway.embedded import EmbeddedPostgres
 from gateway.schema import migrate
+from tests.commands import Done, in_process
 from tests.database import empty_effects, grant_runtime, worker_database
 from tests.poolers import pgbouncer
 from tests.support import CRASH_MATRIX, FUZZ_COUNTS, SCREENSHOTS
@@ -123,6 +124,12 @@ async def dsn(postgres_dsn: str) -> str:
     """The test database with an empty effects table."""
     await empty_effects(postgres_dsn)
     return postgres_dsn
+
+
+@pytest.fixture
+def run(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., Done]:
+    """The command line's ``main()`` in this process: ``run("effects", "--json", config=...)``."""
+    return in_process(capsys, monkeypatch)
 
 
 @pytest.fixture

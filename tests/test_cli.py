@@ -15,21 +15,19 @@ import sys
 import tempfile
 import unicodedata
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import asyncpg
 import pytest
 
-from gateway.cli import main
 from gateway.decision import settle
 from gateway.embedded import EmbeddedPostgres
 from gateway.outcome import Answered
 from gateway.record import EffectRecord, StoredResponse
 from gateway.store import opened
+from tests.commands import Done, in_thread
 from tests.database import backdate_bodies, claim_effect, effect, effect_rows, runtime_url
 from tests.factories import new_effect
 from tests.gateways import start_gateway_process
@@ -55,13 +53,6 @@ def make_serve_running() -> Iterator[None]:
                     raise
                 # Held already (a `make serve` is running): the block runs beside it all the same.
         yield
-
-
-@dataclass
-class Done:
-    status: int
-    out: str
-    err: str
 
 
 def _env(extra: dict[str, str] | None) -> dict[str, str]:
@@ -108,28 +99,6 @@ async def did_not_happen(
     )  # fmt: skip
     assert done.status == 0, done.err
     return str(json.loads(done.out)["state"])
-
-
-@pytest.fixture
-def run(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., Done]:
-    """``main()`` in this process (a subprocess costs seconds of imports); same arguments, same output."""
-    for name in list(os.environ):
-        if name.startswith("EFFECT_GATEWAY_"):
-            monkeypatch.delenv(name)
-
-    def invoke(*args: str, config: Path | None = None, env: dict[str, str] | None = None) -> Done:
-        for name, value in (env or {}).items():
-            monkeypatch.setenv(name, value)
-        status = main([*(["--config", str(config)] if config else []), *args])
-        out, err = capsys.readouterr()
-        return Done(status, out, err)
-
-    return invoke
-
-
-async def in_thread(run: Callable[..., Done], *args: str, **kwargs: Any) -> Done:
-    """``run`` off the event loop, for tests whose upstream server runs on that loop."""
-    return await asyncio.to_thread(run, *args, **kwargs)
 
 
 def one_line_error(done: Done, status: int = 2) -> str:

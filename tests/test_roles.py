@@ -28,17 +28,16 @@ from gateway import partitions, roles
 from gateway import store as store_module
 from gateway.schema import migrate, migration_files, ready
 from gateway.store import opened
-from tests import test_cli
+from tests.commands import Done, in_thread
 from tests.database import effect_rows, grant_runtime, other_database, runtime_role, runtime_url
 from tests.gateways import gateway_server, start_gateway_process
 from tests.support import ROOT
-from tests.test_cli import Done, cli, in_thread, one_line_error
+from tests.test_cli import cli, one_line_error
 from tests.test_migrations import own_database as empty_database
 from tests.upstreams import Upstream
 
 BODY = b'{"items":["atta"]}'
 RETENTION = timedelta(days=7)
-run = test_cli.run  # the fixture: main() in this process, as the command line runs it
 
 
 async def order(http: aiohttp.ClientSession, url: str, key: str) -> tuple[int, dict[str, str], Any]:
