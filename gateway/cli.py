@@ -1,4 +1,4 @@
-"""``effect-gateway``: serve, check-config, migrate, effects, resolve, purge, demo.
+"""``effect-gateway``: serve, check-config, migrate, effects, resolve, purge, demo, audit.
 
 Every failure an operator can act on is one line on stderr and no traceback. Exit status 2: something to
 fix (the configuration, the command line, an effect that is not there, a port in use, a password, role
@@ -28,7 +28,7 @@ from urllib.parse import parse_qs, urlsplit
 import asyncpg
 
 import gateway
-from gateway import effects_json, embedded, jsonbody, legible, logs, operators, problems, report
+from gateway import audit_cli, effects_json, embedded, jsonbody, legible, logs, operators, problems, report
 from gateway.audit_query import EffectFilter
 from gateway.embedded import EmbeddedPostgres
 from gateway.errors import (
@@ -492,8 +492,9 @@ def parser() -> argparse.ArgumentParser:
         required=True,
         help="the attempt you judged, as `effects ID` shows it (refused if the effect changed since)",
     )
+    audit_cli.add_commands(sub)
     for name, command in sub.choices.items():
-        if name not in ("serve", "demo"):
+        if name not in ("serve", "demo", "audit"):
             command.add_argument("--json", action="store_true", help="print JSON instead of text")
         # --config is accepted after the command too; SUPPRESS keeps a missing one from hiding the first.
         command.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -508,9 +509,10 @@ COMMANDS = {
     "effects": cmd_effects,
     "resolve": cmd_resolve,
     "demo": cmd_demo,
+    "audit": audit_cli.cmd_audit,
 }
 # Commands that send nothing upstream and accept no agent: they need the database, not the secrets.
-DATABASE_ONLY = frozenset({"migrate", "purge", "effects", "resolve"})
+DATABASE_ONLY = frozenset({"migrate", "purge", "effects", "resolve", "audit"})
 
 
 def _fail(message: str, status: int) -> int:

@@ -93,6 +93,7 @@ STATEMENTS = (
     "oldest_waiting",
     "partitions_ahead",
     "ping",
+    "chain",
 )
 PROBE_RESULTS = ("found", "not_found", "failed")
 # How old the effects-by-state gauge may be: scrapes come every 15 s or more, and a hundred scrapes a

@@ -12,9 +12,12 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from typing import Any
 
 from gateway import schema
+from gateway.chain import signing_key
+from gateway.chaining import ROUND, Signer
 from gateway.errors import StoreUnavailable
 from gateway.keys import LogHash
 from gateway.metrics import CachedCounts, Metrics
@@ -80,13 +83,18 @@ async def running(
         LogHash(secret),
         client,
     )
-    purger = asyncio.create_task(_maintain_periodically(store, settings))
+    periodic = [
+        asyncio.create_task(_maintain_periodically(store, settings)),
+        asyncio.create_task(_chain_periodically(store, signer(settings), settings.audit.chain_every)),
+    ]
     try:
         yield runtime
     finally:
-        purger.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await purger
+        for task in periodic:
+            task.cancel()
+        for task in periodic:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await service.drain(timeout=longest_lease(policies))
         await client.close()
         await store.close()
@@ -107,3 +115,23 @@ async def _maintain_periodically(store: Store, settings: Settings) -> None:
         except Exception:  # a periodic job must outlive any one failure; the next round tries again
             log.exception("retention failed")
         await asyncio.sleep(settings.purge_interval.total_seconds())
+
+
+def signer(settings: Settings) -> Signer | None:
+    """What signs the audit chain's heads, from the settings (None: no key configured)."""
+    key = settings.audit.signing_key
+    return Signer(signing_key(key.get_secret_value()), settings.audit.sign_every) if key is not None else None
+
+
+async def _chain_periodically(store: Store, signing: Signer | None, every: timedelta) -> None:
+    """The settlements linked into the audit's chain every ``every``, and its heads signed when due."""
+    while True:
+        try:
+            # A full round leaves more behind (a backlog after an outage): the next goes at once.
+            while (await store.chain(signing)).chained == ROUND:
+                pass
+        except StoreUnavailable as exc:
+            log.warning("the audit's chain waits for Postgres: %s", exc)
+        except Exception:  # a periodic job must outlive any one failure; the next round tries again
+            log.exception("chaining the audit failed")
+        await asyncio.sleep(every.total_seconds())

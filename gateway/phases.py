@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
-from gateway import packing, partitions
+from gateway import chain, packing, partitions
 from gateway.audit_query import RECORD_COLUMNS
 from gateway.decision import Settlement
 from gateway.errors import StoreRejected
@@ -66,6 +66,24 @@ def _open_moved(source: str, target: str) -> str:
             update open_effects o set state = {target} from e
             where {target} <> 'completed' and {target} <> {source} and o.state = {source} and o.id = e.id
               and o.scope = e.scope
+        )"""
+
+
+def _settled_into_chain(rows: str, where: str, outcome: str, digest: str, by: str) -> str:
+    """A CTE adding settlements to those the chainer puts into the audit's chain (gateway.chaining):
+    one row each, and no lock that another request's settle would wait for.
+
+    ``rows``: what they are read from, whose effect rows just written are ``e``; ``where``: which of
+    them settled; the others, SQL for the outcome, the response's digest and who resolved it.
+    """
+    return f"""
+        chained as (
+            insert into unchained (scope, effect_id, attempt, tenant, upstream, method, path, fingerprint,
+                outcome, status, response, recovered_by, by, run_id, step, created_at)
+            select e.scope, e.id, e.attempt, e.tenant, e.upstream, e.method, e.path, e.fingerprint,
+                {outcome}, e.response_status, {digest}, e.recovered_by, {by}, e.run_id, e.step, e.created_at
+            from {rows}
+            where {where}
         )"""
 
 
@@ -326,6 +344,7 @@ def _settle_row(one: Settling) -> tuple[Any, ...]:
         )[0],
         coding,
         record.scope,
+        chain.response_digest(response) if response and settlement.state is State.COMPLETED else None,
     )
 
 
@@ -349,9 +368,9 @@ async def _settle_in(conn: Conn, month: str, settles: list[Settling]) -> dict[in
         with s as (
             select * from unnest($1::bigint[], $2::timestamptz[], $3::integer[], $4::text[], $5::text[],
                                  $6::boolean[], $7::boolean[], $8::integer[], $9::bytea[], $10::bytea[],
-                                 $11::text[], $12::jsonb[], $13::text[], $14::uuid[])
+                                 $11::text[], $12::jsonb[], $13::text[], $14::uuid[], $15::text[])
                 as s(id, created_at, attempt, source, target, may_have_sent, ends_lease, status, headers,
-                     content, recovered_by, event, coding, scope)
+                     content, recovered_by, event, coding, scope, digest)
         ), e as (
             update effects e set
                 state = s.target,
@@ -377,7 +396,16 @@ async def _settle_in(conn: Conn, month: str, settles: list[Settling]) -> dict[in
             select s.id, s.scope, now(), 'response', s.headers, s.coding, s.content
             from e join s on s.id = e.id
             where s.headers is not null
-        ), {_open_moved("e.source", "e.state")}
+        ), {
+            _settled_into_chain(
+                "e join s on s.id = e.id",
+                "e.source <> 'completed' and e.state = 'completed'",
+                "'completed'",
+                "s.digest",
+                "null",
+            )
+        },
+        {_open_moved("e.source", "e.state")}
         select * from e
         """,
         *columns,
@@ -512,7 +540,12 @@ async def resolve(
         ), stored as (
             insert into effect_bodies (effect_id, scope, stored_at, kind, headers, coding, content)
             select id, scope, now(), 'response', $8, $11, $9 from e where $6
-        ), {_open_moved("$4", "$5")}
+        ), {
+            _settled_into_chain(
+                "e", "true", "case when $6 then 'completed' else 'not_happened' end", "$13", "$14"
+            )
+        },
+        {_open_moved("$4", "$5")}
         select * from e
         """,
         record.id,
@@ -527,4 +560,6 @@ async def resolve(
         _event("resolved", attempt=record.attempt, happened=happened, by=by, was=record.state.value),
         coding,
         record.scope,
+        chain.response_digest(response) if response else None,
+        by,
     )

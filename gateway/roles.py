@@ -44,6 +44,12 @@ RUNTIME_PRIVILEGES = (
     Privilege("table", "effect_gateway_migrations", ("select",)),
     # A worker that finds the database lost its writes raises the alarm that stops every other one.
     Privilege("table", "effect_gateway_alarms", ("select", "insert")),
+    # The audit's chain (migration 021): a settle adds its settlement, the chainer moves settlements into
+    # the chain and signs its tips. Nothing in the chain is ever updated or deleted by a gateway.
+    Privilege("table", "unchained", ("select", "insert", "delete")),
+    Privilege("table", "audit_chain", ("select", "insert")),
+    Privilege("table", "audit_tips", ("select", "insert", "update")),
+    Privilege("table", "audit_heads", ("select", "insert")),
     # nextval() of the effects' ids
     Privilege("sequence", "effect_ids", ("usage",)),
     Privilege("function", "effect_key_digest(text)", ("execute",)),

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from gateway import partitions
 from gateway.audit_query import EffectFilter
+from gateway.chaining import Round, Signer
 from gateway.decision import Settlement
 from gateway.outcome import Outcome
 from gateway.policy import UpstreamPolicy
@@ -99,6 +100,8 @@ class Database(EffectStore, AuditReads, Verdicts, Protocol):
     async def ping(self) -> None: ...
 
     async def partitions_ahead(self) -> partitions.Ahead: ...
+
+    async def chain(self, signer: Signer | None, *, sign_now: bool = False) -> Round: ...
 
     async def maintain(
         self, retention: timedelta, progress: partitions.Progress = ..., *, purge: bool = False

@@ -31,7 +31,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from gateway import browser
+from gateway import browser, chain
 from gateway.errors import ConfigError
 from gateway.headers import GATEWAY_REQUEST_HEADERS, HOP_BY_HOP, same_header
 from gateway.routes import METHOD, Route
@@ -482,6 +482,45 @@ class OperatorSettings(_Section):
     tenant: str | None = None
 
 
+class AuditSettings(_Section):
+    """The audit's chain (gateway.chain): how often settlements enter it, and the key that signs it."""
+
+    # An Ed25519 private key (`effect-gateway audit new-key` makes one): hex, base64 or a PEM block, as
+    # "env:NAME" best. Omitted: the chain is kept but its heads are not signed, and nothing shows that it
+    # was not rewritten whole.
+    signing_key: Secret | None = None
+    # How long a tenant's moved head waits for its next signature: signing costs a row an hour per tenant,
+    # and an export signs the head it ends at whenever it runs.
+    sign_every: Duration = timedelta(hours=1)
+    # How often the settlements enter the chain: a second keeps the chain close behind the audit, and
+    # the table of settlements waiting for it to a second's worth.
+    chain_every: Duration = timedelta(seconds=1)
+
+    @field_validator("signing_key")
+    @classmethod
+    def _a_signing_key(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and not key.get_secret_value().startswith("env:"):
+            chain.signing_key(key.get_secret_value())  # raises ValueError saying what it expected
+        return key
+
+    @field_validator("chain_every")
+    @classmethod
+    def _chain_now_and_then(cls, every: timedelta) -> timedelta:
+        # Each round is a transaction on the workers' pool: not in a tight loop, and at least each minute
+        # so that an export or a verdict shows up in the chain soon.
+        if not timedelta(milliseconds=100) <= every <= timedelta(minutes=1):
+            raise ValueError("must be from 100ms to 1m")
+        return every
+
+    @field_validator("sign_every")
+    @classmethod
+    def _sign_now_and_then(cls, every: timedelta) -> timedelta:
+        # A head a second is a row a second per tenant, for ever: a minute is as often as that is worth.
+        if every < timedelta(minutes=1):
+            raise ValueError("must be 1m or more: each signature is a row kept for ever")
+        return every
+
+
 _UPSTREAM_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
 
@@ -565,6 +604,7 @@ class Settings(BaseSettings):
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
     admin: AdminSettings = Field(default_factory=AdminSettings)
     operators: dict[str, OperatorSettings] = Field(default_factory=dict)
+    audit: AuditSettings = Field(default_factory=AuditSettings)
     upstreams: dict[str, UpstreamSettings] = Field(default_factory=dict)
 
     @classmethod

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Self, TypeVar
 import asyncpg
 import asyncpg.pool
 
-from gateway import partitions, phases, pooling, roles
+from gateway import chaining, partitions, phases, pooling, roles
 from gateway.audit_query import (
     EXACT_OPEN_COUNT,
     OPEN_STATES,
@@ -38,6 +38,7 @@ from gateway.audit_query import (
     find_statement,
 )
 from gateway.batches import Batches
+from gateway.chaining import Round, Signer
 from gateway.decision import Settlement
 from gateway.errors import ConfigError, CursorUnknown, PrivilegesMissing, StoreRejected, StoreUnavailable
 from gateway.lost_writes import LostWrites, failover_warning
@@ -630,6 +631,11 @@ class Store:
     async def failover_warning(self) -> str | None:
         """What a failover of this Postgres could lose (gateway.lost_writes.failover_warning)."""
         return await self._run("failover_warning", failover_warning)
+
+    async def chain(self, signer: Signer | None, *, sign_now: bool = False) -> Round:
+        """One round of the audit's chain: settlements linked into it, its due heads signed
+        (gateway.chaining.chain_round)."""
+        return await self._run("chain", lambda conn: chaining.chain_round(conn, signer, sign_now=sign_now))
 
     async def ping(self) -> None:
         """Whether Postgres answers (health), without touching the effect tables."""

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, Protocol, TypeVar, cast
 
-from gateway import partitions
+from gateway import chain, partitions
 from gateway.audit_query import EXACT_OPEN_COUNT, EffectFilter, by_time
 from gateway.batches import Batches
+from gateway.chaining import ROUND, Round, Signer
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
 from gateway.keys import key_digest
@@ -137,6 +138,11 @@ class SimDatabase:
         self.rows: dict[int, Row] = {}
         self.bodies: dict[BodyKey, tuple[bytes, bytes]] = {}
         self.key_secret = key_secret
+        # The audit's chain (gateway.chaining's tables): settlements waiting, each tenant's entries and
+        # signed heads.
+        self.unchained: list[chain.Settlement] = []
+        self.chain: dict[str, list[chain.Entry]] = {}
+        self.heads: dict[str, list[chain.Head]] = {}
         # Called with every write the database applied (the simulator's invariants listen here).
         self.observers: list[Callable[[Write], None]] = []
         # Who sent the statement being applied (for the trace), and for which client request (0: none),
@@ -353,6 +359,8 @@ class SimDatabase:
                 note=note,
             )
         )
+        if was is not State.COMPLETED and row.state is State.COMPLETED:
+            self._settled(row, "completed", chain.response_digest(response) if response else None, None, now)
         self._wrote("settle", was, row, now, note)
         return self.record(row, now)
 
@@ -456,8 +464,45 @@ class SimDatabase:
         row.history.append(
             _event("resolved", now, attempt=record.attempt, happened=happened, by=by, was=record.state.value)
         )
+        digest = chain.response_digest(response) if response else None
+        self._settled(row, "completed" if happened else "not_happened", digest, by, now)
         self._wrote("resolve", was, row, now)
         return self.record(row, now)
+
+    def _settled(self, row: Row, outcome: str, digest: str | None, by: str | None, now: datetime) -> None:
+        """gateway.phases._settled_into_chain: the settlement waits for the chain."""
+        self.unchained.append(
+            chain.Settlement(
+                row.tenant, row.id, row.attempt, str(key_digest(row.key)), row.upstream, row.method, row.path,
+                row.fingerprint, outcome, row.response_status, digest, row.recovered_by, by, row.run_id,
+                row.step, row.created_at, now,
+            )
+        )  # fmt: skip
+
+    def chain_round(self, signer: Signer | None, sign_now: bool) -> Round:
+        """gateway.chaining.chain_round, in one statement."""
+        now = self.now()
+        self.unchained.sort(key=lambda s: (s.settled_at, s.effect, s.attempt))
+        taken, self.unchained = self.unchained[:ROUND], self.unchained[ROUND:]
+        for tenant in sorted({s.tenant for s in taken}):
+            entries = self.chain.setdefault(tenant, [])
+            seq, prev = (entries[-1].seq, entries[-1].hash) if entries else (0, chain.GENESIS)
+            entries += chain.link(seq, prev, [s for s in taken if s.tenant == tenant])
+        return Round(len(taken), self._sign_due(signer, sign_now, now) if signer is not None else [])
+
+    def _sign_due(self, signer: Signer, sign_now: bool, now: datetime) -> list[chain.Head]:
+        """gateway.chaining._sign_due: each tip that moved, once its last head is old enough."""
+        signed = []
+        for tenant, entries in self.chain.items():
+            heads = self.heads.setdefault(tenant, [])
+            tip = entries[-1]
+            if heads and (
+                tip.seq <= heads[-1].seq or not (sign_now or now - heads[-1].signed_at >= signer.every)
+            ):
+                continue
+            heads.append(chain.sign(signer.key, tenant, tip.seq, tip.hash, now))
+            signed.append(heads[-1])
+        return signed
 
     # --- reading ------------------------------------------------------------------------------------
 
@@ -746,6 +791,9 @@ class SimStore:
 
     async def key_secret(self) -> bytes:
         return await self._statement("key_secret", lambda: self.db.key_secret)
+
+    async def chain(self, signer: Signer | None, *, sign_now: bool = False) -> Round:
+        return await self._statement("chain", lambda: self.db.chain_round(signer, sign_now))
 
     async def get(self, effect_id: int, tenant: str | None = None) -> EffectRecord | None:
         return await self._statement("get", lambda: self.db.get(effect_id, tenant))

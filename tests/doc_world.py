@@ -24,6 +24,7 @@ from pathlib import Path
 import asyncpg
 
 from agent_example.processes import Service, start_service
+from gateway import chain
 from gateway.decision import review, take_over
 from gateway.store import opened
 from tests.database import empty_effects, other_database
@@ -55,12 +56,17 @@ def started_world(dsn: str, scratch: Path) -> Iterator[World]:
     asyncio.run(_documented_role(dsn))
     journal_dsn = asyncio.run(_fresh_database(dsn, JOURNAL_DATABASE))
     shutil.copy(EXAMPLE, scratch / "gateway.toml")
+    private, public = chain.new_key()
     env = {k: v for k, v in os.environ.items() if not k.startswith("EFFECT_GATEWAY_")}
     env |= {
         "PATH": f"{BIN}:{env.get('PATH', '/usr/bin:/bin')}",
         "EFFECT_GATEWAY_DATABASE_URL": dsn,
         "EFFECT_GATEWAY_WORKERS": "1",  # one worker starts sooner, and the blocks need no more
+        # The audit chain's signing key as operations.md sets it up, its public half "published" in
+        # the file the page verifies exports with.
+        "EFFECT_GATEWAY_AUDIT__SIGNING_KEY": private,
     }
+    (scratch / "audit-public.key").write_text(public + "\n")
     started: list[Service] = []
     addresses = {}
     upstreams = tomllib.loads(EXAMPLE.read_text())["upstreams"]

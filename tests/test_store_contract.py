@@ -16,7 +16,9 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import pytest
 
+from gateway import chain
 from gateway.audit_query import EffectFilter
+from gateway.chaining import Round, Signer
 from gateway.decision import Policy, Send, Settlement, TooSoon, after_probe, review, settle, take_over
 from gateway.errors import CursorUnknown, StoreRejected
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError
@@ -1198,3 +1200,25 @@ async def test_the_oldest_waiting_effects_are_aged_per_state_and_per_tenant(subj
     assert ages["in_doubt"] == 0
     assert 0 <= ages["needs_review"] < 60
     assert await store.oldest_waiting("t2") == {"in_doubt": 0, "needs_review": 0}
+
+
+async def test_each_settlement_enters_its_tenants_chain_and_moved_heads_are_signed_when_due(
+    subject: Subject,
+) -> None:
+    """Completions and verdicts, not other moves, enter the chain; each tenant's head is signed at once
+    the first time, then only when it moved and the interval passed or an export asks."""
+    store = subject.store
+    signer = Signer(chain.signing_key("11" * 32), timedelta(hours=1))
+    await completed(store, "a-1")
+    await completed(store, "b-1")
+    b_2 = await claimed(store, "b-2", lease=EXPIRED, tenant="b")
+    doubt = await store.settle(await claimed(store, "a-2"), TIMED_OUT, response=None, recovered_by=None)
+    assert doubt is not None  # in doubt: not settled, so not in the chain
+    assert await store.resolve(b_2, Transition(State.PENDING, State.RETRYABLE), None, "op") is not None
+    first = await store.chain(signer)
+    assert (first.chained, sorted((h.tenant, h.seq) for h in first.signed)) == (3, [("b", 1), ("default", 2)])
+    assert await store.chain(signer) == Round(0, [])
+    await completed(store, "a-3")
+    assert await store.chain(signer) == Round(1, [])  # moved, but signed less than an hour ago
+    asked = await store.chain(signer, sign_now=True)
+    assert (asked.chained, [(h.tenant, h.seq) for h in asked.signed]) == (0, [("default", 3)])
