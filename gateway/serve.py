@@ -89,11 +89,25 @@ def _url(sock: socket.socket, address: str) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}"
 
 
+# The announcement's fields in the JSON log: what scripts and tests read to find the gateway.
+LISTENING = "listening"
+
+
 def announce(sockets: Sockets, settings: Settings, workers: cores.Workers) -> None:
+    """Say where the gateway serves, once both listeners do: one record on the log, nothing on stdout.
+
+    A supervisor hands stderr to a log pipeline, which parses every line as the log's format: a plain
+    line beside the JSON ones would be the one it cannot read. The JSON record carries both addresses as
+    fields; the text log's message names them in the same order (agents' first, then the admin's).
+    """
     log.info("workers: %d (%s)", workers.count, workers.source)
-    print(f"effect-gateway admin (audit, effects, metrics) on {_url(sockets.admin, settings.admin_listen)}")
-    # Scripts and tests read the address as this line's last word; it comes last, once both serve.
-    print(f"effect-gateway listening on {_url(sockets.proxy, settings.listen)}", flush=True)
+    proxy_url, admin_url = _url(sockets.proxy, settings.listen), _url(sockets.admin, settings.admin_listen)
+    log.info(
+        "effect-gateway listening on %s (agents) and on %s (admin: audit, effects, metrics)",
+        proxy_url,
+        admin_url,
+        extra={"fields": {"event": LISTENING, "proxy_url": proxy_url, "admin_url": admin_url}},
+    )
 
 
 async def _worker(
