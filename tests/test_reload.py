@@ -17,9 +17,11 @@ from aiohttp import web
 from agent_example.processes import Service
 from gateway import reload
 from gateway.errors import ConfigError
+from gateway.policy import upstream_policies
+from gateway.sessions import COOKIE
 from gateway.settings import Settings, load_settings
 from tests.database import runtime_url
-from tests.gateways import children, decisions, start_gateway_process
+from tests.gateways import children, decisions, gateway_server, start_gateway_process
 from tests.support import PORT_ZERO
 from tests.upstreams import Upstream
 
@@ -297,6 +299,46 @@ async def test_a_file_that_does_not_validate_is_refused_and_the_gateway_serves_o
         assert gateway.proc.poll() is None
     finally:
         gateway.stop()
+
+
+async def test_a_removed_tenants_audit_sessions_end_when_a_worker_applies_the_reload(
+    dsn: str, upstream: Upstream
+) -> None:
+    """Once a worker applies a reload that removes a tenant, the audit page no longer takes the sessions
+    signed in with that tenant's token; the admin's session goes on."""
+    tenants = {"a": {"token": "tok-a"}, "b": {"token": "tok-b"}}
+    given: dict[str, Any] = {"upstreams": {"shop": {"base_url": upstream.url}}, "admin": {"token": "adm-1"}}
+    async with (
+        gateway_server(dsn, tenants=tenants, **given) as gw,
+        aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http,
+    ):
+
+        async def sign_in(token: str) -> str:
+            form = {"token": token, "next": "/_gateway/audit"}
+            async with http.post(
+                f"{gw.admin_url}/_gateway/audit/sign-in",
+                data=form,
+                headers={"Origin": gw.admin_url},
+                allow_redirects=False,
+            ) as resp:
+                return resp.cookies[COOKIE].value
+
+        async def page(cookie: str) -> int:
+            headers = {"Cookie": f"{COOKIE}={cookie}"}
+            async with http.get(
+                f"{gw.admin_url}/_gateway/audit", headers=headers, allow_redirects=False
+            ) as resp:
+                return resp.status
+
+        tenant_a, admin = await sign_in("tok-a"), await sign_in("adm-1")
+        assert (await page(tenant_a), await page(admin)) == (200, 200)
+        running = gw.runtime.settings
+        new = running.model_copy(update={"tenants": {"b": running.tenants["b"]}})
+        verdict = reload.read_again(running, lambda: new)
+        assert verdict.line == "configuration reloaded: tenants.a.token (removed)"
+        assert verdict.settings is not None
+        gw.runtime.reconfigure(verdict.settings, upstream_policies(verdict.settings))
+        assert (await page(tenant_a), await page(admin)) == (401, 200)
 
 
 def test_durations_in_the_table_read_as_the_file_writes_them() -> None:
