@@ -29,7 +29,7 @@ import httpx
 
 from agent_example import model
 from agent_example.agent import DESIGNS
-from agent_example.processes import Service, start_service
+from agent_example.processes import Service, start_gateway, start_service
 from gateway.embedded import EmbeddedPostgres
 
 NO_CRASH = (3, 1, 1)  # model calls, orders, emails of a run that never crashed
@@ -126,7 +126,7 @@ class Demo:
 
     def start_gateway(self, fault: str | None = None) -> Service:
         env = {"EFFECT_GATEWAY_FAULT": fault} if fault else {}
-        return start_service(["-m", "gateway", "--config", str(self.config), "serve"], env)
+        return start_gateway(["-m", "gateway", "--config", str(self.config), "serve"], env)
 
     def close(self) -> None:
         for service in (self.gateway, self.mail, self.shop, self.mcp_shop):

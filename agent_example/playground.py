@@ -8,12 +8,13 @@ started on Ctrl+C.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
-from agent_example.processes import Service, start_service
+from agent_example.processes import Service, start_gateway, start_service
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "gateway.toml"
@@ -51,8 +52,15 @@ def main() -> int:
         for name, port in UPSTREAMS.items():
             command = ["-m", "agent_example.upstreams", name, "--port", str(port)]
             started.append(start_service(command, own_stderr=True))
-        gateway = start_service(
-            ["-m", "gateway", "--config", str(CONFIG), "serve"], timeout=60, cwd=str(ROOT), own_stderr=True
+        # Its log reaches this terminal through a pipe (the announcement is read from it), where "auto"
+        # would choose JSON: a person reads text, unless they chose a format themselves.
+        text = sys.stderr.isatty() and "EFFECT_GATEWAY_LOG_FORMAT" not in os.environ
+        gateway = start_gateway(
+            ["-m", "gateway", "--config", str(CONFIG), "serve"],
+            {"EFFECT_GATEWAY_LOG_FORMAT": "text"} if text else None,
+            timeout=60,
+            cwd=str(ROOT),
+            echo=sys.stderr,
         )
         started.append(gateway)
         print(TRY.format(url=gateway.url, admin=gateway.admin_url), flush=True)

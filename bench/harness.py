@@ -24,8 +24,12 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent_example.processes import announcement
+
+# The bench's own servers print this line; a gateway announces both its listeners in its log instead
+# (agent_example.processes.announcement reads that record). A gateway of an older commit (bench
+# against) printed it too, after a line naming its admin listener.
 _LISTENING = re.compile(r"listening on (http://\S+)")
-# A gateway announces its admin listener (the effects API, the metrics) on the line before.
 _ADMIN = re.compile(r"effect-gateway admin .* on (http://\S+)")
 _TICK = os.sysconf("SC_CLK_TCK")
 # Starting the gateway includes starting (or creating) the embedded Postgres: initdb takes a few seconds.
@@ -74,6 +78,9 @@ def start_server(name: str, argv: Sequence[str], log: Path, env: dict[str, str] 
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace")
+        for line in text.splitlines():
+            if (gateway := announcement(line)) is not None:
+                return Server(name, proc, gateway.url, log, admin_url=gateway.admin_url)
         if (match := _LISTENING.search(text)) is not None:
             admin = _ADMIN.search(text)
             return Server(name, proc, match.group(1), log, admin_url=admin.group(1) if admin else None)

@@ -17,7 +17,7 @@ from aiohttp.typedefs import Middleware
 
 from gateway import admin, audit_routes, openapi, problems, replies
 from gateway.errors import ClientGone, GatewayError
-from gateway.parts import longest_lease, running
+from gateway.parts import running
 from gateway.proxy import PROXY_ROUTE, proxy
 from gateway.runtime import RUNTIME, check_headers, check_host
 from gateway.settings import ErrorFormat, Settings
@@ -126,7 +126,7 @@ async def _finish_calls(app: web.Application) -> None:
     runtime = app[RUNTIME]
     for stream in list(runtime.streams):  # what an MCP server streams to its agents, unrecorded
         stream.cancel()
-    await runtime.service.drain(timeout=longest_lease(runtime.policies))
+    await runtime.service.drain(timeout=runtime.longest_lease)
 
 
 class ServerLog(logging.LoggerAdapter[logging.Logger]):

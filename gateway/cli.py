@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -114,7 +115,7 @@ def database(settings: Settings, *, create: bool = True) -> Iterator[str]:
 # --- serve and check-config ---------------------------------------------------------------------------
 
 
-def cmd_serve(settings: Settings, _args: argparse.Namespace) -> int:
+def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     from gateway import serve
 
     check_probes(settings)
@@ -123,7 +124,9 @@ def cmd_serve(settings: Settings, _args: argparse.Namespace) -> int:
     except CannotListen as exc:
         raise UsageError(str(exc)) from None
     with database(settings) as dsn:
-        return serve.run(settings, dsn, sockets)
+        # On SIGHUP: the same file (--config, else $EFFECT_GATEWAY_CONFIG as it was at start) and the
+        # environment serve started with; a process's environment cannot be changed from outside it.
+        return serve.run(settings, dsn, sockets, functools.partial(load_settings, args.config))
 
 
 def check_probes(settings: Settings) -> None:

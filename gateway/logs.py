@@ -45,7 +45,8 @@ _ENCODE = json.JSONEncoder(default=str).encode
 
 
 class JsonLines(logging.Formatter):
-    """A JSON object per line: time (UTC), level, logger, message, pid, trace id, a decision's fields."""
+    """A JSON object per line: time (UTC), level, logger, message, pid, trace id, a decision's fields,
+    and the ``fields`` a record was logged with (``extra={"fields": {...}}``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -74,6 +75,10 @@ class JsonLines(logging.Formatter):
         decision = getattr(record, "decision", None)
         if decision is not None:
             doc.update(decision)
+        # What a reader finds by name rather than in the message (the addresses serve listens on).
+        fields = getattr(record, "fields", None)
+        if fields is not None:
+            doc.update(fields)
         if record.exc_info:
             doc["error"] = self.formatException(record.exc_info)
         if record.stack_info:

@@ -21,7 +21,7 @@ from gateway.chaining import ROUND, Signer
 from gateway.errors import StoreUnavailable
 from gateway.keys import LogHash
 from gateway.metrics import CachedCounts, Metrics
-from gateway.policy import UpstreamPolicy, upstream_policies
+from gateway.policy import upstream_policies
 from gateway.probes import Prober
 from gateway.runtime import Runtime
 from gateway.service import EffectService
@@ -95,14 +95,9 @@ async def running(
         for task in periodic:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await service.drain(timeout=longest_lease(policies))
+        await service.drain(timeout=runtime.longest_lease)
         await client.close()
         await store.close()
-
-
-def longest_lease(policies: dict[str, UpstreamPolicy]) -> float:
-    """Seconds the longest call under way may still take to finish and be recorded."""
-    return max((p.lease.total_seconds() for p in policies.values()), default=0.0)
 
 
 async def _maintain_periodically(store: Store, settings: Settings) -> None:

@@ -175,6 +175,11 @@ def keyless_mode(policy: UpstreamPolicy, method: str) -> KeylessMode:
     return policy.keyless.get(method, "audit")
 
 
+def longest_lease(policies: Mapping[str, UpstreamPolicy]) -> float:
+    """Seconds the longest call under way may still take to finish and be recorded."""
+    return max((p.lease.total_seconds() for p in policies.values()), default=0.0)
+
+
 def upstream_policies(settings: Settings) -> dict[str, UpstreamPolicy]:
     return {
         name: upstream_policy(name, cfg, settings.lease_grace) for name, cfg in settings.upstreams.items()

@@ -16,7 +16,7 @@ from gateway.errors import ClientGone
 from gateway.keys import LogHash
 from gateway.mcp import ToolKind
 from gateway.metrics import CachedCounts
-from gateway.policy import UpstreamPolicy
+from gateway.policy import UpstreamPolicy, longest_lease
 from gateway.record import EffectRecord
 from gateway.service import EffectService
 from gateway.settings import Settings, is_loopback
@@ -25,8 +25,10 @@ from gateway.telemetry import Observed
 from gateway.upstream import UpstreamClient
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Runtime:
+    # Replaced together by a reload (reconfigure, gateway.reload says what may change): a request
+    # reads them as it arrives (its caller's token, its upstream's policy) and goes on with what it read.
     settings: Settings
     policies: dict[str, UpstreamPolicy]
     store: Store
@@ -45,6 +47,17 @@ class Runtime:
     # The event streams passing through from MCP servers, ended when the gateway stops: a stream lasts
     # as long as its session, and shutdown would wait out its timeout for them.
     streams: set[asyncio.Future[Any]] = field(default_factory=set)
+    # The longest lease a call under way may hold, in seconds: what shutdown waits for at most. A reload
+    # that shortens a timeout leaves the calls sent under the longer one running to their end.
+    longest_lease: float = field(init=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        self.longest_lease = longest_lease(self.policies)
+
+    def reconfigure(self, settings: Settings, policies: dict[str, UpstreamPolicy]) -> None:
+        """Serve the next requests with ``settings`` (only what gateway.reload lets change differs)."""
+        self.settings, self.policies = settings, policies
+        self.longest_lease = max(self.longest_lease, longest_lease(policies))
 
 
 RUNTIME = web.AppKey("runtime", Runtime)

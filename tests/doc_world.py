@@ -23,7 +23,7 @@ from pathlib import Path
 
 import asyncpg
 
-from agent_example.processes import Service, start_service
+from agent_example.processes import Service, start_gateway, start_service
 from gateway import chain
 from gateway.decision import review, take_over
 from gateway.store import opened
@@ -88,7 +88,7 @@ def started_world(dsn: str, scratch: Path) -> Iterator[World]:
         for service, (name, upstream) in zip(started, upstreams.items(), strict=True):
             addresses[upstream["base_url"]] = service.url
             env[f"EFFECT_GATEWAY_UPSTREAMS__{name.upper()}__BASE_URL"] = service.url
-        gateway = start_service(
+        gateway = start_gateway(
             ["-m", "gateway", "--config", str(EXAMPLE), "serve"],
             {**env, "EFFECT_GATEWAY_LISTEN": "127.0.0.1:0", "EFFECT_GATEWAY_ADMIN_LISTEN": "127.0.0.1:0"},
             timeout=60,

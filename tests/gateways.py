@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from agent_example.processes import Service, start_service
+from agent_example.processes import Service, start_gateway
 from gateway.app import runners
 from gateway.runtime import RUNTIME, Runtime
 from gateway.settings import load_settings
@@ -53,8 +53,11 @@ async def gateway_server(
 
 
 def start_gateway_process(config: Path, env: dict[str, str] | None = None, timeout: float = 30) -> Service:
-    """``effect-gateway serve`` in a child process; returns once it prints the address it listens on."""
-    return start_service(["-m", "gateway", "--config", str(config), "serve"], env, timeout, cwd=str(ROOT))
+    """``effect-gateway serve`` in a child process; returns once its log announces where it listens.
+
+    Its working directory is the repository's, so that the child imports this checkout's gateway.
+    """
+    return start_gateway(["-m", "gateway", "--config", str(config), "serve"], env, timeout, cwd=str(ROOT))
 
 
 def children(pid: int) -> set[int]:

@@ -142,6 +142,29 @@ async def test_routine_decisions_at_debug_leave_only_the_unusual_ones_in_the_log
     assert len(upstream.calls) == 2  # the first was sent, all the same
 
 
+def test_serve_announces_its_addresses_in_its_json_log_and_prints_nothing_else(
+    dsn: str, upstream: Upstream, tmp_path: Path
+) -> None:
+    """serve says where it listens in one JSON record of its log, both addresses as fields and a
+    sentence a person reads, and writes nothing on stdout: a log pipeline reading its output meets no
+    line that is not JSON."""
+    gateway = start_gateway_process(_config(tmp_path, dsn, upstream), SECRETS)
+    assert gateway.stderr is not None
+    assert gateway.stdout is not None
+    gateway.stop()
+    assert gateway.stdout.whole() == []
+    lines = gateway.stderr.whole()
+    docs = [json.loads(line) for line in lines]  # every line is JSON
+    (said,) = [doc for doc in docs if doc.get("event") == "listening"]
+    assert (said["proxy_url"], said["admin_url"]) == (gateway.url, gateway.admin_url)
+    assert said["level"] == "info"
+    assert said["logger"] == "effect_gateway"
+    assert said["message"] == (
+        f"effect-gateway listening on {gateway.url} (agents) and on {gateway.admin_url} "
+        "(admin: audit, effects, metrics)"
+    )
+
+
 def test_auto_writes_text_to_a_terminal_and_json_otherwise() -> None:
     """log_format = "auto": text for a person at a terminal, JSON lines into a pipe or a file."""
     leader, follower = pty.openpty()
