@@ -44,6 +44,8 @@ RUNTIME_PRIVILEGES = (
     Privilege("table", "effect_gateway_migrations", ("select",)),
     # A worker that finds the database lost its writes raises the alarm that stops every other one.
     Privilege("table", "effect_gateway_alarms", ("select", "insert")),
+    # What a configured webhook was told (migration 022): noticed, delivered, and deleted a retention after.
+    Privilege("table", "effect_notifications", ("select", "insert", "update", "delete")),
     # nextval() of the effects' ids
     Privilege("sequence", "effect_ids", ("usage",)),
     Privilege("function", "effect_key_digest(text)", ("execute",)),

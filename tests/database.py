@@ -98,7 +98,8 @@ async def empty_effects(dsn: str) -> None:
     conn = await asyncpg.connect(dsn)
     try:
         await conn.execute(
-            "truncate effects, effect_keys, effect_bodies, open_effects, effect_gateway_alarms; "
+            "truncate effects, effect_keys, effect_bodies, open_effects, effect_gateway_alarms, "
+            "effect_notifications; "
             "alter sequence effect_ids restart"
         )
     finally:
