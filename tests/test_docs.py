@@ -20,6 +20,7 @@ MODELS: list[type[BaseModel]] = [
     settings.TenantSettings,
     settings.AdminSettings,
     settings.OperatorSettings,
+    settings.WebhookSettings,
 ]
 
 
