@@ -1,8 +1,9 @@
 """The gateway's parts, started and stopped together, whatever serves them.
 
-The store, the upstream client and its prober, the effect service and the periodic maintenance, built
-from the settings once per process (each worker of ``serve`` has its own) and handed to the two
-applications of :mod:`gateway.app` as a :class:`gateway.runtime.Runtime`.
+The store, the upstream client and its prober, the effect service, the periodic maintenance and the
+webhook's rounds (when configured), built from the settings once per process (each worker of ``serve``
+has its own) and handed to the two applications of :mod:`gateway.app` as a
+:class:`gateway.runtime.Runtime`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from gateway.store import Store, StoreLimits
 from gateway.telemetry import Observed
 from gateway.tracing import Tracer
 from gateway.upstream import UpstreamClient
+from gateway.webhooks import Webhook, WebhookPlan
 
 log = logging.getLogger("effect_gateway")
 
@@ -81,12 +83,20 @@ async def running(
         client,
     )
     purger = asyncio.create_task(_maintain_periodically(store, settings))
+    # Without a [webhook], nothing at all: no task, no statement, no HTTP session.
+    plan = WebhookPlan.of(settings)
+    webhook = Webhook(plan, store, telemetry) if plan is not None else None
+    notifier = asyncio.create_task(webhook.run()) if webhook is not None else None
     try:
         yield runtime
     finally:
-        purger.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await purger
+        for task in (purger, notifier):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if webhook is not None:
+            await webhook.close()
         await service.drain(timeout=longest_lease(policies))
         await client.close()
         await store.close()
