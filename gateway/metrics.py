@@ -197,6 +197,12 @@ class Metrics:
             ["upstream", "verdict"],
             registry=own,
         )
+        self.notifications = Counter(
+            "effect_gateway_notifications",
+            "Deliveries of notifications to the webhook, by event and outcome (delivered, failed, gave_up).",
+            ["event", "outcome"],
+            registry=own,
+        )
         self.cache_hit = replay_cache.labels("hit")
         self.cache_miss = replay_cache.labels("miss")
         self.statements = {kind: self.statement_seconds.labels(kind) for kind in STATEMENTS}

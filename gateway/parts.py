@@ -1,8 +1,9 @@
 """The gateway's parts, started and stopped together, whatever serves them.
 
-The store, the upstream client and its prober, the effect service and the periodic maintenance, built
-from the settings once per process (each worker of ``serve`` has its own) and handed to the two
-applications of :mod:`gateway.app` as a :class:`gateway.runtime.Runtime`.
+The store, the upstream client and its prober, the effect service, the periodic maintenance and the
+webhook's rounds (when configured), built from the settings once per process (each worker of ``serve``
+has its own) and handed to the two applications of :mod:`gateway.app` as a
+:class:`gateway.runtime.Runtime`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from gateway.store import Store, StoreLimits
 from gateway.telemetry import Observed
 from gateway.tracing import Tracer
 from gateway.upstream import UpstreamClient
+from gateway.webhooks import Webhook, WebhookPlan
 
 log = logging.getLogger("effect_gateway")
 
@@ -83,9 +85,13 @@ async def running(
         LogHash(secret),
         client,
     )
+    # Without a [webhook], nothing at all: no task, no statement, no HTTP session.
+    plan = WebhookPlan.of(settings)
+    webhook = Webhook(plan, store, telemetry) if plan is not None else None
     periodic = [
         asyncio.create_task(_maintain_periodically(store, settings)),
         asyncio.create_task(_chain_periodically(store, signer(settings), settings.audit.chain_every)),
+        *([asyncio.create_task(webhook.run())] if webhook is not None else []),
     ]
     try:
         yield runtime
@@ -95,6 +101,8 @@ async def running(
         for task in periodic:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if webhook is not None:
+            await webhook.close()
         await service.drain(timeout=runtime.longest_lease)
         await client.close()
         await store.close()

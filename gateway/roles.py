@@ -50,6 +50,8 @@ RUNTIME_PRIVILEGES = (
     Privilege("table", "audit_chain", ("select", "insert")),
     Privilege("table", "audit_tips", ("select", "insert", "update")),
     Privilege("table", "audit_heads", ("select", "insert")),
+    # What a configured webhook was told (migration 022): noticed, delivered, and deleted a retention after.
+    Privilege("table", "effect_notifications", ("select", "insert", "update", "delete")),
     # nextval() of the effects' ids
     Privilege("sequence", "effect_ids", ("usage",)),
     Privilege("function", "effect_key_digest(text)", ("execute",)),

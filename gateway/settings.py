@@ -521,6 +521,69 @@ class AuditSettings(_Section):
         return every
 
 
+def webhook_url(value: SecretStr) -> SecretStr:
+    if not _NEED_SECRETS.get() and value.get_secret_value().startswith("env:"):
+        return value  # left unresolved for a command that never sends (see resolve_secret)
+    # Never the URL itself in the message: a Slack incoming webhook's URL is its credential.
+    if not re.match(r"^https?://[^/?#\s]+(/[^#\s]*)?$", value.get_secret_value()):
+        raise ValueError("must be an http:// or https:// URL (give it as 'env:NAME' when it holds a secret)")
+    return value
+
+
+class WebhookSettings(_Section):
+    """Where the gateway tells an operator of effects that wait for them (gateway.notifications)."""
+
+    # A Slack incoming webhook's URL is its own credential: like a token, it may be "env:NAME", and the
+    # gateway never logs or stores it.
+    url: Annotated[Secret, AfterValidator(webhook_url)]
+    # "json": the gateway's own document; "slack": {"text": ...}, which Slack's incoming webhooks (and
+    # Mattermost's, Rocket.Chat's, Discord's /slack endpoint) post as a message.
+    shape: Literal["json", "slack"] = "json"
+    # Sent as Authorization: Bearer; never logged or stored.
+    token: Secret | None = None
+    # An effect in doubt recovers by itself on its agent's next retry, usually within seconds; one in
+    # doubt an hour later has an agent that gave up or died. The hour is the alert rules' own (a ticket).
+    in_doubt_after: Duration = timedelta(hours=1)
+    # How often a worker looks for new waits and sends what is due. Review pages someone (the alert
+    # rules page after two minutes): 15 s tells them well before, for one small read of open_effects.
+    interval: Duration = timedelta(seconds=15)
+    # One delivery's whole time, connecting included. Slack answers in well under a second; 10 s rides
+    # out a slow receiver without holding a notification long.
+    timeout: Duration = timedelta(seconds=10)
+    # The wait after the first failed delivery; it doubles after each, up to 15 minutes
+    # (gateway.notifications.LONGEST_WAIT). 10 s lets a receiver's brief hiccup (a deploy, a 502 of its
+    # proxy) pass, and is long enough not to hammer one that is down.
+    retry_after: Duration = timedelta(seconds=10)
+    # Past this since the wait was noticed, a notification that never got through is given up (logged,
+    # and recorded). A day covers a receiver down overnight; later than that the alert rules and the
+    # audit page's banner have long told someone.
+    give_up_after: Duration = timedelta(hours=24)
+    # Where operators reach the admin listener (https://gateway.example:8788): each notification then
+    # links to the effect's audit page. Omitted: only its path is sent (the gateway cannot know the
+    # address a person uses to reach it).
+    admin_url: str | None = None
+
+    @field_validator("in_doubt_after", "interval", "timeout", "retry_after")
+    @classmethod
+    def _some_time(cls, value: timedelta) -> timedelta:
+        # None of these means anything at 0s: every wait in doubt told at once, a sweep in a tight
+        # loop, a delivery that cannot succeed, retries with no pause.
+        if value <= timedelta(0):
+            raise ValueError("must be more than 0s")
+        return value
+
+    @model_validator(mode="after")
+    def _timings(self) -> WebhookSettings:
+        if self.give_up_after < self.retry_after:
+            raise ValueError("give_up_after must be at least retry_after, or no delivery would be retried")
+        if self.admin_url is not None and not re.match(r"^https?://[^/?#\s]+/?$", self.admin_url):
+            raise ValueError(
+                f"admin_url {self.admin_url!r} must be the admin listener's http:// or https:// address "
+                "without a path"
+            )
+        return self
+
+
 _UPSTREAM_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
 
@@ -606,6 +669,8 @@ class Settings(BaseSettings):
     operators: dict[str, OperatorSettings] = Field(default_factory=dict)
     audit: AuditSettings = Field(default_factory=AuditSettings)
     upstreams: dict[str, UpstreamSettings] = Field(default_factory=dict)
+    # Omitted: nothing is sent, and no worker looks for waiting effects (no cost at all).
+    webhook: WebhookSettings | None = None
 
     @classmethod
     def settings_customise_sources(

@@ -62,6 +62,9 @@ class Telemetry:
     def taken_over(self, upstream: str) -> None:
         """A pending record whose lease ran out was taken over."""
 
+    def notification(self, event: str, outcome: str) -> None:
+        """A delivery to the webhook was made: ``outcome`` delivered, failed (tried again) or gave_up."""
+
 
 class Observed(Telemetry):
     """The running gateway's metrics, spans and decision log."""
@@ -123,6 +126,9 @@ class Observed(Telemetry):
 
     def taken_over(self, upstream: str) -> None:
         self.metrics.upstream(upstream).taken_over.inc()
+
+    def notification(self, event: str, outcome: str) -> None:
+        self.metrics.notifications.labels(event, outcome).inc()
 
     def verdict(self, upstream: str, happened: bool) -> None:
         """An operator resolved an effect through the gateway."""

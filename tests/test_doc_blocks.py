@@ -35,6 +35,7 @@ import sys
 import tomllib
 import urllib.request
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from unittest import mock
 
@@ -42,7 +43,7 @@ import asyncpg
 import pytest
 
 from agent_example.playground import TRY
-from gateway import embedded, pooling, states
+from gateway import embedded, notifications, pooling, states
 from gateway.settings import load_settings
 from gateway.store import StoreLimits, session_settings
 from tests.doc_blocks import (
@@ -121,7 +122,15 @@ def load_toml(unit: Unit, world: World) -> None:
 
 
 def check_json(unit: Unit, world: World) -> None:
-    """An operator's verdict, posted to the resolve route for an effect awaiting one at its attempt."""
+    """An operator's verdict, posted to the resolve route for an effect awaiting one at its attempt; or
+    (``json notification``) a webhook's notification, with the fields the gateway sends and no other."""
+    if unit.block.labels == ("notification",):
+        shown = json.loads(unit.block.text)
+        made = notifications.document(NOTICE, NOTICE.noticed_at, "https://gateway.internal:8788")
+        assert sorted(shown) == sorted(made)
+        assert sorted(shown["effect"]) == sorted(made["effect"])
+        assert shown["event"] in {w.event for w in notifications.WAITS}
+        return
     require_labels(unit, ("verdict",))
     verdict = json.loads(unit.block.text)
     effect_id = asyncio.run(awaiting_operator(world.dsn, verdict["attempt"]))
@@ -134,6 +143,25 @@ def check_json(unit: Unit, world: World) -> None:
     with urllib.request.urlopen(request, timeout=30) as resp:
         resolved = json.load(resp)
     assert resolved["state"] == ("completed" if verdict["happened"] else "retryable")
+
+
+# An effect waiting for review, as the webhook's notification of it reads it.
+NOTICE = notifications.Notice(
+    id="0b6f3c9e-3f0a-4c7e-9a57-8d1f0f5a2b11",
+    event="needs_review",
+    effect_id=42,
+    attempt=2,
+    state="needs_review",
+    tenant="default",
+    upstream="shop",
+    method="POST",
+    path="/orders",
+    created_at=datetime(2026, 12, 2, 9, tzinfo=UTC),
+    run_id="run-7",
+    step="4",
+    waiting_since=datetime(2026, 12, 2, 11, 55, tzinfo=UTC),
+    noticed_at=datetime(2026, 12, 2, 11, 55, 10, tzinfo=UTC),
+)
 
 
 def check_text(unit: Unit, world: World) -> None:

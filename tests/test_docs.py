@@ -21,6 +21,7 @@ MODELS: list[type[BaseModel]] = [
     settings.AdminSettings,
     settings.OperatorSettings,
     settings.AuditSettings,
+    settings.WebhookSettings,
 ]
 
 

@@ -734,3 +734,29 @@ async def test_020_waits_for_a_detach_left_half_done_to_be_finished(postgres_dsn
             assert await conn.fetchval("select max(version) from effect_gateway_migrations") == LATEST
         finally:
             await conn.close()
+
+
+async def test_022_applies_again_over_the_notifications_it_made(postgres_dsn: str) -> None:
+    """A database restored with its notifications but an older migrations table migrates again without
+    an error, and keeps what the webhook was told."""
+    [(version, name, _)] = [m for m in migration_files() if m[1].startswith("022_")]
+    async with own_database(postgres_dsn, "again_022") as dsn:
+        await migrate(dsn)
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(
+                """insert into effect_notifications (scope, effect_id, event, attempt, state, tenant,
+                       upstream, method, path, created_at, waiting_since, delivered_at)
+                   values (gen_random_uuid(), 1, 'needs_review', 1, 'needs_review', 'default', 'shop',
+                       'POST', '/orders', now(), now(), now())"""
+            )
+            await conn.execute("delete from effect_gateway_migrations where version = $1", version)
+            assert await migrate(dsn) == [name]
+            assert (
+                await conn.fetchval(
+                    "select count(*) from effect_notifications where delivered_at is not null"
+                )
+                == 1
+            )
+        finally:
+            await conn.close()
