@@ -6,7 +6,9 @@ claim and the settle write nothing here, and a sweep finds the waits afterwards 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
+from typing import Any, TypeAlias
 from uuid import UUID
 
 from gateway import notifications
@@ -137,3 +139,47 @@ async def record(
     else:
         done = await conn.execute(_FAILED, *key, status, error, retry)
     return done != "UPDATE 0"
+
+
+# How the store runs a statement function of ours: timed under its name, retried as its own are.
+Runner: TypeAlias = "Callable[[str, Callable[[Conn], Awaitable[Any]]], Awaitable[Any]]"
+
+
+class Notifications:
+    """A [webhook]'s statements, run by the store's runner (gateway.store.Store.notifications): apart
+    from the store's own methods, which the simulator's store mirrors, since no simulation sends any."""
+
+    def __init__(self, run: Runner) -> None:
+        self._run = run
+
+    async def notice_waits(self, in_doubt_after: timedelta, retention: timedelta) -> int | None:
+        """Record a notification for every wait not yet told (:func:`notice`)."""
+        found: int | None = await self._run("notice", lambda conn: notice(conn, in_doubt_after, retention))
+        return found
+
+    async def take_notification(self, lease: timedelta) -> tuple[Notice, datetime, UUID] | None:
+        """The notification due longest, taken for one delivery (:func:`take`)."""
+        taken: tuple[Notice, datetime, UUID] | None = await self._run(
+            "take_notification", lambda conn: take(conn, lease)
+        )
+        return taken
+
+    async def record_delivery(
+        self,
+        notice: Notice,
+        scope: UUID,
+        *,
+        status: int | None,
+        error: str | None,
+        retry: timedelta | None,
+        delivered: bool,
+    ) -> bool:
+        """What came of a delivery of ``notice`` (:func:`record`)."""
+
+        async def op(conn: Conn) -> bool:
+            return await record(
+                conn, notice, scope, status=status, error=error, retry=retry, delivered=delivered
+            )
+
+        recorded: bool = await self._run("record_delivery", op)
+        return recorded

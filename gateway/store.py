@@ -22,9 +22,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import TYPE_CHECKING, Self, TypeVar
-from uuid import UUID
 
 import asyncpg
 import asyncpg.pool
@@ -43,7 +42,6 @@ from gateway.chaining import Round, Signer
 from gateway.decision import Settlement
 from gateway.errors import ConfigError, CursorUnknown, PrivilegesMissing, StoreRejected, StoreUnavailable
 from gateway.lost_writes import LostWrites, failover_warning
-from gateway.notifications import Notice
 from gateway.pg_failures import FAILURES, connecting, kind
 from gateway.record import EffectRecord, KeyCarriers, NewEffect, RowKey, StoredResponse
 from gateway.rows import (
@@ -641,34 +639,10 @@ class Store:
 
     # --- notifications (gateway.webhooks): none of these runs without a [webhook] ---------------------
 
-    async def notice_waits(self, in_doubt_after: timedelta, retention: timedelta) -> int | None:
-        """Record a notification for every wait not yet told (notification_rows.notice)."""
-        return await self._run(
-            "notice", lambda conn: notification_rows.notice(conn, in_doubt_after, retention)
-        )
-
-    async def take_notification(self, lease: timedelta) -> tuple[Notice, datetime, UUID] | None:
-        """The notification due longest, taken for one delivery (notification_rows.take)."""
-        return await self._run("take_notification", lambda conn: notification_rows.take(conn, lease))
-
-    async def record_delivery(
-        self,
-        notice: Notice,
-        scope: UUID,
-        *,
-        status: int | None,
-        error: str | None,
-        retry: timedelta | None,
-        delivered: bool,
-    ) -> bool:
-        """What came of a delivery of ``notice`` (notification_rows.record)."""
-
-        async def op(conn: Conn) -> bool:
-            return await notification_rows.record(
-                conn, notice, scope, status=status, error=error, retry=retry, delivered=delivered
-            )
-
-        return await self._run("record_delivery", op)
+    @property
+    def notifications(self) -> notification_rows.Notifications:
+        """The statements of a [webhook]'s rounds, run on this store's connections as its own are."""
+        return notification_rows.Notifications(self._run)
 
     async def ping(self) -> None:
         """Whether Postgres answers (health), without touching the effect tables."""

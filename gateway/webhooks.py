@@ -117,12 +117,12 @@ class Webhook:
 
     async def round(self) -> None:
         """Record the waits not yet told, then deliver up to ROUND_DELIVERIES of those due."""
-        new = await self._store.notice_waits(self.plan.in_doubt_after, self.plan.retention)
+        new = await self._store.notifications.notice_waits(self.plan.in_doubt_after, self.plan.retention)
         if new:
             log.debug("%d new waits to tell the webhook of", new)
         lease = self.plan.timeout + RECORD_GRACE
         for _ in range(ROUND_DELIVERIES):
-            taken = await self._store.take_notification(lease)
+            taken = await self._store.notifications.take_notification(lease)
             if taken is None:
                 return
             await self.deliver(*taken)
@@ -170,7 +170,7 @@ class Webhook:
     async def _record(
         self, notice: Notice, scope: UUID, answer: Answer, retry: timedelta | None, *, delivered: bool
     ) -> bool:
-        recorded = await self._store.record_delivery(
+        recorded = await self._store.notifications.record_delivery(
             notice, scope, status=answer.status, error=answer.error, retry=retry, delivered=delivered
         )
         if not recorded:

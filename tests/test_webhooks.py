@@ -238,7 +238,10 @@ async def test_many_sweeps_of_two_gateways_tell_each_wait_once(dsn: str, upstrea
             await more_rounds(one, two, count=10)
             # And sweeps at the very same moment, beside theirs.
             again = await asyncio.gather(
-                *(one.runtime.store.notice_waits(timedelta(hours=1), timedelta(days=7)) for _ in range(8))
+                *(
+                    one.runtime.store.notifications.notice_waits(timedelta(hours=1), timedelta(days=7))
+                    for _ in range(8)
+                )
             )
             await more_rounds(one, two)
     assert sorted(hook.told()) == [("needs_review", 1, 1), ("needs_review", 2, 1), ("needs_review", 3, 1)]
