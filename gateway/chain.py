@@ -222,9 +222,11 @@ def sign(key: Ed25519PrivateKey, tenant: str, seq: int, hash: str, at: datetime)
     return Head(tenant, seq, hash, at, unsigned.key, signature)
 
 
-def start_line(tenant: str, first: int, prev: str) -> bytes:
-    """The line that opens a tenant's part of an export: its first entry, and the hash before it."""
-    return canonical({"chain": tenant, "first": first, "prev": prev})
+def start_line(tenant: str, first: int, last: int, prev: str) -> bytes:
+    """The line that opens a tenant's part of an export: its first and last entries, and the hash
+    before the first. The last lets a verifier tell a file cut short (its tail lost in a copy) from a
+    whole one; one cut on purpose, this line changed with it, is found only against a head you hold."""
+    return canonical({"chain": tenant, "first": first, "last": last, "prev": prev})
 
 
 def format_line(exported_at: datetime) -> bytes:
@@ -249,7 +251,8 @@ class TenantChain:
 
     tenant: str
     first: int
-    seq: int  # the last entry's (first - 1 before any)
+    last: int  # the last entry the export says it holds
+    seq: int  # the last entry's seen (first - 1 before any)
     hash: str
     entries: int = 0
     heads: list[Head] = field(default_factory=list)
@@ -271,7 +274,7 @@ class Verification:
         """What was checked, as lines for a person."""
         lines = []
         for chain in self.chains:
-            span = f"entries {chain.first} to {chain.seq}" if chain.entries else "no entries"
+            span = f"entries {chain.first} to {chain.seq}"
             lines.append(f"tenant {chain.tenant}: {span} ({chain.entries}), each follows the one before")
             if chain.heads:
                 last = chain.heads[-1]
@@ -306,14 +309,22 @@ def verify(lines: Iterable[bytes], key: Ed25519PublicKey | None = None) -> Verif
             tenant = _text(number, doc, "chain")
             if tenant in chains:
                 raise Mismatch(number, f"tenant {tenant}'s chain starts a second time")
-            first = _number(number, doc, "first")
-            chains[tenant] = TenantChain(tenant, first, first - 1, _text(number, doc, "prev"))
+            first, last = _number(number, doc, "first"), _number(number, doc, "last")
+            if last < first:
+                raise Mismatch(
+                    number, f"tenant {tenant}'s chain ends at entry {last}, before its first ({first})"
+                )
+            chains[tenant] = TenantChain(tenant, first, last, first - 1, _text(number, doc, "prev"))
         elif "head" in doc:
             _check_head(number, doc, chains, key)
         else:
             _check_entry(number, doc, chains)
     if number == 0:
         raise Mismatch(1, "the file is empty")
+    for chain in chains.values():
+        if chain.seq != chain.last:
+            stops = f"tenant {chain.tenant}'s chain stops at entry {chain.seq}, not {chain.last}"
+            raise Mismatch(number, f"{stops}: the file is cut")
     return Verification(list(chains.values()))
 
 

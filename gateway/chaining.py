@@ -259,7 +259,7 @@ async def _export_tenant(
         if first > 1
         else GENESIS
     )
-    write(chain.start_line(tenant, first, prev) + b"\n")
+    write(chain.start_line(tenant, first, last, prev) + b"\n")
     heads = {
         row["seq"]: Head(
             row["tenant"], row["seq"], row["hash"], row["signed_at"], row["key"], row["signature"]

@@ -47,7 +47,7 @@ def export_of(
     entries = chain.link(0, GENESIS, [settlement(i, tenant) for i in range(1, count + 1)])
     lines = [
         chain.format_line(T0),
-        chain.start_line(tenant, first, entries[first - 2].hash if first > 1 else GENESIS),
+        chain.start_line(tenant, first, count, entries[first - 2].hash if first > 1 else GENESIS),
     ]
     for entry in entries[first - 1 :]:
         lines.append(entry.line())
@@ -111,6 +111,8 @@ def flipped(line: bytes, old: bytes, new: bytes) -> bytes:
         ),
         # The line cut short.
         (lambda ls: [*ls[:4], ls[4][:-5], *ls[5:]], 5, "not JSON: the line was cut or changed"),
+        # The file cut after entry 3: its start said it runs to 5.
+        (lambda ls: ls[:5], 5, "tenant grocer's chain stops at entry 3, not 5: the file is cut"),
         # The same entry twice.
         (
             lambda ls: [*ls[:5], ls[4], *ls[5:]],
@@ -118,7 +120,15 @@ def flipped(line: bytes, old: bytes, new: bytes) -> bytes:
             "entry 3 of tenant grocer (effect 3) comes after entry 3: entries are out of order or repeated",
         ),
     ],
-    ids=["one-byte-changed", "entry-removed", "two-reordered", "space-added", "line-cut", "entry-repeated"],
+    ids=[
+        "one-byte-changed",
+        "entry-removed",
+        "two-reordered",
+        "space-added",
+        "line-cut",
+        "file-cut",
+        "entry-repeated",
+    ],
 )
 def test_tampering_is_found_at_the_first_line_it_touches(tamper, line: int, reason: str) -> None:  # type: ignore[no-untyped-def]
     """Each change an export can suffer is caught, and the message names the entry and what is wrong."""
@@ -213,5 +223,6 @@ def test_a_new_key_signs_what_its_public_half_verifies() -> None:
     head = chain.sign(chain.signing_key(private), "t", 1, "a" * 64, T0)
     assert head.key == public
     # A head right after the start signs the entry before the export's first.
-    lines = [chain.format_line(T0), chain.start_line("t", 2, "a" * 64), head.line()]
+    [second] = chain.link(1, "a" * 64, [settlement(2, "t")])
+    lines = [chain.format_line(T0), chain.start_line("t", 2, 2, "a" * 64), head.line(), second.line()]
     assert chain.verify(lines, chain.public_key(public)).chains[0].heads == [head]
