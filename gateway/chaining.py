@@ -18,16 +18,15 @@ from typing import Any, TypeAlias
 import asyncpg
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from gateway import chain
+from gateway import chain, locks
 from gateway.chain import GENESIS, Entry, Head, Settlement
 from gateway.rows import Conn
 
 # The workers' pooled connections run the rounds; the export command runs on one of its own.
 AnyConn: TypeAlias = "Conn | asyncpg.Connection"
 
-# The round's lock among all gateways on the database: "effects" in ASCII and 2, beside the partitions'
-# upkeep (1, gateway.store) and the migrations ("effects" alone, gateway.schema).
-CHAIN_LOCK = 0x6566666563747302
+# The round's lock among all gateways on the database.
+CHAIN_LOCK = locks.CHAIN
 # Settlements per round: a gateway settles a few thousand a second at most, so one round a second keeps
 # up, and 5,000 entries (about 2 MB of rows) keep its transaction to tens of milliseconds.
 ROUND = 5000

@@ -11,15 +11,14 @@ from datetime import datetime, timedelta
 from typing import Any, TypeAlias
 from uuid import UUID
 
-from gateway import notifications
+from gateway import locks, notifications
 from gateway.notifications import Notice
 from gateway.rows import Conn
 
 # One sweep at a time among all workers and gateways on the database: the others skip their round
 # (the insert's "on conflict do nothing" keeps a wait told once either way; the lock saves the others
-# the same reads). Transaction-level, so that it holds through a pooler in transaction mode. Any
-# constant no other application uses: "effects" in ASCII and 2 (gateway.store's maintenance lock is 1).
-NOTICE_LOCK = 0x6566666563747302
+# the same reads). Transaction-level, so that it holds through a pooler in transaction mode.
+NOTICE_LOCK = locks.NOTICE
 
 # Each wait that is told (notifications.WAITS) with its threshold; the open effects in each state
 # waiting that long, each looked up in the audit by its primary key (a lateral lookup: as a join,

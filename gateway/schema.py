@@ -14,7 +14,7 @@ from importlib import resources
 
 import asyncpg
 
-from gateway import partitions, roles
+from gateway import locks, partitions, roles
 from gateway.errors import (
     NoSuchRole,
     PrivilegesMissing,
@@ -27,8 +27,7 @@ from gateway.pg_failures import FAILURES, connecting, kind
 
 log = logging.getLogger("effect_gateway")
 
-# Any constant will do, as long as no other application on the database uses it for another lock.
-MIGRATION_LOCK = 0x65666665637473  # "effects"
+MIGRATION_LOCK = locks.MIGRATION
 # How long a migration waits for a table's lock. While it waits, every statement on that table queues
 # behind it: a long transaction (a report, a pg_dump) would stop the gateways on the table until it ended.
 # Well below the gateways' own lock_timeout (2 s by default), so that a statement queued behind it still

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Self, TypeVar
 import asyncpg
 import asyncpg.pool
 
-from gateway import chaining, notification_rows, partitions, phases, pooling, roles
+from gateway import chaining, locks, notification_rows, partitions, phases, pooling, roles
 from gateway.audit_query import (
     EXACT_OPEN_COUNT,
     OPEN_STATES,
@@ -125,8 +125,9 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
 async def _keep_session(conn: asyncpg.Connection) -> None:
     """Skip asyncpg's reset query on release: it is a round trip per phase (a third of a replay's time).
 
-    Safe because the gateway's pooled connections never LISTEN, take advisory locks, open cursors or SET
-    session variables; asyncpg still rolls back a transaction left open before calling this.
+    Safe because the gateway's pooled connections never LISTEN, take session-level advisory locks (only
+    a transaction's, gateway.locks), open cursors or SET session variables; asyncpg still rolls back a
+    transaction left open before calling this.
     """
 
 
@@ -158,9 +159,7 @@ _PARTITION_SIZES = """
     from pg_inherits i join pg_class c on c.oid = i.inhrelid
     where i.inhparent = 'effects'::regclass
 """
-# Held (per session) by the one gateway maintaining partitions; any constant no other application uses:
-# "effects" in ASCII and 1, beside the migrations' lock (gateway.schema), which is "effects" alone.
-MAINTENANCE_LOCK = 0x6566666563747301
+MAINTENANCE_LOCK = locks.MAINTENANCE
 # How long a write that found no partition for its row waits for the table's lock to make one (seconds).
 # Another gateway making them holds it for milliseconds, and the retention detaches a day only once the
 # days ahead exist, so its long waits never meet a write that needs a partition; ten seconds is the

@@ -15,9 +15,10 @@ import aiohttp
 import asyncpg
 import pytest
 
-from gateway import chain
+from gateway import chain, locks
 from gateway.chaining import Signer
 from gateway.decision import review
+from gateway.store import opened
 from tests.commands import Done, in_thread
 from tests.database import runtime_url
 from tests.factories import new_effect
@@ -248,3 +249,18 @@ async def test_a_serving_gateway_chains_and_signs_on_its_own(
     finally:
         await conn.close()
     assert [tuple(h) for h in heads] == [("acme", 1, PUBLIC)]
+
+
+async def test_a_webhook_sweep_under_way_does_not_hold_up_the_chain(dsn: str) -> None:
+    """Each periodic job has its own lock: while a notice sweep holds its own, a chain round still runs
+    (they once shared a key, and each skipped its turn whenever the other held it)."""
+    assert len(set(locks.ALL)) == len(locks.ALL)
+    conn = await asyncpg.connect(dsn)
+    try:
+        async with opened(runtime_url(dsn)) as store, conn.transaction():
+            assert await conn.fetchval("select pg_try_advisory_xact_lock($1)", locks.NOTICE)
+            assert not (await store.chain(SIGNER)).busy
+            assert await conn.fetchval("select pg_try_advisory_xact_lock($1)", locks.CHAIN)
+            assert (await store.chain(SIGNER)).busy  # and the chain's own lock does hold it
+    finally:
+        await conn.close()
