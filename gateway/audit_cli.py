@@ -19,10 +19,10 @@ from typing import IO, Any
 import asyncpg
 
 from gateway import chain, problems
-from gateway.chaining import Exported, Round, Signer, chain_round, export
+from gateway.chain import Round, Signer
+from gateway.chaining import Exported, chain_round, export, signer_of
 from gateway.effects_json import parse_moment
 from gateway.errors import UsageError
-from gateway.parts import signer
 from gateway.schema import ready
 from gateway.settings import Settings
 
@@ -43,7 +43,11 @@ def add_commands(sub: Any) -> None:
     check = what.add_parser("verify", help="check an export, without the database")
     check.add_argument("file", help="the export (- for standard input)")
     check.add_argument(
-        "--public-key", help="the key its heads must be signed with: hex, base64, or a PEM file's path"
+        "--public-key",
+        action="append",
+        default=[],
+        help="a key its heads may be signed with (hex, base64, or a file holding one); again for each key "
+        "used since the key last changed. Given, every tenant's part must end at a head it signed",
     )
     what.add_parser("new-key", help="print a new signing key (for [audit] signing_key) and its public key")
     for command in what.choices.values():
@@ -73,10 +77,9 @@ def _export(settings: Settings, args: argparse.Namespace) -> int:
     from gateway.cli import database
 
     since, until = _moment(args.since, "--since"), _moment(args.until, "--until")
-    key = settings.audit.signing_key
-    # A command that needs only the database leaves an "env:" secret unresolved when its variable is
-    # unset: the export then signs nothing, and says so.
-    signing = signer(settings) if key is not None and not key.get_secret_value().startswith("env:") else None
+    if since is not None and until is not None and since >= until:
+        raise UsageError(f"--since ({since.isoformat()}) must come before --until ({until.isoformat()})")
+    signing = signer_of(settings)  # None: no key at hand, and the export says it signed nothing
 
     async def run(dsn: str, output: IO[bytes]) -> list[Exported]:
         await ready(dsn)
@@ -123,22 +126,25 @@ def _output(path: str | None) -> Iterator[IO[bytes]]:
         yield sys.stdout.buffer
         sys.stdout.buffer.flush()
         return
-    with open(path, "wb") as file:
+    try:
+        file = open(path, "wb")  # noqa: SIM115  (closed below; open's failure is the user's to fix)
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror}") from None
+    with file:
         yield file
 
 
 def _verify(args: argparse.Namespace) -> int:
-    key = None
-    if args.public_key is not None:
-        given = Path(args.public_key)
-        text = given.read_text() if given.is_file() else args.public_key
+    keys = []
+    for given in args.public_key:
+        path = Path(given)
         try:
-            key = chain.public_key(text)
-        except ValueError as exc:
-            raise UsageError(f"--public-key: {exc}") from None
+            keys.append(chain.public_key(path.read_text() if path.is_file() else given))
+        except ValueError as exc:  # UnicodeDecodeError too: a binary (DER) file
+            raise UsageError(f"--public-key {given}: {exc}") from None
     try:
         with _input(args.file) as lines:
-            verified = chain.verify(lines, key)
+            verified = chain.verify(lines, keys)
     except OSError as exc:
         raise UsageError(f"cannot read {args.file}: {exc.strerror}") from None
     except chain.Mismatch as exc:

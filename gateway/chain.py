@@ -25,9 +25,10 @@ import base64
 import binascii
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
@@ -36,6 +37,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from gateway.record import StoredResponse, head_bytes
 
+# Settlements per round: a gateway settles a few thousand a second at most, so one round a second keeps
+# up, and 5,000 entries (about 2 MB of rows) keep its transaction to tens of milliseconds.
+ROUND = 5000
 # The hash a tenant's first entry follows.
 GENESIS = "0" * 64
 # The first line of an export names its format; a verifier refuses any other.
@@ -66,8 +70,8 @@ def response_digest(response: StoredResponse) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class Settlement:
-    """One effect's settlement, as the statement that settled it recorded it for the chain."""
+class Settled:
+    """What settled: one effect's settlement, as the statement that settled it recorded it for the chain."""
 
     tenant: str
     effect: int
@@ -113,7 +117,7 @@ class Settlement:
 class Entry:
     """A settlement in its place in the chain."""
 
-    settlement: Settlement
+    settlement: Settled
     seq: int
     prev: str
     hash: str
@@ -128,7 +132,13 @@ def entry_hash(doc: dict[str, Any]) -> str:
     return hashlib.sha256(canonical({k: v for k, v in doc.items() if k != "hash"})).hexdigest()
 
 
-def link(seq: int, prev: str, settlements: Sequence[Settlement]) -> list[Entry]:
+def order(settled: Settled) -> tuple[datetime, int, int]:
+    """The order settlements enter the chain: by when their settle began (the statement's time; one
+    begun earlier may commit later, and then enters a later round), then by effect and attempt."""
+    return settled.settled_at, settled.effect, settled.attempt
+
+
+def link(seq: int, prev: str, settlements: Sequence[Settled]) -> list[Entry]:
     """``settlements`` as the entries after entry ``seq`` (whose hash is ``prev``), in their order."""
     entries = []
     for settlement in settlements:
@@ -215,6 +225,34 @@ class Head:
         return canonical({"head": self.signed(), "signature": self.signature})
 
 
+@dataclass(frozen=True, slots=True)
+class Signer:
+    """The key that signs the heads, and how long a moved head may wait for its next signature."""
+
+    key: Ed25519PrivateKey
+    every: timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """What one round of the chain did: settlements linked, heads signed; ``busy``: another gateway
+    was running one."""
+
+    chained: int
+    signed: list[Head]
+    busy: bool = False
+
+
+def due(tip: int, last: tuple[int, datetime] | None, now: datetime, every: timedelta, sign_now: bool) -> bool:
+    """Whether a tenant's head (entry ``tip``) is to be signed now: never signed yet, or moved since
+    the ``last`` signature (its entry, its time) and either ``every`` has passed since that or an
+    export asks (``sign_now``)."""
+    if last is None:
+        return True
+    signed, at = last
+    return tip > signed and (sign_now or now - at >= every)
+
+
 def sign(key: Ed25519PrivateKey, tenant: str, seq: int, hash: str, at: datetime) -> Head:
     """Sign the chain of ``tenant`` up to entry ``seq``."""
     unsigned = Head(tenant, seq, hash, at, public_hex(key), "")
@@ -289,11 +327,13 @@ class Verification:
         return lines
 
 
-def verify(lines: Iterable[bytes], key: Ed25519PublicKey | None = None) -> Verification:
+def verify(lines: Iterable[bytes], keys: Sequence[Ed25519PublicKey] = ()) -> Verification:
     """Check an export (its lines, each without or with its newline) and return what it holds.
 
-    ``key``: the public key the heads must be signed with (the one you published); without it, each
-    head is checked against the key it names, which the report prints for you to compare.
+    ``keys``: the public keys the heads must be signed with (the ones you published: more than one
+    across a change of key). Given, every tenant's part must end at a head one of them signed, or it
+    proves nothing: whoever rewrote the chain could have dropped the heads. Without them, each head is
+    checked against the key it names, which the report prints for you to compare.
     Raises :class:`Mismatch` at the first line that does not check, saying why.
     """
     chains: dict[str, TenantChain] = {}
@@ -304,24 +344,32 @@ def verify(lines: Iterable[bytes], key: Ed25519PublicKey | None = None) -> Verif
         if number == 1:
             if doc.get("format") != FORMAT:
                 raise Mismatch(1, f"not an audit chain export (its first line does not say {FORMAT!r})")
+            _fields(1, doc, _FORMAT_FIELDS, "the first line")
             continue
         if "chain" in doc:
             tenant = _text(number, doc, "chain")
+            _fields(number, doc, _START_FIELDS, f"the start of tenant {_shown(tenant)}'s chain")
             if tenant in chains:
-                raise Mismatch(number, f"tenant {tenant}'s chain starts a second time")
+                raise Mismatch(number, f"tenant {_shown(tenant)}'s chain starts a second time")
             first, last = _number(number, doc, "first"), _number(number, doc, "last")
             if last < first:
                 raise Mismatch(
-                    number, f"tenant {tenant}'s chain ends at entry {last}, before its first ({first})"
+                    number,
+                    f"tenant {_shown(tenant)}'s chain ends at entry {last}, before its first ({first})",
                 )
             chains[tenant] = TenantChain(tenant, first, last, first - 1, _text(number, doc, "prev"))
         elif "head" in doc:
-            _check_head(number, doc, chains, key)
+            _check_head(number, doc, chains, keys)
         else:
             _check_entry(number, doc, chains)
     if number == 0:
         raise Mismatch(1, "the file is empty")
+    if keys and not chains:
+        raise Mismatch(number, "the file holds no chain, so nothing a given key signed")
     for chain in chains.values():
+        if keys and (not chain.heads or chain.uncovered):
+            unsigned = f"tenant {chain.tenant}'s last {chain.uncovered} entries (to {chain.seq})"
+            raise Mismatch(number, f"no head signed by a given key covers {unsigned}")
         if chain.seq != chain.last:
             stops = f"tenant {chain.tenant}'s chain stops at entry {chain.seq}, not {chain.last}"
             raise Mismatch(number, f"{stops}: the file is cut")
@@ -340,6 +388,28 @@ def _parsed(number: int, text: bytes) -> dict[str, Any]:
     return doc
 
 
+# The fields of each kind of line, exactly: a line with one more (a note slipped in) is not as exported.
+_FORMAT_FIELDS = frozenset({"format", "exported_at"})
+_START_FIELDS = frozenset({"chain", "first", "last", "prev"})
+# An entry's facts are named as Settled's fields (Settled.facts).
+_ENTRY_FIELDS = frozenset({*Settled.__dataclass_fields__, "seq", "prev", "hash"})
+_HEAD_FIELDS = frozenset({"head", "signature"})
+_SIGNED_FIELDS = frozenset({"tenant", "seq", "hash", "signed_at", "key"})
+# An Ed25519 signature as heads write it: 64 bytes in lower-case hex, and no other spelling.
+_SIGNATURE = re.compile(r"[0-9a-f]{128}")
+
+
+def _fields(number: int, doc: dict[str, Any], expected: frozenset[str], what: str) -> None:
+    if (given := set(doc)) != expected:
+        odd = sorted(given - expected) or sorted(expected - given)
+        raise Mismatch(number, f"{what} does not hold the fields an export writes ({', '.join(odd)})")
+
+
+def _shown(name: str) -> str:
+    """A name from the file as a message shows it: a long one cut (the file may be anything)."""
+    return name if len(name) <= 64 else name[:64] + "..."
+
+
 def _text(number: int, doc: dict[str, Any], name: str) -> str:
     value = doc.get(name)
     if not isinstance(value, str):
@@ -356,14 +426,15 @@ def _number(number: int, doc: dict[str, Any], name: str) -> int:
 
 def _chain_of(number: int, chains: dict[str, TenantChain], tenant: str) -> TenantChain:
     if tenant not in chains:
-        raise Mismatch(number, f"an entry of tenant {tenant} before the line that starts its chain")
+        raise Mismatch(number, f"a line of tenant {_shown(tenant)} before the line that starts its chain")
     return chains[tenant]
 
 
 def _check_entry(number: int, doc: dict[str, Any], chains: dict[str, TenantChain]) -> None:
     chain = _chain_of(number, chains, _text(number, doc, "tenant"))
     seq = _number(number, doc, "seq")
-    what = f"entry {seq} of tenant {chain.tenant} (effect {doc.get('effect')})"
+    what = f"entry {seq} of tenant {_shown(chain.tenant)} (effect {_shown(str(doc.get('effect')))})"
+    _fields(number, doc, _ENTRY_FIELDS, what)
     expected = chain.seq + 1
     if seq > expected:
         missing = f"entry {expected} is" if seq == expected + 1 else f"entries {expected} to {seq - 1} are"
@@ -381,12 +452,14 @@ def _check_entry(number: int, doc: dict[str, Any], chains: dict[str, TenantChain
 
 
 def _check_head(
-    number: int, doc: dict[str, Any], chains: dict[str, TenantChain], key: Ed25519PublicKey | None
+    number: int, doc: dict[str, Any], chains: dict[str, TenantChain], keys: Sequence[Ed25519PublicKey]
 ) -> None:
     signed = doc["head"]
     if not isinstance(signed, dict):
         raise Mismatch(number, "head is not a JSON object")
     chain = _chain_of(number, chains, _text(number, signed, "tenant"))
+    _fields(number, doc, _HEAD_FIELDS, f"a head of tenant {_shown(chain.tenant)}")
+    _fields(number, signed, _SIGNED_FIELDS, f"a head of tenant {_shown(chain.tenant)}")
     try:
         head = Head(
             chain.tenant,
@@ -399,14 +472,19 @@ def _check_head(
         named = public_key(head.key)
         signature = bytes.fromhex(head.signature)
     except ValueError as exc:
-        raise Mismatch(number, f"the head of tenant {chain.tenant} is malformed: {exc}") from None
-    what = f"the head of tenant {chain.tenant} signed at entry {head.seq}"
+        raise Mismatch(number, f"the head of tenant {_shown(chain.tenant)} is malformed: {exc}") from None
+    what = f"the head of tenant {_shown(chain.tenant)} signed at entry {head.seq}"
+    # Written again from what was read, it must be the very same: one spelling of each time and key.
+    if head.signed() != signed or not _SIGNATURE.fullmatch(head.signature):
+        raise Mismatch(number, f"{what} is not written as the export writes it: its bytes were changed")
+    if chain.heads and chain.heads[-1].seq == head.seq:
+        raise Mismatch(number, f"{what} comes twice")
     if head.seq != chain.seq:
         raise Mismatch(number, f"{what} stands after entry {chain.seq}: heads follow the entry they sign")
     if head.hash != chain.hash:
         raise Mismatch(number, f"{what} does not match that entry's hash: the chain was rewritten")
-    if key is not None and public_hex(key) != head.key:
-        raise Mismatch(number, f"{what} was signed by key {head.key}, not the one given")
+    if keys and head.key not in {public_hex(key) for key in keys}:
+        raise Mismatch(number, f"{what} was signed by key {head.key}, not one given")
     try:
         named.verify(signature, canonical(head.signed()))
     except InvalidSignature:

@@ -12,25 +12,21 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, TypeAlias
 
 import asyncpg
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gateway import chain, locks
-from gateway.chain import GENESIS, Entry, Head, Settlement
+from gateway.chain import GENESIS, ROUND, Entry, Head, Round, Settled, Signer
 from gateway.rows import Conn
+from gateway.settings import Settings
 
 # The workers' pooled connections run the rounds; the export command runs on one of its own.
 AnyConn: TypeAlias = "Conn | asyncpg.Connection"
 
 # The round's lock among all gateways on the database.
 CHAIN_LOCK = locks.CHAIN
-# Settlements per round: a gateway settles a few thousand a second at most, so one round a second keeps
-# up, and 5,000 entries (about 2 MB of rows) keep its transaction to tens of milliseconds.
-ROUND = 5000
-
 _TAKE = """
     delete from unchained
     where (scope, effect_id, attempt) in (
@@ -47,37 +43,34 @@ _ADD = """
         $14::text[], $15::text[], $16::text[], $17::timestamptz[], $18::timestamptz[], $19::text[])
 """
 
-_MOVE_TIPS = """
-    insert into audit_tips (tenant, seq, hash)
-    select * from unnest($1::text[], $2::bigint[], $3::text[])
-    on conflict (tenant) do update set seq = excluded.seq, hash = excluded.hash
+# Each tenant's newest entry (its tip), read backwards down the chain's primary key: the chain itself
+# says where it goes on, and the gateway's role, which may not update it, cannot move that back.
+_TIPS = """
+    select t.tenant, c.seq, c.hash
+    from unnest($1::text[]) t(tenant) join lateral (
+        select seq, hash from audit_chain where tenant = t.tenant order by seq desc limit 1
+    ) c on true
 """
 
-# Each tip beside its newest signed head, and the database's time (heads are signed by its clock, as
-# every time that decides anything is).
+# Each tenant's tip beside its newest signed head, and the database's time (heads are signed by its
+# clock, as every time that decides anything is).
 _TIPS_AND_HEADS = """
-    select t.tenant, t.seq, t.hash, h.seq as signed, h.signed_at, now() as now
-    from audit_tips t left join lateral (
+    select t.tenant, c.seq, c.hash, h.seq as signed, h.signed_at, now() as now
+    from chained_tenants t join lateral (
+        select seq, hash from audit_chain where tenant = t.tenant order by seq desc limit 1
+    ) c on true left join lateral (
         select seq, signed_at from audit_heads where tenant = t.tenant order by seq desc limit 1
     ) h on true
 """
 
 
-@dataclass(frozen=True, slots=True)
-class Signer:
-    """The key that signs the tips, and how long a moved tip may wait for its next signature."""
-
-    key: Ed25519PrivateKey
-    every: timedelta
-
-
-@dataclass(frozen=True, slots=True)
-class Round:
-    """What one round did: settlements chained, heads signed; ``busy``: another gateway held the lock."""
-
-    chained: int
-    signed: list[Head]
-    busy: bool = False
+def signer_of(settings: Settings) -> Signer | None:
+    """What signs the heads, from the settings: None without a key, or with an "env:" key whose
+    variable a command that needs only the database left unset (it then signs nothing)."""
+    key = settings.audit.signing_key
+    if key is None or key.get_secret_value().startswith("env:"):
+        return None
+    return Signer(chain.signing_key(key.get_secret_value()), settings.audit.sign_every)
 
 
 async def chain_round(conn: AnyConn, signer: Signer | None, *, sign_now: bool = False) -> Round:
@@ -86,34 +79,26 @@ async def chain_round(conn: AnyConn, signer: Signer | None, *, sign_now: bool = 
     async with conn.transaction():
         if not await conn.fetchval("select pg_try_advisory_xact_lock($1)", CHAIN_LOCK):
             return Round(0, [], busy=True)
-        settled = sorted(
-            (_settlement(row) for row in await conn.fetch(_TAKE, ROUND)),
-            key=lambda s: (s.settled_at, s.effect, s.attempt),
-        )
+        settled = sorted((_settled(row) for row in await conn.fetch(_TAKE, ROUND)), key=chain.order)
         if settled:
             await _append(conn, settled)
         signed = await _sign_due(conn, signer, sign_now) if signer is not None else []
         return Round(len(settled), signed)
 
 
-async def _append(conn: AnyConn, settled: list[Settlement]) -> None:
+async def _append(conn: AnyConn, settled: list[Settled]) -> None:
     tenants = sorted({s.tenant for s in settled})
-    tips = {
-        row["tenant"]: (row["seq"], row["hash"])
-        for row in await conn.fetch(
-            "select tenant, seq, hash from audit_tips where tenant = any($1)", tenants
-        )
-    }
+    tips = {row["tenant"]: (row["seq"], row["hash"]) for row in await conn.fetch(_TIPS, tenants)}
     entries: list[Entry] = []
     for tenant in tenants:
         seq, prev = tips.get(tenant, (0, GENESIS))
         entries += chain.link(seq, prev, [s for s in settled if s.tenant == tenant])
     rows = [_entry_row(entry) for entry in entries]
     await conn.execute(_ADD, *(list(column) for column in zip(*rows, strict=True)))
-    newest = {entry.settlement.tenant: entry for entry in entries}
-    await conn.execute(
-        _MOVE_TIPS, list(newest), [e.seq for e in newest.values()], [e.hash for e in newest.values()]
-    )
+    if new := [tenant for tenant in tenants if tenant not in tips]:
+        await conn.execute(
+            "insert into chained_tenants select unnest($1::text[]) on conflict do nothing", new
+        )
 
 
 def _entry_row(entry: Entry) -> tuple[Any, ...]:
@@ -141,8 +126,8 @@ def _entry_row(entry: Entry) -> tuple[Any, ...]:
     )
 
 
-def _settlement(row: Any) -> Settlement:
-    return Settlement(
+def _settled(row: Any) -> Settled:
+    return Settled(
         tenant=row["tenant"],
         effect=row["effect_id"],
         attempt=row["attempt"],
@@ -168,9 +153,8 @@ async def _sign_due(conn: AnyConn, signer: Signer, sign_now: bool) -> list[Head]
     (at once with ``sign_now``, and for a chain never signed)."""
     heads = []
     for row in await conn.fetch(_TIPS_AND_HEADS):
-        if row["signed"] is not None and (
-            row["signed"] >= row["seq"] or not (sign_now or row["now"] - row["signed_at"] >= signer.every)
-        ):
+        last = (row["signed"], row["signed_at"]) if row["signed"] is not None else None
+        if not chain.due(row["seq"], last, row["now"], signer.every, sign_now):
             continue
         heads.append(chain.sign(signer.key, row["tenant"], row["seq"], row["hash"], row["now"]))
     if heads:
@@ -217,7 +201,10 @@ async def export(
     async with conn.transaction(isolation="repeatable_read", readonly=True):
         write(chain.format_line(await conn.fetchval("select now()")) + b"\n")
         tips = await conn.fetch(
-            "select tenant, seq from audit_tips where $1::text is null or tenant = $1 order by tenant", tenant
+            "select t.tenant, c.seq from chained_tenants t join lateral ("
+            " select seq from audit_chain where tenant = t.tenant order by seq desc limit 1) c on true"
+            " where $1::text is null or t.tenant = $1 order by t.tenant",
+            tenant,
         )
         for tip in tips:
             span = await _span(conn, tip["tenant"], tip["seq"], since, until)
@@ -279,7 +266,7 @@ async def _export_tenant(
             min(start + PAGE - 1, last),
         )
         for row in rows:
-            write(Entry(_settlement(row), row["seq"], prev, row["hash"]).line() + b"\n")
+            write(Entry(_settled(row), row["seq"], prev, row["hash"]).line() + b"\n")
             prev = row["hash"]
             if (head := heads.get(row["seq"])) is not None:
                 write(head.line() + b"\n")

@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any
 
 from gateway import schema
-from gateway.chain import signing_key
-from gateway.chaining import ROUND, Signer
+from gateway.chain import ROUND
+from gateway.chaining import signer_of
 from gateway.errors import StoreUnavailable
 from gateway.keys import LogHash
 from gateway.metrics import CachedCounts, Metrics
@@ -88,11 +88,23 @@ async def running(
     # Without a [webhook], nothing at all: no task, no statement, no HTTP session.
     plan = WebhookPlan.of(settings)
     webhook = Webhook(plan, store, telemetry) if plan is not None else None
-    periodic = [
-        asyncio.create_task(_maintain_periodically(store, settings)),
-        asyncio.create_task(_chain_periodically(store, signer(settings), settings.audit.chain_every)),
-        *([asyncio.create_task(webhook.run())] if webhook is not None else []),
+    signing = signer_of(settings)
+
+    async def maintain() -> None:
+        await store.maintain(settings.retention, progress=log.info)
+
+    async def link() -> None:
+        # A full round leaves more behind (a backlog after an outage): the next goes at once.
+        while (await store.chain(signing)).chained == ROUND:
+            pass
+
+    jobs = [
+        periodically(maintain, settings.purge_interval, "the retention"),
+        periodically(link, settings.audit.chain_every, "the audit's chain"),
     ]
+    if webhook is not None:
+        jobs.append(periodically(webhook.round, webhook.plan.interval, "the webhook's round"))
+    periodic = [asyncio.create_task(job) for job in jobs]
     try:
         yield runtime
     finally:
@@ -104,37 +116,21 @@ async def running(
         if webhook is not None:
             await webhook.close()
         await service.drain(timeout=runtime.longest_lease)
+        # What settled while the calls drained goes into the chain now, not at the next start.
+        with contextlib.suppress(StoreUnavailable):
+            await link()
         await client.close()
         await store.close()
 
 
-async def _maintain_periodically(store: Store, settings: Settings) -> None:
-    """Partitions made ahead, and days of bodies past the retention dropped, every purge_interval."""
+async def periodically(job: Callable[[], Awaitable[object]], every: timedelta, what: str) -> None:
+    """``job`` every ``every`` for as long as the gateway serves. It must outlive any one failure: each
+    is logged, and the next round tries again."""
     while True:
         try:
-            await store.maintain(settings.retention, progress=log.info)
+            await job()
         except StoreUnavailable as exc:
-            log.warning("retention skipped: %s", exc)
-        except Exception:  # a periodic job must outlive any one failure; the next round tries again
-            log.exception("retention failed")
-        await asyncio.sleep(settings.purge_interval.total_seconds())
-
-
-def signer(settings: Settings) -> Signer | None:
-    """What signs the audit chain's heads, from the settings (None: no key configured)."""
-    key = settings.audit.signing_key
-    return Signer(signing_key(key.get_secret_value()), settings.audit.sign_every) if key is not None else None
-
-
-async def _chain_periodically(store: Store, signing: Signer | None, every: timedelta) -> None:
-    """The settlements linked into the audit's chain every ``every``, and its heads signed when due."""
-    while True:
-        try:
-            # A full round leaves more behind (a backlog after an outage): the next goes at once.
-            while (await store.chain(signing)).chained == ROUND:
-                pass
-        except StoreUnavailable as exc:
-            log.warning("the audit's chain waits for Postgres: %s", exc)
-        except Exception:  # a periodic job must outlive any one failure; the next round tries again
-            log.exception("chaining the audit failed")
+            log.warning("%s skipped a round: %s", what, exc)
+        except Exception:
+            log.exception("%s failed", what)
         await asyncio.sleep(every.total_seconds())

@@ -48,7 +48,7 @@ RUNTIME_PRIVILEGES = (
     # the chain and signs its tips. Nothing in the chain is ever updated or deleted by a gateway.
     Privilege("table", "unchained", ("select", "insert", "delete")),
     Privilege("table", "audit_chain", ("select", "insert")),
-    Privilege("table", "audit_tips", ("select", "insert", "update")),
+    Privilege("table", "chained_tenants", ("select", "insert")),
     Privilege("table", "audit_heads", ("select", "insert")),
     # What a configured webhook was told (migration 022): noticed, delivered, and deleted a retention after.
     Privilege("table", "effect_notifications", ("select", "insert", "update", "delete")),

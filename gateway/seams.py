@@ -16,7 +16,7 @@ from typing import Protocol
 
 from gateway import partitions
 from gateway.audit_query import EffectFilter
-from gateway.chaining import Round, Signer
+from gateway.chain import Round, Signer
 from gateway.decision import Settlement
 from gateway.outcome import Outcome
 from gateway.policy import UpstreamPolicy

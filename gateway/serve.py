@@ -301,7 +301,11 @@ class Supervisor:
             if pid == 0:  # the worker stops on them, from now on
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
-                signal.signal(signal.SIGHUP, signal.SIG_DFL)  # still held back: see above
+                # Still held back (see above); ignored for good when nothing reloads: a hang-up sent to
+                # the whole process group (a closed terminal) must not end the workers alone.
+                signal.signal(
+                    signal.SIGHUP, signal.SIG_DFL if self._on_hangup is not None else signal.SIG_IGN
+                )
                 _stop_when_orphaned(parent)
             else:
                 self._children[pid] = time.monotonic()

@@ -841,6 +841,8 @@ def load_settings(
             raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start})") from None
         if isinstance(data.get("data_dir"), str):
             data["data_dir"] = Path(path).resolve().parent / data["data_dir"]
     data.update(overrides)

@@ -38,7 +38,7 @@ from gateway.audit_query import (
     find_statement,
 )
 from gateway.batches import Batches
-from gateway.chaining import Round, Signer
+from gateway.chain import Round, Signer
 from gateway.decision import Settlement
 from gateway.errors import ConfigError, CursorUnknown, PrivilegesMissing, StoreRejected, StoreUnavailable
 from gateway.lost_writes import LostWrites, failover_warning

@@ -15,7 +15,6 @@ Neither the URL nor the token is ever logged or stored.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -25,7 +24,6 @@ import aiohttp
 
 import gateway
 from gateway import notifications
-from gateway.errors import StoreUnavailable
 from gateway.notifications import GiveUp, Notice, Shape
 from gateway.settings import Settings
 from gateway.store import Store
@@ -39,6 +37,11 @@ NOTIFICATION_HEADER = "Effect-Gateway-Notification"
 ROUND_DELIVERIES = 20
 # Added to the timeout to make a delivery's lease: time to write down what came of it.
 RECORD_GRACE = timedelta(seconds=5)
+
+
+# The most of a receiver's answer read before the connection is dropped instead: a webhook answers
+# "ok" or a little JSON; 64 KiB holds any of those.
+ANSWER_READ = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,17 +106,6 @@ class Webhook:
 
     async def close(self) -> None:
         await self._session.close()
-
-    async def run(self) -> None:
-        """A round every ``interval``, for as long as the gateway serves."""
-        while True:
-            try:
-                await self.round()
-            except StoreUnavailable as exc:
-                log.warning("notifications skipped this round: %s", exc)
-            except Exception:  # a periodic job must outlive any one failure; the next round tries again
-                log.exception("the notifications' round failed")
-            await asyncio.sleep(self.plan.interval.total_seconds())
 
     async def round(self) -> None:
         """Record the waits not yet told, then deliver up to ROUND_DELIVERIES of those due."""
@@ -193,7 +185,10 @@ class Webhook:
             async with self._session.post(
                 self.plan.url, data=data, headers=headers, allow_redirects=False
             ) as resp:
-                await resp.read()  # the whole answer, so the connection can be used again
+                # Read to its end (up to a bound), so the connection can be used again; a longer
+                # answer closes it instead: a receiver's body is never worth a worker's memory.
+                if len(await resp.content.read(ANSWER_READ)) == ANSWER_READ:
+                    resp.close()
                 return Answer(resp.status, asked=_retry_after(resp.headers.get("Retry-After")))
         except TimeoutError:
             return Answer(None, f"no answer within {self.plan.timeout.total_seconds():g}s")
@@ -202,7 +197,8 @@ class Webhook:
             return Answer(None, f"could not connect: {exc.os_error.strerror or type(exc.os_error).__name__}")
         except aiohttp.ServerDisconnectedError:
             return Answer(None, "the connection was closed before an answer")
-        except (aiohttp.ClientError, OSError) as exc:
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            # ValueError: a URL that passed its check but cannot be sent (a host IDNA refuses).
             return Answer(None, type(exc).__name__)
 
 

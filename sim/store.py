@@ -33,7 +33,7 @@ from typing import Any, Literal, Protocol, TypeVar, cast
 from gateway import chain, partitions
 from gateway.audit_query import EXACT_OPEN_COUNT, EffectFilter, by_time
 from gateway.batches import Batches
-from gateway.chaining import ROUND, Round, Signer
+from gateway.chain import ROUND, Round, Signer
 from gateway.decision import Settlement
 from gateway.errors import CursorUnknown, StoreRejected, StoreUnavailable
 from gateway.keys import key_digest
@@ -140,7 +140,7 @@ class SimDatabase:
         self.key_secret = key_secret
         # The audit's chain (gateway.chaining's tables): settlements waiting, each tenant's entries and
         # signed heads.
-        self.unchained: list[chain.Settlement] = []
+        self.unchained: list[chain.Settled] = []
         self.chain: dict[str, list[chain.Entry]] = {}
         self.heads: dict[str, list[chain.Head]] = {}
         # Called with every write the database applied (the simulator's invariants listen here).
@@ -472,7 +472,7 @@ class SimDatabase:
     def _settled(self, row: Row, outcome: str, digest: str | None, by: str | None, now: datetime) -> None:
         """gateway.phases._settled_into_chain: the settlement waits for the chain."""
         self.unchained.append(
-            chain.Settlement(
+            chain.Settled(
                 row.tenant, row.id, row.attempt, str(key_digest(row.key)), row.upstream, row.method, row.path,
                 row.fingerprint, outcome, row.response_status, digest, row.recovered_by, by, row.run_id,
                 row.step, row.created_at, now,
@@ -482,7 +482,7 @@ class SimDatabase:
     def chain_round(self, signer: Signer | None, sign_now: bool) -> Round:
         """gateway.chaining.chain_round, in one statement."""
         now = self.now()
-        self.unchained.sort(key=lambda s: (s.settled_at, s.effect, s.attempt))
+        self.unchained.sort(key=chain.order)
         taken, self.unchained = self.unchained[:ROUND], self.unchained[ROUND:]
         for tenant in sorted({s.tenant for s in taken}):
             entries = self.chain.setdefault(tenant, [])
@@ -491,17 +491,14 @@ class SimDatabase:
         return Round(len(taken), self._sign_due(signer, sign_now, now) if signer is not None else [])
 
     def _sign_due(self, signer: Signer, sign_now: bool, now: datetime) -> list[chain.Head]:
-        """gateway.chaining._sign_due: each tip that moved, once its last head is old enough."""
+        """gateway.chaining._sign_due: each tip that is due (chain.due)."""
         signed = []
         for tenant, entries in self.chain.items():
             heads = self.heads.setdefault(tenant, [])
-            tip = entries[-1]
-            if heads and (
-                tip.seq <= heads[-1].seq or not (sign_now or now - heads[-1].signed_at >= signer.every)
-            ):
-                continue
-            heads.append(chain.sign(signer.key, tenant, tip.seq, tip.hash, now))
-            signed.append(heads[-1])
+            last = (heads[-1].seq, heads[-1].signed_at) if heads else None
+            if chain.due(entries[-1].seq, last, now, signer.every, sign_now):
+                heads.append(chain.sign(signer.key, tenant, entries[-1].seq, entries[-1].hash, now))
+                signed.append(heads[-1])
         return signed
 
     # --- reading ------------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ async def empty_effects(dsn: str) -> None:
     try:
         await conn.execute(
             "truncate effects, effect_keys, effect_bodies, open_effects, effect_gateway_alarms, "
-            "unchained, audit_chain, audit_tips, audit_heads, effect_notifications; "
+            "unchained, audit_chain, chained_tenants, audit_heads, effect_notifications; "
             "alter sequence effect_ids restart"
         )
     finally:

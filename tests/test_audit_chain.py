@@ -16,7 +16,7 @@ import asyncpg
 import pytest
 
 from gateway import chain, locks
-from gateway.chaining import Signer
+from gateway.chain import Signer
 from gateway.decision import review
 from gateway.store import opened
 from tests.commands import Done, in_thread
@@ -225,7 +225,7 @@ async def test_an_export_of_one_tenant_since_a_time_starts_from_the_hash_before_
     done = await in_thread(export, run, config, out, "--tenant", "acme", "--since", since.isoformat())
     # Two heads: the one signed at entry 3 before, which anchors the export, and the one it signed at 4.
     assert done.out.splitlines() == ["tenant acme: entries 4 to 4, 2 signed head(s)"]
-    verified = chain.verify(out.read_bytes().splitlines(), chain.public_key(PUBLIC))
+    verified = chain.verify(out.read_bytes().splitlines(), [chain.public_key(PUBLIC)])
     [acme] = verified.chains
     assert (acme.first, acme.seq, [h.seq for h in acme.heads], acme.uncovered) == (4, 4, [3, 4], 0)
 
@@ -264,3 +264,23 @@ async def test_a_webhook_sweep_under_way_does_not_hold_up_the_chain(dsn: str) ->
             assert (await store.chain(SIGNER)).busy  # and the chain's own lock does hold it
     finally:
         await conn.close()
+
+
+async def test_an_export_or_a_verify_told_something_impossible_says_so_in_one_line(
+    dsn: str, run: Callable[..., Done], config: Path, tmp_path: Path
+) -> None:
+    """A period that ends before it starts, a file that cannot be written, a key file that is not text:
+    one line each, exit 2, nothing written."""
+    said = [
+        await in_thread(run, "audit", "export", "--since", "1s", "--until", "10d", config=config),
+        await in_thread(run, "audit", "export", "-o", str(tmp_path), config=config),
+        await in_thread(run, "audit", "export", "-o", str(tmp_path / "no" / "such"), config=config),
+    ]
+    (tmp_path / "key.der").write_bytes(b"\x30\x2a\x30\x05\x06\x03\x2b\x65\x70\x03\x21\x00\xff" + bytes(31))
+    said.append(await in_thread(run, "audit", "verify", "-", "--public-key", str(tmp_path / "key.der")))
+    assert [(done.status, done.err.count("\n"), "Traceback" in done.err) for done in said] == [
+        (2, 1, False)
+    ] * 4
+    assert "must come before --until" in said[0].err
+    assert f"cannot write {tmp_path}: Is a directory" in said[1].err
+    assert "--public-key" in said[3].err

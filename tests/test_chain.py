@@ -4,21 +4,23 @@ every kind of tampering found and named (gateway.chain)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
 from gateway import chain
-from gateway.chain import GENESIS, Mismatch, Settlement
+from gateway.chain import GENESIS, Mismatch, Settled
 from gateway.record import StoredResponse
 
 T0 = datetime(2026, 12, 7, 9, 0, tzinfo=UTC)
 KEY = chain.signing_key("11" * 32)
 
 
-def settlement(effect: int, tenant: str = "grocer", **changes: object) -> Settlement:
-    base = Settlement(
+def settlement(effect: int, tenant: str = "grocer", **changes: object) -> Settled:
+    base = Settled(
         tenant=tenant,
         effect=effect,
         attempt=1,
@@ -58,7 +60,7 @@ def export_of(
 
 def test_an_export_as_written_verifies_and_says_what_it_covers() -> None:
     """Five entries and a head signing the last: every entry follows the one before and is signed."""
-    verified = chain.verify(export_of(5, signed_at=(3, 5)), chain.public_key(chain.public_hex(KEY)))
+    verified = chain.verify(export_of(5, signed_at=(3, 5)), [chain.public_key(chain.public_hex(KEY))])
     [grocer] = verified.chains
     assert (grocer.first, grocer.seq, grocer.entries, len(grocer.heads), grocer.uncovered) == (1, 5, 5, 2, 0)
     assert verified.report()[0] == "tenant grocer: entries 1 to 5 (5), each follows the one before"
@@ -73,6 +75,19 @@ def test_entries_after_the_last_signed_head_are_reported_unsigned() -> None:
     verified = chain.verify(export_of(5, signed_at=(3,)))
     assert verified.chains[0].uncovered == 2
     assert "2 entries come after the last signed head, unsigned" in "\n".join(verified.report())
+
+
+@pytest.mark.parametrize(("signed_at", "unsigned"), [((), 5), ((3,), 2)], ids=["no-head", "head-at-3"])
+def test_given_a_key_an_export_must_end_at_a_head_it_signed(
+    signed_at: tuple[int, ...], unsigned: int
+) -> None:
+    """With the published key, entries no head covers fail the export: whoever rewrote the chain and
+    recomputed its hashes could simply have left the heads out."""
+    with pytest.raises(Mismatch) as caught:
+        chain.verify(export_of(5, signed_at=signed_at), [chain.public_key(chain.public_hex(KEY))])
+    assert caught.value.reason == (
+        f"no head signed by a given key covers tenant grocer's last {unsigned} entries (to 5)"
+    )
 
 
 def test_an_export_of_a_later_period_starts_from_the_hash_before_it() -> None:
@@ -173,8 +188,11 @@ def test_a_head_signed_by_another_key_is_refused_when_the_key_is_given() -> None
     entry = json.loads(lines[-1])
     lines.append(chain.sign(other, "grocer", 3, entry["hash"], T0).line())
     chain.verify(lines)  # alone it checks: the head names its own key
-    with pytest.raises(Mismatch, match=r"was signed by key .*, not the one given"):
-        chain.verify(lines, chain.public_key(chain.public_hex(KEY)))
+    with pytest.raises(Mismatch, match=r"was signed by key .*, not one given"):
+        chain.verify(lines, [chain.public_key(chain.public_hex(KEY))])
+    # Across a change of key both are given: the head by the other key is then taken.
+    both = [chain.public_key(chain.public_hex(KEY)), chain.public_key(chain.public_hex(other))]
+    assert len(chain.verify(lines, both).chains[0].heads) == 1
 
 
 def test_a_forged_signature_does_not_check() -> None:
@@ -224,5 +242,75 @@ def test_a_new_key_signs_what_its_public_half_verifies() -> None:
     assert head.key == public
     # A head right after the start signs the entry before the export's first.
     [second] = chain.link(1, "a" * 64, [settlement(2, "t")])
-    lines = [chain.format_line(T0), chain.start_line("t", 2, 2, "a" * 64), head.line(), second.line()]
-    assert chain.verify(lines, chain.public_key(public)).chains[0].heads == [head]
+    last = chain.sign(chain.signing_key(private), "t", 2, second.hash, T0)
+    lines = [
+        chain.format_line(T0),
+        chain.start_line("t", 2, 2, "a" * 64),
+        head.line(),
+        second.line(),
+        last.line(),
+    ]
+    assert chain.verify(lines, [chain.public_key(public)]).chains[0].heads == [head, last]
+
+
+REWRITTEN_HEAD = (
+    "the head of tenant grocer signed at entry 3 is not written as the export writes it: "
+    "its bytes were changed"
+)
+
+
+def head_changed(lines: list[bytes], change: Callable[[dict[str, Any]], object]) -> list[bytes]:
+    """The export with its last line, a head, changed by ``change`` (which edits the parsed line)."""
+    doc = json.loads(lines[-1])
+    change(doc)
+    return [*lines[:-1], chain.canonical(doc)]
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (
+            lambda d: d.update(note="auditor approved"),
+            "a head of tenant grocer does not hold the fields an export writes (note)",
+        ),
+        (
+            lambda d: d["head"].update(note="x"),
+            "a head of tenant grocer does not hold the fields an export writes (note)",
+        ),
+        (
+            lambda d: d.update(signature=d["signature"].upper()),
+            REWRITTEN_HEAD,
+        ),
+        (
+            lambda d: d["head"].update(signed_at="2026-12-07T11:00:00+01:00"),
+            REWRITTEN_HEAD,
+        ),
+    ],
+    ids=["note-beside-the-head", "note-inside-the-head", "signature-upper-case", "time-in-another-zone"],
+)
+def test_a_head_changed_in_any_byte_is_refused_though_its_meaning_stays(
+    change: Callable[[dict[str, Any]], object], reason: str
+) -> None:
+    """A head spelled another way (a note added, the signature in capitals, the time in another zone)
+    checks as the same signature, and is refused all the same: nothing can be slipped into a file."""
+    with pytest.raises(Mismatch) as caught:
+        chain.verify(head_changed(export_of(3, signed_at=(3,)), change))
+    assert caught.value.reason == reason
+
+
+def test_a_head_repeated_is_refused() -> None:
+    """The same head twice would count as two signatures: refused."""
+    lines = export_of(3, signed_at=(3,))
+    with pytest.raises(Mismatch, match="signed at entry 3 comes twice"):
+        chain.verify([*lines, lines[-1]])
+
+
+def test_given_a_key_a_tenant_added_or_an_empty_file_does_not_verify() -> None:
+    """With the published key, a tenant whose part no head of that key signs (one added by hand) fails,
+    and so does a file with no chain at all."""
+    key = [chain.public_key(chain.public_hex(KEY))]
+    added = export_of(3, signed_at=(3,)) + export_of(2, tenant="evil")[1:]
+    with pytest.raises(Mismatch, match="no head signed by a given key covers tenant evil's last 2 entries"):
+        chain.verify(added, key)
+    with pytest.raises(Mismatch, match="the file holds no chain"):
+        chain.verify([chain.format_line(T0)], key)

@@ -347,3 +347,23 @@ def test_durations_in_the_table_read_as_the_file_writes_them() -> None:
         ("upstreams", "shop", "timeout"), timedelta(seconds=10), timedelta(milliseconds=200)
     )
     assert change.describe() == "upstreams.shop.timeout (10s -> 0.2s)"
+
+
+async def test_a_file_that_is_not_text_is_refused_and_every_worker_serves_on(
+    dsn: str, upstream: Upstream, tmp_path: Path
+) -> None:
+    """Bytes that are not UTF-8 written into the file, SIGHUP sent to a gateway of two workers: one line
+    says so, and the gateway goes on serving (it used to stop, the supervisor's reading having failed)."""
+    config = tmp_path / "gateway.toml"
+    _write(config, dsn, upstream, workers=2)
+    gateway = start_gateway_process(config)
+    try:
+        with config.open("ab") as file:
+            file.write(b"\xff\xfe garbage\n")
+        os.kill(gateway.proc.pid, signal.SIGHUP)
+        (refused,) = await _said(gateway, "configuration not reloaded", 1)
+        assert "is not UTF-8 text" in refused["message"]
+        assert await _get(gateway.url, "/still", "grocer-1") == 201
+        assert gateway.proc.poll() is None
+    finally:
+        gateway.stop()

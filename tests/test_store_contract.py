@@ -18,7 +18,7 @@ import pytest
 
 from gateway import chain
 from gateway.audit_query import EffectFilter
-from gateway.chaining import Round, Signer
+from gateway.chain import Round, Signer
 from gateway.decision import Policy, Send, Settlement, TooSoon, after_probe, review, settle, take_over
 from gateway.errors import CursorUnknown, StoreRejected
 from gateway.outcome import Answered, Found, NoAnswer, NotFound, NotSent, ProbeError

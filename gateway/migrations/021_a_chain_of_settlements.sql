@@ -9,7 +9,9 @@
 -- audit_chain  one entry per settlement, numbered per tenant without gaps (seq), each with the hash of
 --              its facts and of the entry before it. The runtime role may only add to it: the retention
 --              drops bodies and the months of the audit may be detached, but the chain stays whole.
--- audit_tips   each tenant's newest entry, where the chainer continues.
+--              (It may also drop settlements not yet chained: the round that moves them deletes them.)
+-- chained_tenants  the tenants that have a chain (each one's newest entry is read from audit_chain,
+--              whose primary key finds it at once: the chain alone says where it goes on).
 -- audit_heads  the tips signed (Ed25519) at intervals and on demand.
 --
 -- The effects settled before this migration stay out of the chain: it starts with the first one after.
@@ -63,10 +65,8 @@ create table if not exists audit_chain (
 -- settlements of the same second: a BRIN index, a few pages for any size, and nearly free to keep.
 create index if not exists audit_chain_settled_at on audit_chain using brin (settled_at);
 
-create table if not exists audit_tips (
-    tenant text   primary key,
-    seq    bigint not null,
-    hash   text   not null
+create table if not exists chained_tenants (
+    tenant text primary key
 );
 
 create table if not exists audit_heads (
