@@ -9,13 +9,14 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway import jsonbody, operators, problems, process
+from gateway import jsonbody, operators, problems, process, scopes
 from gateway.auth import is_admin, operator_of, tenant_of
 from gateway.effects_json import MAX_ID, effect_json, next_query, parse_filter, parse_resolution, whole_number
 from gateway.errors import JsonRefused, StoreUnavailable
 from gateway.metrics import states_exposition
 from gateway.record import EffectRecord
 from gateway.runtime import RUNTIME, Runtime, read_request_body, verdict_given
+from gateway.scopes import Scope
 from gateway.states import State
 
 log = logging.getLogger("effect_gateway")
@@ -34,14 +35,14 @@ def _runtime(request: web.Request) -> Runtime:
     return request.app[RUNTIME]
 
 
-def _viewer(request: web.Request, runtime: Runtime) -> str | None:
-    """The tenant whose effects this caller may read; None for all (the admin, an operator of all)."""
+def _viewer(request: web.Request, runtime: Runtime) -> Scope:
+    """The tenants whose effects this caller may read; None for all (the admin, an operator of all)."""
     if is_admin(request, runtime.settings):
         return None
     if (operator := operator_of(request, runtime.settings)) is not None:
-        return operator.tenant
+        return operator.scope
     if runtime.settings.tenants and "Effect-Gateway-Token" in request.headers:
-        return tenant_of(request, runtime.settings)
+        return frozenset({tenant_of(request, runtime.settings)})
     raise problems.AdminTokenRequired("send the admin token as Authorization: Bearer <token>")
 
 
@@ -68,7 +69,7 @@ async def health(request: web.Request) -> web.Response:
         viewer = _viewer(request, runtime)
     except problems.Problem:
         return _json({"status": "ok"})
-    counts = await runtime.state_counts.get(viewer)
+    counts = await scopes.counts(runtime.state_counts.get, viewer)
     if counts is None:
         raise StoreUnavailable("the effects by state could not be read")
     doc: dict[str, Any] = {
@@ -92,7 +93,7 @@ async def metrics(request: web.Request) -> web.Response:
     """The whole gateway's metrics in Prometheus text, whichever worker the scrape reached."""
     runtime = _runtime(request)
     viewer = _viewer(request, runtime)
-    counts = await runtime.state_counts.get(viewer)
+    counts = await scopes.counts(runtime.state_counts.get, viewer)
     if viewer is not None:
         # A tenant's token reads its own effects (the open ones, as health counts them) and nothing
         # else: every other metric is the whole gateway's, every tenant's traffic in it.
@@ -109,8 +110,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def list_effects(request: web.Request) -> web.Response:
     runtime = _runtime(request)
-    where = parse_filter(dict(request.query), _viewer(request, runtime))
-    records = await runtime.store.find(where)  # CursorUnknown: a 400 (replies.problem_of_error)
+    where = parse_filter(dict(request.query))
+    # CursorUnknown: a 400 (replies.problem_of_error)
+    records = await scopes.find(runtime.store, where, _viewer(request, runtime))
     page: dict[str, Any] = {"effects": [effect_json(r, full=False) for r in records], "next": None}
     if len(records) == where.limit:
         nxt = request.rel_url.update_query(next_query(where, records[-1]))
@@ -118,13 +120,13 @@ async def list_effects(request: web.Request) -> web.Response:
     return _json(page)
 
 
-async def _load(request: web.Request, tenant: str | None) -> EffectRecord:
+async def _load(request: web.Request, scope: Scope) -> EffectRecord:
     runtime = _runtime(request)
     raw = request.match_info["id"]
     effect_id = whole_number(raw, 1, MAX_ID)
     if effect_id is None:
         raise problems.BadRequest(f"an effect id is a whole number from 1 to {MAX_ID}, not {raw!r}")
-    record = await runtime.store.get(effect_id, tenant)
+    record = await scopes.get(runtime.store, effect_id, scope)
     if record is None:
         raise problems.NotFound(f"no effect {raw}")
     return record
@@ -147,7 +149,7 @@ async def resolve_effect(request: web.Request) -> web.Response:
     given = request.headers.get("Effect-Gateway-Operator")
     by = operators.recorded_as(operator.name if operator is not None else None, given, "admin")
     operators.check_name(by)  # BadName: a 400 (gateway.replies.problem_of_error)
-    record = await _load(request, operator.tenant if operator is not None else None)
+    record = await _load(request, operator.scope if operator is not None else None)
     try:
         doc = jsonbody.loads(await read_request_body(request, runtime.settings))
     except JsonRefused as exc:

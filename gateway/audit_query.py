@@ -34,6 +34,10 @@ class EffectFilter:
     since: datetime | None = None
     until: datetime | None = None
     before_id: int | None = None
+    # The creation time of before_id's effect, when the reader looked it up already (gateway.scopes,
+    # reading several tenants' pages with one cursor): a page read by time then goes on from
+    # (before_at, before_id) without looking the cursor up among this tenant's own effects.
+    before_at: datetime | None = None
     limit: int = 50
 
 
@@ -259,7 +263,11 @@ def _time_statement(where: EffectFilter) -> tuple[str, list[Any]]:
         # page empty (see Store.find).
         before = arg(where.before_id)
         within = f" and c.tenant = {values[0]}" if where.tenant is not None else ""
-        ended = f"(select c.created_at from effects c where c.id = {before}{within})"
+        ended = (
+            arg(where.before_at)
+            if where.before_at is not None
+            else f"(select c.created_at from effects c where c.id = {before}{within})"
+        )
         clauses.append(f"{row(*columns, 'e.created_at', 'e.id')} < {row(*values, ended, before)}")
     if where.until is not None:
         clauses.append(f"{row(*columns, 'e.created_at')} < {row(*values, arg(where.until))}")

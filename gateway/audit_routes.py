@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from aiohttp import web
 from multidict import MultiDict
 
-from gateway import audit_page, effect_page, operators, problems, replies, urlencoded
+from gateway import audit_page, effect_page, operators, problems, replies, scopes, urlencoded
 from gateway.audit_page import BASE, Chrome, Listing
 from gateway.auth import is_admin, operator_of, tenant_of
 from gateway.decision import verdict_refused
@@ -32,6 +32,7 @@ from gateway.effects_json import MAX_ID, next_query, parse_filter, parse_resolut
 from gateway.errors import BadName, CursorUnknown, FormRefused, NoSuchEffect, NotAwaitingOperator
 from gateway.record import EffectRecord, StoredResponse
 from gateway.runtime import RUNTIME, Runtime, read_request_body, verdict_given
+from gateway.scopes import Scope
 from gateway.sessions import (
     ADMIN,
     COOKIE,
@@ -219,7 +220,8 @@ def _tokens(settings: Settings) -> dict[Principal, str]:
     """Every token a person may sign in with: each tenant's, and the admin's when there is one."""
     tokens = {Principal(name): t.token.get_secret_value() for name, t in settings.tenants.items()}
     for name, operator in settings.operators.items():
-        tokens[Principal(operator.tenant, name)] = operator.token.get_secret_value()
+        # Whose effects they see is read from the configuration at each request (_scope_of).
+        tokens[Principal(None, name)] = operator.token.get_secret_value()
     if settings.admin.token is not None:
         tokens[ADMIN] = settings.admin.token.get_secret_value()
     return tokens
@@ -229,7 +231,7 @@ def _tokens(settings: Settings) -> dict[Principal, str]:
 class Viewer:
     """Who is looking: whose effects they read (None: all), how they got in, and their session."""
 
-    tenant: str | None
+    scope: Scope
     who: str
     session: Session | None
     keys: SessionKeys
@@ -237,7 +239,7 @@ class Viewer:
 
     @property
     def may_resolve(self) -> bool:
-        return self.tenant is None or self.operator is not None
+        return self.scope is None or self.operator is not None
 
     @property
     def csrf(self) -> str:
@@ -256,17 +258,24 @@ async def _viewer(request: web.Request) -> Viewer | None:
             return Viewer(None, "open gateway: loopback only, no admin token", None, keys)
         return Viewer(None, "admin (bearer token)", None, keys)
     if (operator := operator_of(request, settings)) is not None:
-        return Viewer(operator.tenant, f"operator {operator.name} (bearer token)", None, keys, operator.name)
+        return Viewer(operator.scope, f"operator {operator.name} (bearer token)", None, keys, operator.name)
     if settings.tenants and "Effect-Gateway-Token" in request.headers:
         tenant = tenant_of(request, settings)
-        return Viewer(tenant, f"tenant {tenant} (token)", None, keys)
+        return Viewer(frozenset({tenant}), f"tenant {tenant} (token)", None, keys)
     sent = _sessions_sent(request)
     # Two sessions: another page set one, and which is the operator's the request does not say.
     session = keys.read(sent[0], _tokens(settings), _now()) if len(sent) == 1 else None
     if session is None:
         return None
     who = f"{session.principal.label} · until {audit_page.utc(session.expires)}"
-    return Viewer(session.principal.tenant, who, session, keys, session.principal.operator)
+    return Viewer(_scope_of(session.principal, settings), who, session, keys, session.principal.operator)
+
+
+def _scope_of(principal: Principal, settings: Settings) -> Scope:
+    """Whose effects the one signed in sees: an operator's, as the configuration says now."""
+    if principal.operator is not None:
+        return settings.operators[principal.operator].scope
+    return None if principal.tenant is None else frozenset({principal.tenant})
 
 
 def _https(request: web.Request) -> bool:
@@ -340,8 +349,8 @@ async def list_effects(request: web.Request) -> web.StreamResponse:
     query = {k: v.strip() for k, v in request.query.items() if v.strip()}
     error = None
     try:
-        where = parse_filter(query, viewer.tenant)
-        records = await runtime.store.find(where)
+        where = parse_filter(query)
+        records = await scopes.find(runtime.store, where, viewer.scope)
         older = next_query(where, records[-1]) if len(records) == where.limit else None
     except problems.BadRequest as exc:
         error, records, older = exc.detail, [], None
@@ -353,7 +362,7 @@ async def list_effects(request: web.Request) -> web.StreamResponse:
         # Read now, not from the metrics' cache: an operator who has just resolved an effect comes back
         # to this page and must not see it still counted as needing review. The read is bounded (each
         # open state's count stops at the store's EXACT_OPEN_COUNT) and a person asks it, not a probe.
-        counts=await runtime.store.state_counts(viewer.tenant),
+        counts=await scopes.counts(runtime.store.state_counts, viewer.scope) or {},
         query={k: v for k, v in query.items() if k != "before"},
         older=older,
         upstreams=sorted(runtime.policies),
@@ -364,10 +373,11 @@ async def list_effects(request: web.Request) -> web.StreamResponse:
     return _html(audit_page.listing(page, viewer.chrome()), 400 if error else 200)
 
 
-async def _load(request: web.Request, tenant: str | None) -> EffectRecord:
+async def _load(request: web.Request, scope: Scope) -> EffectRecord:
     raw = request.match_info["id"]
     effect_id = whole_number(raw, 1, MAX_ID)
-    record = await _runtime(request).store.get(effect_id, tenant) if effect_id is not None else None
+    store = _runtime(request).store
+    record = await scopes.get(store, effect_id, scope) if effect_id is not None else None
     if record is None:
         raise PageError(404, "No such effect", f"There is no effect {raw} among those you may see.")
     return record
@@ -385,7 +395,7 @@ async def show_effect(request: web.Request) -> web.StreamResponse:
     viewer = await _viewer(request)
     if viewer is None:
         return _sign_in_page(request, request.path_qs)
-    record = await _load(request, viewer.tenant)
+    record = await _load(request, viewer.scope)
     outcome = OUTCOMES.get(request.query.get("resolved", ""))
     message = ("ok", outcome) if outcome else None
     return _html(effect_page.effect(record, viewer.chrome(), _verdict(record, viewer), message))
@@ -463,7 +473,7 @@ async def resolve_effect(request: web.Request) -> web.StreamResponse:
             "Only an operator resolves",
             "A tenant reads its effects; an operator's token or the admin token resolves them.",
         )
-    record = await _load(request, viewer.tenant)
+    record = await _load(request, viewer.scope)
     happened = form.get("happened")
     if happened not in ("yes", "no"):
         raise PageError(400, "Which verdict?", "Say whether the effect happened (yes) or not (no).")

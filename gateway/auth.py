@@ -44,7 +44,7 @@ class Operator:
     """A person signed in by their own token: every verdict they give records their name."""
 
     name: str
-    tenant: str | None  # the one tenant whose effects they see and resolve; None: every tenant's
+    scope: frozenset[str] | None  # the tenants whose effects they see and resolve; None: every tenant's
 
 
 def _bearer(request: web.Request) -> str | None:
@@ -62,7 +62,7 @@ def operator_of(request: web.Request, settings: Settings) -> Operator | None:
     for name, operator in settings.operators.items():
         # compare_digest with every operator's: the time taken says nothing about which token is close.
         if given is not None and _same_secret(given, operator.token.get_secret_value()):
-            found = Operator(name, operator.tenant)
+            found = Operator(name, operator.scope)
     return found or _named_by_proxy(request, settings)
 
 
@@ -82,7 +82,7 @@ def _named_by_proxy(request: web.Request, settings: Settings) -> Operator | None
     if operator is None:
         log.warning("the proxy named %r, who is no operator configured under [operators]", name[:64])
         return None
-    return Operator(name, operator.tenant)
+    return Operator(name, operator.scope)
 
 
 def _from_trusted_proxy(request: web.Request, settings: Settings) -> bool:

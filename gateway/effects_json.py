@@ -130,7 +130,7 @@ def _text(query: dict[str, str], name: str) -> str | None:
     return value
 
 
-def parse_filter(query: dict[str, str], tenant: str | None) -> EffectFilter:
+def parse_filter(query: dict[str, str], tenant: str | None = None) -> EffectFilter:
     state = query.get("state")
     if state is not None and state not in State.__members__.values():
         raise problems.BadRequest(f"state must be one of {', '.join(s.value for s in State)}")

@@ -56,6 +56,7 @@ MAY_CHANGE: dict[SettingPath, bool] = {
     ("tenants", ANY, "token"): True,
     ("operators", ANY, "token"): True,
     ("operators", ANY, "tenant"): True,
+    ("operators", ANY, "tenants"): True,
     ("admin", "token"): False,
     ("upstreams", ANY, "timeout"): False,
     ("upstreams", ANY, "inject_headers", ANY): False,

@@ -39,7 +39,7 @@ _MAC_BYTES = 16
 @dataclass(frozen=True, slots=True)
 class Principal:
     """Who signed in: the admin (neither), one tenant (read only), or a named operator (who resolves,
-    among one tenant's effects or every tenant's)."""
+    among the tenants the configuration gives them, or every tenant's)."""
 
     tenant: str | None
     operator: str | None = None

@@ -478,8 +478,24 @@ class OperatorSettings(_Section):
     """A person who reads and resolves effects under their own name, which every verdict records."""
 
     token: Secret
-    # The one tenant whose effects they see and resolve; omitted: every tenant's.
+    # The one tenant whose effects they see and resolve, or several (tenants); neither: every tenant's.
     tenant: str | None = None
+    tenants: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _one_way(self) -> OperatorSettings:
+        if self.tenant is not None and self.tenants is not None:
+            raise ValueError("give tenant (one) or tenants (a list), not both")
+        if self.tenants is not None and not self.tenants:
+            raise ValueError("tenants is empty: an operator who may see no tenant is none (omit it for all)")
+        return self
+
+    @property
+    def scope(self) -> frozenset[str] | None:
+        """The tenants whose effects they see and resolve; None: every tenant's."""
+        if self.tenant is not None:
+            return frozenset({self.tenant})
+        return frozenset(self.tenants) if self.tenants is not None else None
 
 
 class AuditSettings(_Section):
@@ -760,8 +776,10 @@ class Settings(BaseSettings):
                     f"operator name {name!r} must be lower-case letters, digits, - or _, and not admin "
                     "(a verdict by the admin token is recorded as admin)"
                 )
-            if operator.tenant is not None and operator.tenant not in self.tenants:
-                raise ValueError(f"operators.{name}.tenant {operator.tenant!r} is not a configured tenant")
+            for tenant in sorted(operator.scope or ()):
+                if tenant not in self.tenants:
+                    which = "tenant" if operator.tenant is not None else "tenants"
+                    raise ValueError(f"operators.{name}.{which}: {tenant!r} is not a configured tenant")
         _distinct_tokens(self.tenants, self.admin.token, self.operators)
         if not self.tenants and not is_loopback(listen_host(self.listen)):
             raise ValueError(

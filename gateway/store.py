@@ -549,7 +549,7 @@ class Store:
 
         async def op(conn: Conn) -> list[EffectRecord]:
             rows = await conn.fetch(sql, *args)
-            if not rows and where.before_id is not None and by_time(where):
+            if not rows and where.before_id is not None and where.before_at is None and by_time(where):
                 found = await conn.fetchval(_CURSOR, where.before_id, where.tenant)
                 if not found:
                     raise CursorUnknown(f"before={where.before_id} is no effect you can see")

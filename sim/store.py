@@ -534,7 +534,10 @@ class SimDatabase:
             found.sort(key=lambda row: row.id, reverse=True)
             return [self.record(row, now) for row in found[: where.limit]]
         # As gateway.audit_query's: newest by creation time, going on from the page before's last effect.
-        if where.before_id is not None:
+        if where.before_id is not None and where.before_at is not None:
+            cursor = (where.before_at, where.before_id)
+            found = [row for row in found if (row.created_at, row.id) < cursor]
+        elif where.before_id is not None:
             ended = self.rows.get(where.before_id)
             if ended is None or (where.tenant is not None and ended.tenant != where.tenant):
                 raise CursorUnknown(f"before={where.before_id} is no effect you can see")

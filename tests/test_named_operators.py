@@ -96,7 +96,7 @@ def test_operators_tokens_and_tenants_are_checked_at_load() -> None:
     with pytest.raises(ConfigError, match="tenant acme and operator asha have the same token"):
         load_settings(None, **shared)
     unknown = {**SETTINGS, "operators": {"asha": {"token": "op-asha", "tenant": "initech"}}}
-    with pytest.raises(ConfigError, match=r"operators\.asha\.tenant 'initech' is not a configured tenant"):
+    with pytest.raises(ConfigError, match=r"operators\.asha\.tenant: 'initech' is not a configured tenant"):
         load_settings(None, **unknown)
 
 
@@ -146,3 +146,53 @@ def test_an_operator_header_without_trusted_proxies_is_a_bad_setting() -> None:
         load_settings(
             None, **{**SETTINGS, "admin": {"token": "adm-1", "operator_header": "X-Forwarded-User"}}
         )
+
+
+async def test_an_operator_of_some_tenants_sees_and_resolves_theirs_alone_page_by_page(
+    dsn: str, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """An operator given two tenants of three lists both tenants' effects, newest first, a page at a
+    time; counts theirs; and finds, and may resolve, no effect of the third (404)."""
+    three = {
+        "tenants": {t: {"token": f"tok-{t}"} for t in ("acme", "globex", "initech")},
+        "operators": {"cy": {"token": "op-cy", "tenants": ["acme", "globex"]}},
+    }
+    headers = {"Authorization": "Bearer op-cy"}
+    async with gateway_server(dsn, upstreams={"shop": {"base_url": upstream.url}}, **three) as gateway:
+        for n, tenant in enumerate(("acme", "initech", "globex", "acme", "initech")):
+            new = new_effect(f"{tenant}:{n}", tenant=tenant)
+            record, _ = await gateway.runtime.store.claim(new, timedelta(0))
+            assert record is not None
+            assert await gateway.runtime.store.send_to_review(record, review(record), "test") is not None
+        seen, url = [], f"{gateway.admin_url}/_gateway/effects?limit=1"
+        for _ in range(10):  # a page of one effect each: the three of acme and globex, then no more
+            async with http.get(url, headers=headers) as resp:
+                assert resp.status == 200
+                page = json.loads(await resp.read())
+            seen += [(e["id"], e["tenant"]) for e in page["effects"]]
+            if page["next"] is None:
+                break
+            url = gateway.admin_url + page["next"]
+        async with http.get(f"{gateway.admin_url}/_gateway/health", headers=headers) as resp:
+            health = json.loads(await resp.read())
+        assert await _resolve(http, gateway, 2, "op-cy") == 404  # initech's
+        async with http.get(f"{gateway.admin_url}/_gateway/effects/5", headers=headers) as resp:
+            assert resp.status == 404
+        assert await _resolve(http, gateway, 3, "op-cy") == 200
+    assert seen == [(4, "acme"), (3, "globex"), (1, "acme")]
+    assert health["needs_review"] == 3
+    by = {row["id"]: row["history"][-1].get("by") for row in await effect_rows(dsn)}
+    assert by == {1: None, 2: None, 3: "cy", 4: None, 5: None}
+
+
+def test_an_operators_tenants_are_one_way_or_the_other_and_configured() -> None:
+    """tenant and tenants together, an empty list, or a tenant not configured: a bad setting each."""
+    base = {**SETTINGS, "operators": {"cy": {"token": "op-cy", "tenants": ["acme", "initech"]}}}
+    with pytest.raises(ConfigError, match=r"operators\.cy\.tenants: 'initech' is not a configured tenant"):
+        load_settings(None, **base)
+    both = {**SETTINGS, "operators": {"cy": {"token": "op-cy", "tenant": "acme", "tenants": ["acme"]}}}
+    with pytest.raises(ConfigError, match=r"give tenant \(one\) or tenants \(a list\), not both"):
+        load_settings(None, **both)
+    empty = {**SETTINGS, "operators": {"cy": {"token": "op-cy", "tenants": []}}}
+    with pytest.raises(ConfigError, match="tenants is empty"):
+        load_settings(None, **empty)

@@ -962,6 +962,11 @@ async def test_pages_of_a_span_show_each_effect_once_newest_first_when_ids_and_t
     assert await subject.store.find(EffectFilter(since=rows[20][1], before_id=1)) == []
     with pytest.raises(CursorUnknown):  # another tenant's, on a tenant's page of the whole audit
         await subject.store.find(EffectFilter(tenant="default", before_id=4))
+    # Another tenant's cursor with its time given (a reader of both tenants' pages, gateway.scopes):
+    # the page goes on from that place in the order, without looking the cursor up.
+    given = EffectFilter(tenant="default", before_id=4, before_at=rows[3][1], limit=50)
+    older = [id_ for id_, at, who in newest_first if who == "default" and (at, id_) < (rows[3][1], 4)]
+    assert [r.id for r in await subject.store.find(given)] == older
 
 
 async def test_a_tenants_page_of_an_open_state_pages_on_past_an_effect_that_left_it(subject: Subject) -> None:
