@@ -110,9 +110,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def list_effects(request: web.Request) -> web.Response:
     runtime = _runtime(request)
+    scope = _viewer(request, runtime)  # first: who may ask, before what they asked is read
     where = parse_filter(dict(request.query))
-    # CursorUnknown: a 400 (replies.problem_of_error)
-    records = await scopes.find(runtime.store, where, _viewer(request, runtime))
+    records = await scopes.find(runtime.store, where, scope)  # CursorUnknown: a 400 (replies)
     page: dict[str, Any] = {"effects": [effect_json(r, full=False) for r in records], "next": None}
     if len(records) == where.limit:
         nxt = request.rel_url.update_query(next_query(where, records[-1]))

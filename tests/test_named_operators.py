@@ -196,3 +196,12 @@ def test_an_operators_tenants_are_one_way_or_the_other_and_configured() -> None:
     empty = {**SETTINGS, "operators": {"cy": {"token": "op-cy", "tenants": []}}}
     with pytest.raises(ConfigError, match="tenants is empty"):
         load_settings(None, **empty)
+
+
+async def test_a_caller_without_a_token_is_refused_before_the_query_is_read(
+    gw: Gateway, http: aiohttp.ClientSession
+) -> None:
+    """A query the list would refuse, sent with no token: 401, saying nothing of what was wrong with it."""
+    async with http.get(f"{gw.admin_url}/_gateway/effects?since=garbage&state=bogus") as resp:
+        assert resp.status == 401
+        assert "garbage" not in await resp.text()
