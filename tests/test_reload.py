@@ -369,3 +369,37 @@ async def test_a_file_that_is_not_text_is_refused_and_every_worker_serves_on(
         assert gateway.proc.poll() is None
     finally:
         gateway.stop()
+
+
+async def test_a_worker_started_after_a_reload_serves_the_configuration_applied(
+    dsn: str, upstream: Upstream, tmp_path: Path
+) -> None:
+    """A worker killed after a reload is started again with the configuration then applied: the new
+    token, not the one the gateway started with, nor one written to the file since without SIGHUP."""
+    config = tmp_path / "gateway.toml"
+    _write(config, dsn, upstream, workers=2)
+    gateway = start_gateway_process(config)
+    try:
+        workers = children(gateway.proc.pid)
+        _write(config, dsn, upstream, workers=2, token='"grocer-2"')
+        os.kill(gateway.proc.pid, signal.SIGHUP)
+        await _said(gateway, "configuration reloaded", 2)
+        _write(config, dsn, upstream, workers=2, token='"grocer-3"')  # not applied: no SIGHUP
+        os.kill(min(workers), signal.SIGKILL)
+        for _ in range(300):  # the supervisor starts another in its place, within a second or so
+            started = children(gateway.proc.pid) - workers
+            if started:
+                break
+            await asyncio.sleep(0.05)
+        assert started, "no worker took the killed one's place"
+        answered: set[int] = set()
+        for n in range(200):  # until the new worker has answered one (the kernel picks the worker)
+            assert await _get(gateway.url, f"/new/{n}", "grocer-2") == 201
+            answered = {d["pid"] for d in decisions(gateway.stderr.lines) if d["path"].startswith("/new/")}  # type: ignore[union-attr]
+            if started <= answered:
+                break
+        assert started <= answered, "the new worker answered the applied token"
+        assert await _get(gateway.url, "/first", "grocer-1") == 401
+        assert await _get(gateway.url, "/unapplied", "grocer-3") == 401
+    finally:
+        gateway.stop()
