@@ -76,9 +76,10 @@ class JsonLines(logging.Formatter):
         if decision is not None:
             doc.update(decision)
         # What a reader finds by name rather than in the message (the addresses serve listens on).
+        # Never in place of the record's own (its time, level, message): a reader trusts those.
         fields = getattr(record, "fields", None)
         if fields is not None:
-            doc.update(fields)
+            doc.update({name: value for name, value in fields.items() if name not in doc})
         if record.exc_info:
             doc["error"] = self.formatException(record.exc_info)
         if record.stack_info:

@@ -336,3 +336,11 @@ def test_a_write_stays_within_a_pipes_atomic_size_in_the_streams_own_encoding() 
     assert written.splitlines() == [f"{n} " + "\\xe9" * 300 for n in range(20)]
     assert max(raw.sizes) <= 4096
     assert len(raw.sizes) >= 6  # 20 lines of 1.2 KB each, at most three to a write
+
+
+def test_a_records_fields_never_stand_in_for_its_own() -> None:
+    """Fields logged beside a message add to the line, and never replace its level or its message."""
+    record = logging.LogRecord("effect_gateway", logging.INFO, "", 0, "listening", (), None)
+    record.fields = {"message": "forged", "level": "debug", "proxy_url": "http://127.0.0.1:1"}
+    doc = json.loads(JsonLines().format(record))
+    assert (doc["message"], doc["level"], doc["proxy_url"]) == ("listening", "info", "http://127.0.0.1:1")
