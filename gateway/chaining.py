@@ -38,15 +38,19 @@ _TAKE = """
 _ADD = """
     insert into audit_chain (tenant, seq, scope, effect_id, attempt, upstream, method, path, fingerprint,
         outcome, status, response, recovered_by, by, run_id, step, created_at, settled_at, hash)
-    select * from unnest($1::text[], $2::bigint[], $3::uuid[], $4::bigint[], $5::integer[], $6::text[],
+    select tenant, seq, scope, effect_id, attempt, upstream, method, path, fingerprint, outcome, status,
+        decode(response, 'hex'), recovered_by, by, run_id, step, created_at, settled_at, decode(hash, 'hex')
+    from unnest($1::text[], $2::bigint[], $3::uuid[], $4::bigint[], $5::integer[], $6::text[],
         $7::text[], $8::text[], $9::text[], $10::text[], $11::integer[], $12::text[], $13::text[],
         $14::text[], $15::text[], $16::text[], $17::timestamptz[], $18::timestamptz[], $19::text[])
+        as u(tenant, seq, scope, effect_id, attempt, upstream, method, path, fingerprint, outcome, status,
+             response, recovered_by, by, run_id, step, created_at, settled_at, hash)
 """
 
 # Each tenant's newest entry (its tip), read backwards down the chain's primary key: the chain itself
 # says where it goes on, and the gateway's role, which may not update it, cannot move that back.
 _TIPS = """
-    select t.tenant, c.seq, c.hash
+    select t.tenant, c.seq, encode(c.hash, 'hex') as hash
     from unnest($1::text[]) t(tenant) join lateral (
         select seq, hash from audit_chain where tenant = t.tenant order by seq desc limit 1
     ) c on true
@@ -55,7 +59,7 @@ _TIPS = """
 # Each tenant's tip beside its newest signed head, and the database's time (heads are signed by its
 # clock, as every time that decides anything is).
 _TIPS_AND_HEADS = """
-    select t.tenant, c.seq, c.hash, h.seq as signed, h.signed_at, now() as now
+    select t.tenant, c.seq, encode(c.hash, 'hex') as hash, h.seq as signed, h.signed_at, now() as now
     from chained_tenants t join lateral (
         select seq, hash from audit_chain where tenant = t.tenant order by seq desc limit 1
     ) c on true left join lateral (
@@ -126,6 +130,11 @@ def _entry_row(entry: Entry) -> tuple[Any, ...]:
     )
 
 
+def _hex(digest: bytes | None) -> str | None:
+    """A digest as the chain writes it: hex (Postgres keeps its 32 bytes)."""
+    return digest.hex() if digest is not None else None
+
+
 def _settled(row: Any) -> Settled:
     return Settled(
         tenant=row["tenant"],
@@ -138,7 +147,7 @@ def _settled(row: Any) -> Settled:
         fingerprint=row["fingerprint"],
         outcome=row["outcome"],
         status=row["status"],
-        response=row["response"],
+        response=_hex(row["response"]),
         recovered_by=row["recovered_by"],
         by=row["by"],
         run=row["run_id"],
@@ -241,7 +250,9 @@ async def _export_tenant(
     conn: AnyConn, write: Callable[[bytes], object], tenant: str, first: int, last: int
 ) -> Exported:
     prev = (
-        await conn.fetchval("select hash from audit_chain where tenant = $1 and seq = $2", tenant, first - 1)
+        await conn.fetchval(
+            "select encode(hash, 'hex') from audit_chain where tenant = $1 and seq = $2", tenant, first - 1
+        )
         if first > 1
         else GENESIS
     )
@@ -266,8 +277,8 @@ async def _export_tenant(
             min(start + PAGE - 1, last),
         )
         for row in rows:
-            write(Entry(_settled(row), row["seq"], prev, row["hash"]).line() + b"\n")
-            prev = row["hash"]
+            write(Entry(_settled(row), row["seq"], prev, row["hash"].hex()).line() + b"\n")
+            prev = row["hash"].hex()
             if (head := heads.get(row["seq"])) is not None:
                 write(head.line() + b"\n")
     return Exported(tenant, first, last, len(heads))

@@ -81,7 +81,8 @@ def _settled_into_chain(rows: str, where: str, outcome: str, digest: str, by: st
             insert into unchained (scope, effect_id, attempt, tenant, upstream, method, path, fingerprint,
                 outcome, status, response, recovered_by, by, run_id, step, created_at)
             select e.scope, e.id, e.attempt, e.tenant, e.upstream, e.method, e.path, e.fingerprint,
-                {outcome}, e.response_status, {digest}, e.recovered_by, {by}, e.run_id, e.step, e.created_at
+                {outcome}, e.response_status, decode({digest}, 'hex'), e.recovered_by, {by}, e.run_id, e.step,
+                e.created_at
             from {rows}
             where {where}
         )"""

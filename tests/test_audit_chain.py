@@ -113,7 +113,7 @@ async def test_every_settlement_enters_its_tenants_chain_in_order_with_the_opera
     assert record is not None
     assert record.response is not None
     assert record.response.body == b'{"order": 77}'
-    assert verdict["response"] == chain.response_digest(record.response)
+    assert verdict["response"].hex() == chain.response_digest(record.response)
 
 
 async def test_the_runtime_role_may_add_to_the_chain_but_never_change_it(

@@ -15,6 +15,7 @@
 -- audit_heads  the tips signed (Ed25519) at intervals and on demand.
 --
 -- The effects settled before this migration stay out of the chain: it starts with the first one after.
+-- Digests and hashes are kept as their 32 bytes, not as hex: 100 bytes less per settlement in the WAL.
 
 create table if not exists unchained (
     scope        uuid        not null,
@@ -29,7 +30,7 @@ create table if not exists unchained (
     fingerprint  text        not null,
     outcome      text        not null check (outcome in ('completed', 'not_happened')),
     status       integer,
-    response     text,
+    response     bytea,
     recovered_by text,
     by           text,
     run_id       text,
@@ -51,14 +52,14 @@ create table if not exists audit_chain (
     fingerprint  text        not null,
     outcome      text        not null,
     status       integer,
-    response     text,
+    response     bytea,
     recovered_by text,
     by           text,
     run_id       text,
     step         text,
     created_at   timestamptz not null,
     settled_at   timestamptz not null,
-    hash         text        not null,
+    hash         bytea       not null,
     primary key (tenant, seq)
 );
 -- An export of a period finds its entries by their settling time, which grows with seq but for the
