@@ -1,4 +1,4 @@
-"""The statements of the notifications (migration 022), each a function of its connection.
+"""The statements of the notifications (migration 022), each a method of :class:`Notifications`.
 
 :class:`gateway.store.Store` runs them as it runs the phases. None of them is on the hot path: the
 claim and the settle write nothing here, and a sweep finds the waits afterwards in open_effects.
@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
-from typing import Any, TypeAlias
+from typing import Protocol, TypeVar
 from uuid import UUID
 
 from gateway import locks, notifications
 from gateway.notifications import Notice
 from gateway.rows import Conn
+
+T = TypeVar("T")
 
 # One sweep at a time among all workers and gateways on the database: the others skip their round
 # (the insert's "on conflict do nothing" keeps a wait told once either way; the lock saves the others
@@ -82,66 +84,11 @@ _FAILED = """
 """
 
 
-async def notice(conn: Conn, in_doubt_after: timedelta, retention: timedelta) -> int | None:
-    """Record a notification for every wait not yet told; None when another worker's sweep is under
-    way. Returns how many were new. Also forgets the notifications nobody needs any more."""
-    states, events, afters = zip(*notifications.waits_told(in_doubt_after), strict=True)
-    async with conn.transaction():
-        if not await conn.fetchval("select pg_try_advisory_xact_lock($1)", NOTICE_LOCK):
-            return None
-        done = await conn.execute(_NOTICE, list(states), list(events), list(afters))
-        await conn.execute(_FORGET, retention)
-    return int(done.rsplit(" ", 1)[1])
+class Runner(Protocol):
+    """How the store runs a statement function of ours: timed under its name, retried as its own are
+    (gateway.store.Store._run)."""
 
-
-async def take(conn: Conn, lease: timedelta) -> tuple[Notice, datetime, UUID] | None:
-    """The notification due longest, taken for a delivery under ``lease``, the database's clock, and
-    its key for :func:`record`; None when none is due."""
-    row = await conn.fetchrow(_TAKE, lease)
-    if row is None:
-        return None
-    notice = Notice(
-        id=str(row["id"]),
-        event=row["event"],
-        effect_id=row["effect_id"],
-        attempt=row["attempt"],
-        state=row["state"],
-        tenant=row["tenant"],
-        upstream=row["upstream"],
-        method=row["method"],
-        path=row["path"],
-        created_at=row["created_at"],
-        run_id=row["run_id"],
-        step=row["step"],
-        waiting_since=row["waiting_since"],
-        noticed_at=row["noticed_at"],
-        tries=row["tries"],
-    )
-    return notice, row["now"], row["scope"]
-
-
-async def record(
-    conn: Conn,
-    notice: Notice,
-    scope: UUID,
-    *,
-    status: int | None,
-    error: str | None,
-    retry: timedelta | None,
-    delivered: bool,
-) -> bool:
-    """What came of ``notice``'s latest try: delivered, or failed (``retry``: the wait before the next,
-    None: given up). False when another try took it meanwhile (nothing written)."""
-    key = (notice.effect_id, notice.event, notice.attempt, scope, notice.tries)
-    if delivered:
-        done = await conn.execute(_DELIVERED, *key, status)
-    else:
-        done = await conn.execute(_FAILED, *key, status, error, retry)
-    return done != "UPDATE 0"
-
-
-# How the store runs a statement function of ours: timed under its name, retried as its own are.
-Runner: TypeAlias = "Callable[[str, Callable[[Conn], Awaitable[Any]]], Awaitable[Any]]"
+    async def __call__(self, kind: str, op: Callable[[Conn], Awaitable[T]]) -> T: ...
 
 
 class Notifications:
@@ -152,16 +99,48 @@ class Notifications:
         self._run = run
 
     async def notice_waits(self, in_doubt_after: timedelta, retention: timedelta) -> int | None:
-        """Record a notification for every wait not yet told (:func:`notice`)."""
-        found: int | None = await self._run("notice", lambda conn: notice(conn, in_doubt_after, retention))
-        return found
+        """Record a notification for every wait not yet told; None when another worker's sweep is under
+        way. Returns how many were new. Also forgets the notifications nobody needs any more."""
+        states, events, afters = zip(*notifications.waits_told(in_doubt_after), strict=True)
+
+        async def op(conn: Conn) -> int | None:
+            async with conn.transaction():
+                if not await conn.fetchval("select pg_try_advisory_xact_lock($1)", NOTICE_LOCK):
+                    return None
+                done = await conn.execute(_NOTICE, list(states), list(events), list(afters))
+                await conn.execute(_FORGET, retention)
+            return int(done.rsplit(" ", 1)[1])
+
+        return await self._run("notice", op)
 
     async def take_notification(self, lease: timedelta) -> tuple[Notice, datetime, UUID] | None:
-        """The notification due longest, taken for one delivery (:func:`take`)."""
-        taken: tuple[Notice, datetime, UUID] | None = await self._run(
-            "take_notification", lambda conn: take(conn, lease)
-        )
-        return taken
+        """The notification due longest, taken for a delivery under ``lease``, the database's clock, and
+        its key for :meth:`record_delivery`; None when none is due."""
+
+        async def op(conn: Conn) -> tuple[Notice, datetime, UUID] | None:
+            row = await conn.fetchrow(_TAKE, lease)
+            if row is None:
+                return None
+            notice = Notice(
+                id=str(row["id"]),
+                event=row["event"],
+                effect_id=row["effect_id"],
+                attempt=row["attempt"],
+                state=row["state"],
+                tenant=row["tenant"],
+                upstream=row["upstream"],
+                method=row["method"],
+                path=row["path"],
+                created_at=row["created_at"],
+                run_id=row["run_id"],
+                step=row["step"],
+                waiting_since=row["waiting_since"],
+                noticed_at=row["noticed_at"],
+                tries=row["tries"],
+            )
+            return notice, row["now"], row["scope"]
+
+        return await self._run("take_notification", op)
 
     async def record_delivery(
         self,
@@ -173,12 +152,15 @@ class Notifications:
         retry: timedelta | None,
         delivered: bool,
     ) -> bool:
-        """What came of a delivery of ``notice`` (:func:`record`)."""
+        """What came of ``notice``'s latest try: delivered, or failed (``retry``: the wait before the
+        next, None: given up). False when another try took it meanwhile (nothing written)."""
+        key = (notice.effect_id, notice.event, notice.attempt, scope, notice.tries)
 
         async def op(conn: Conn) -> bool:
-            return await record(
-                conn, notice, scope, status=status, error=error, retry=retry, delivered=delivered
-            )
+            if delivered:
+                done = await conn.execute(_DELIVERED, *key, status)
+            else:
+                done = await conn.execute(_FAILED, *key, status, error, retry)
+            return done != "UPDATE 0"
 
-        recorded: bool = await self._run("record_delivery", op)
-        return recorded
+        return await self._run("record_delivery", op)
