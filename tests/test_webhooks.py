@@ -81,6 +81,21 @@ async def receiver(fails: int = 2) -> AsyncIterator[Receiver]:
         yield hook
 
 
+@asynccontextmanager
+async def told(
+    dsn: str, upstream: Upstream, fails: int = 2, **webhook: str
+) -> AsyncIterator[tuple[Receiver, Gateway]]:
+    """A receiver that fails its first ``fails`` tries, and a gateway in front of ``upstream`` that
+    tells it (``webhook``: settings beside the url and FAST's timings)."""
+    async with (
+        receiver(fails) as hook,
+        gateway_server(
+            dsn, upstreams={"shop": {"base_url": upstream.url}}, webhook={"url": hook.url, **FAST, **webhook}
+        ) as gw,
+    ):
+        yield hook, gw
+
+
 async def until(condition: Any, what: str) -> None:
     """Until ``condition()`` is true, within PATIENCE seconds."""
     for _ in range(int(PATIENCE / 0.02)):
@@ -136,14 +151,7 @@ async def test_an_effect_sent_to_review_is_told_once_however_often_the_receiver_
     when the same effect, resolved as not done and retried, waits for review at its next attempt."""
     monkeypatch.setenv("HOOK_TOKEN", TOKEN)
     upstream.routes["/orders"] = failing
-    async with (
-        receiver() as hook,
-        gateway_server(
-            dsn,
-            upstreams={"shop": {"base_url": upstream.url}},
-            webhook={"url": hook.url, "token": "env:HOOK_TOKEN", **FAST},
-        ) as gw,
-    ):
+    async with told(dsn, upstream, token="env:HOOK_TOKEN") as (hook, gw):
         assert await order(http, gw, "k") == 500  # in doubt
         assert await order(http, gw, "k") == 409  # no probe, no native key: review, attempt 1
         await until(lambda: len(hook.accepted) == 1, "told of the first review")
@@ -197,16 +205,9 @@ async def test_an_effect_left_in_doubt_is_told_once_it_has_waited_in_doubt_after
     """An effect in doubt that nobody retries, and one whose gateway died holding it, are each told
     once, as in doubt, once they have waited in_doubt_after; one retried in time is not told."""
     upstream.routes["/orders"] = failing
-    async with (
-        receiver() as hook,
-        gateway_server(
-            dsn,
-            upstreams={"shop": {"base_url": upstream.url}},
-            # Long enough that effect 3's two requests, back to back, come well within it on a loaded
-            # machine; short enough to keep the test quick.
-            webhook={"url": hook.url, "in_doubt_after": "3s", **FAST},
-        ) as gw,
-    ):
+    # in_doubt_after: long enough that effect 3's two requests, back to back, come well within it on
+    # a loaded machine; short enough to keep the test quick.
+    async with told(dsn, upstream, in_doubt_after="3s") as (hook, gw):
         assert await order(http, gw, "left") == 500  # effect 1: in doubt, and its agent never retries
         async with opened(dsn) as store:
             # Effect 2: claimed by a gateway that died before it could record anything.
@@ -254,14 +255,7 @@ async def test_many_sweeps_of_two_gateways_tell_each_wait_once(dsn: str, upstrea
 async def test_the_slack_shape_is_a_message_slack_posts(dsn: str, upstream: Upstream) -> None:
     """With shape = "slack" the receiver gets what Slack's incoming webhooks accept: JSON with a text,
     linking to the effect's audit page when admin_url is given."""
-    async with (
-        receiver(fails=0) as hook,
-        gateway_server(
-            dsn,
-            upstreams={"shop": {"base_url": upstream.url}},
-            webhook={"url": hook.url, "shape": "slack", "admin_url": "https://ops.example:8788", **FAST},
-        ),
-    ):
+    async with told(dsn, upstream, fails=0, shape="slack", admin_url="https://ops.example:8788") as (hook, _):
         await effect(dsn, "k", review=True)
         await until(lambda: len(hook.accepted) == 1, "told")
     [(headers, doc)] = hook.arrived
@@ -278,15 +272,8 @@ async def test_a_receiver_that_never_takes_it_is_given_up_on_and_logged(
 ) -> None:
     """Past give_up_after, a notification nobody took is tried no more, recorded as given up, and a
     line in the log says so."""
-    async with (
-        receiver(fails=1000) as hook,
-        gateway_server(
-            dsn,
-            upstreams={"shop": {"base_url": upstream.url}},
-            # Tries 50 ms apart, doubling: about five within 2 s, at least two on any machine.
-            webhook={"url": hook.url, **FAST, "give_up_after": "2s"},
-        ) as gw,
-    ):
+    # Tries 50 ms apart, doubling: about five within give_up_after, at least two on any machine.
+    async with told(dsn, upstream, fails=1000, give_up_after="2s") as (hook, gw):
         with caplog.at_level(logging.INFO, logger="effect_gateway"):
             await effect(dsn, "k", review=True)
 
