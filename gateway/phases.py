@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
-from gateway import chain, packing, partitions
+from gateway import packing, partitions
 from gateway.audit_query import RECORD_COLUMNS
 from gateway.decision import Settlement
 from gateway.errors import StoreRejected
@@ -292,6 +292,9 @@ class Settling:
     response: StoredResponse | None
     recovered_by: str | None
     note: str | None = None
+    # The response's digest for the audit's chain (gateway.chain.response_digest), when it completes
+    # the effect: made by the store before the statement, off the event loop for a large body.
+    digest: str | None = None
 
 
 async def settle_many(conn: Conn, settles: Sequence[Settling]) -> list[EffectRecord | None]:
@@ -345,7 +348,7 @@ def _settle_row(one: Settling) -> tuple[Any, ...]:
         )[0],
         coding,
         record.scope,
-        chain.response_digest(response) if response and settlement.state is State.COMPLETED else None,
+        one.digest,
     )
 
 
@@ -516,9 +519,14 @@ async def restore(
 
 
 async def resolve(
-    conn: Conn, record: EffectRecord, move: Transition, response: StoredResponse | None, by: str | None
+    conn: Conn,
+    record: EffectRecord,
+    move: Transition,
+    response: StoredResponse | None,
+    by: str | None,
+    digest: str | None,
 ) -> EffectRecord | None:
-    """The statement of :meth:`gateway.store.Store.resolve`."""
+    """The statement of :meth:`gateway.store.Store.resolve` (``digest``: the response's, for the chain)."""
     happened = move.target is State.COMPLETED
     coding, body = packing.pack(response.body) if response else (packing.AS_SENT, b"")
     return await _one(
@@ -561,6 +569,6 @@ async def resolve(
         _event("resolved", attempt=record.attempt, happened=happened, by=by, was=record.state.value),
         coding,
         record.scope,
-        chain.response_digest(response) if response else None,
+        digest,
         by,
     )

@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import asyncpg
 import pytest
+from aiohttp import web
 
 from gateway import chain, locks
 from gateway.chain import Signer
@@ -284,3 +285,24 @@ async def test_an_export_or_a_verify_told_something_impossible_says_so_in_one_li
     assert "must come before --until" in said[0].err
     assert f"cannot write {tmp_path}: Is a directory" in said[1].err
     assert "--public-key" in said[3].err
+
+
+async def test_a_large_answers_digest_is_the_one_of_the_answer_replayed(
+    dsn: str, gw: Gateway, upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """An answer past the size hashed off the event loop (200 KiB) enters the chain with the digest of
+    the very response a retry is replayed."""
+    big = b"x" * (200 * 1024)
+
+    async def large(_request: web.Request) -> web.Response:
+        return web.Response(body=big, status=201, content_type="application/octet-stream")
+
+    upstream.routes["/orders"] = large
+    assert await order(http, gw, "big", "tok-acme") == 201
+    await gw.runtime.store.chain(SIGNER)
+    [entry] = await chain_rows(dsn)
+    record = await gw.runtime.store.get(entry["effect_id"])
+    assert record is not None
+    assert record.response is not None
+    assert record.response.body == big
+    assert entry["response"].hex() == chain.response_digest(record.response)
