@@ -138,6 +138,14 @@ def order(settled: Settled) -> tuple[datetime, int, int]:
     return settled.settled_at, settled.effect, settled.attempt
 
 
+def by_tenant(settled: Sequence[Settled]) -> dict[str, list[Settled]]:
+    """``settled`` split into each tenant's chain, each in its order, the tenants by name."""
+    chains: dict[str, list[Settled]] = {}
+    for one in settled:
+        chains.setdefault(one.tenant, []).append(one)
+    return dict(sorted(chains.items()))
+
+
 def link(seq: int, prev: str, settlements: Sequence[Settled]) -> list[Entry]:
     """``settlements`` as the entries after entry ``seq`` (whose hash is ``prev``), in their order."""
     entries = []

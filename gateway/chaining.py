@@ -91,12 +91,13 @@ async def chain_round(conn: AnyConn, signer: Signer | None, *, sign_now: bool = 
 
 
 async def _append(conn: AnyConn, settled: list[Settled]) -> None:
-    tenants = sorted({s.tenant for s in settled})
+    chains = chain.by_tenant(settled)
+    tenants = list(chains)
     tips = {row["tenant"]: (row["seq"], row["hash"]) for row in await conn.fetch(_TIPS, tenants)}
     entries: list[Entry] = []
-    for tenant in tenants:
+    for tenant, settlements in chains.items():
         seq, prev = tips.get(tenant, (0, GENESIS))
-        entries += chain.link(seq, prev, [s for s in settled if s.tenant == tenant])
+        entries += chain.link(seq, prev, settlements)
     rows = [_entry_row(entry) for entry in entries]
     await conn.execute(_ADD, *(list(column) for column in zip(*rows, strict=True)))
     if new := [tenant for tenant in tenants if tenant not in tips]:

@@ -484,10 +484,10 @@ class SimDatabase:
         now = self.now()
         self.unchained.sort(key=chain.order)
         taken, self.unchained = self.unchained[:ROUND], self.unchained[ROUND:]
-        for tenant in sorted({s.tenant for s in taken}):
+        for tenant, settlements in chain.by_tenant(taken).items():
             entries = self.chain.setdefault(tenant, [])
             seq, prev = (entries[-1].seq, entries[-1].hash) if entries else (0, chain.GENESIS)
-            entries += chain.link(seq, prev, [s for s in taken if s.tenant == tenant])
+            entries += chain.link(seq, prev, settlements)
         return Round(len(taken), self._sign_due(signer, sign_now, now) if signer is not None else [])
 
     def _sign_due(self, signer: Signer, sign_now: bool, now: datetime) -> list[chain.Head]:
